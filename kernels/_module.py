@@ -1,0 +1,121 @@
+"""Compiled-module loading and caching for deviceops kernels.
+
+Kernel sources live in ``kernels/src`` as CUDA C++ whose hot instructions
+(``mma``, ``wgmma``, ``ldmatrix``, ``cp.async``, TMA, ``mbarrier``) are inline
+PTX, or as plain ``.ptx`` files. They are compiled by NVRTC (or the driver's
+PTX JIT) through CuPy's :class:`cupy.RawModule`.
+
+Caching happens at two levels:
+
+* in-process: one :class:`cupy.RawModule` per (source, options, device
+  architecture); repeated calls return the same object, so a kernel launch
+  never re-hashes or re-reads a source file;
+* across processes: CuPy stores NVRTC output in its on-disk kernel cache
+  (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) keyed by the source and
+  options, so a second process skips compilation.
+
+Nothing here launches work; launchers in sibling modules do that on the
+stream they are handed.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Any
+
+_SRC_DIR = Path(__file__).resolve().parent / "src"
+_lock = threading.Lock()
+_modules: dict[tuple[str, tuple[str, ...], str, int], Any] = {}
+
+
+def source_path(name: str) -> Path:
+    """Path of a kernel source file shipped in ``kernels/src``."""
+    return _SRC_DIR / name
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """Text of a kernel source file in ``kernels/src`` (read once per process)."""
+    path = source_path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"deviceops kernel source {name!r} not found at {path}")
+    return path.read_text()
+
+
+def device_arch(device_id: int) -> str:
+    """Compute capability of a CUDA device as a string such as ``"90"``."""
+    import cupy
+
+    return str(cupy.cuda.Device(device_id).compute_capability)
+
+
+def load_module(
+    source: str,
+    *,
+    options: tuple[str, ...] = (),
+    device_id: int = 0,
+    name_expressions: tuple[str, ...] | None = None,
+    backend: str = "nvrtc",
+    arch_suffix: str = "",
+) -> Any:
+    """Compile (or fetch from cache) a :class:`cupy.RawModule` for ``device_id``.
+
+    Args:
+        source: CUDA C++ source text (``backend="nvrtc"``) or PTX text
+            (``backend="ptx"``, loaded by the driver's JIT).
+        options: extra NVRTC options, e.g. ``("-std=c++17",)``.
+        device_id: the CUDA device whose architecture to compile for.
+        name_expressions: template instantiations to compile, as for
+            :class:`cupy.RawModule`.
+        backend: ``"nvrtc"`` for C++ source, ``"ptx"`` for PTX text.
+        arch_suffix: appended to the architecture, e.g. ``"a"`` for
+            ``sm_90a`` (needed by ``wgmma`` and ``setmaxnreg``).
+
+    Returns:
+        The compiled module. Use ``module.get_function(name)``.
+    """
+    import cupy
+
+    arch = device_arch(device_id) + arch_suffix
+    key = (source, tuple(options) + tuple(name_expressions or ()), arch, device_id)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        with cupy.cuda.Device(device_id):
+            if backend == "ptx":
+                mod = _load_ptx(source)
+            else:
+                opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
+                mod = cupy.RawModule(
+                    code=source,
+                    options=opts,
+                    backend="nvrtc",
+                    name_expressions=list(name_expressions) if name_expressions else None,
+                )
+                mod.compile()
+        _modules[key] = mod
+        return mod
+
+
+def _load_ptx(ptx: str) -> Any:
+    """Load PTX text through the driver JIT as a CuPy module."""
+    import tempfile
+
+    import cupy
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+        path = f.name
+    return cupy.RawModule(path=path)
+
+
+def set_max_dynamic_smem(kernel: Any, nbytes: int) -> None:
+    """Allow ``kernel`` (a :class:`cupy.RawKernel`) ``nbytes`` of dynamic shared memory."""
+    if kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
