@@ -1,0 +1,105 @@
+"""One shared thread that notices CUDA events completing.
+
+``CudaEvent.when_complete(fn)`` hands ``(event, fn)`` to the poller. Events of
+one stream complete in order, so the poller keeps a FIFO per stream and only
+queries the head of each: ``k`` streams cost ``k`` ``cudaEventQuery`` calls per
+round however many awaits are pending. Between fruitless rounds it backs off
+from ``MIN_SLEEP`` to ``MAX_SLEEP`` (waiting releases the GIL; a new
+registration wakes it at once). Callbacks run
+on the poller thread and must not block (the async bridge only calls
+``loop.call_soon_threadsafe`` / ``trio_token.run_sync_soon``).
+
+This replaces the thread-per-await and host-function designs: a CUDA host
+function costs ~47 µs round trip on an H100 (reference figures) and stalls its
+stream while it runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._stream import Event
+
+__all__ = ["poller"]
+
+MIN_SLEEP = 20e-6
+MAX_SLEEP = 1e-3
+
+
+class _Poller:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._fifos: dict[int, collections.deque[tuple[Event, Callable[[], None]]]] = {}
+        self._pending = 0
+        self._fresh = False
+        self._thread = threading.Thread(target=self._run, name="deviceops-completion", daemon=True)
+        self._thread.start()
+
+    def pending(self) -> int:
+        """Number of registered callbacks not yet fired."""
+        return self._pending
+
+    def add(self, event: Event, fn: Callable[[], None]) -> None:
+        with self._cond:
+            dq = self._fifos.get(event.stream.id)
+            if dq is None:
+                dq = self._fifos[event.stream.id] = collections.deque()
+            dq.append((event, fn))
+            self._pending += 1
+            self._fresh = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        sleep = MIN_SLEEP
+        while True:
+            with self._cond:
+                while self._pending == 0:
+                    self._cond.wait()
+                fifos = [dq for dq in self._fifos.values() if dq]
+            fired: list[Callable[[], None]] = []
+            for dq in fifos:
+                while dq:
+                    ev, fn = dq[0]
+                    try:
+                        ok = ev.query()
+                    except Exception:
+                        ok = True  # the waiter's result() raises the device error
+                    if not ok:
+                        break
+                    with self._cond:
+                        dq.popleft()
+                        self._pending -= 1
+                    fired.append(fn)
+            for fn in fired:
+                try:
+                    fn()
+                except Exception:  # a callback must not kill the poller
+                    import logging
+
+                    logging.getLogger("deviceops").exception("completion callback failed")
+            if fired:
+                sleep = MIN_SLEEP
+                continue
+            with self._cond:
+                # A new registration (notify) cuts the back-off short.
+                self._fresh = False
+                self._cond.wait(sleep)
+                sleep = MIN_SLEEP if self._fresh else min(sleep * 2, MAX_SLEEP)
+
+
+_poller: _Poller | None = None
+_lock = threading.Lock()
+
+
+def poller() -> _Poller:
+    """The process-wide completion poller (started on first use)."""
+    global _poller
+    if _poller is None:
+        with _lock:
+            if _poller is None:
+                _poller = _Poller()
+    return _poller

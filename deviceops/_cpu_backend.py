@@ -1,0 +1,173 @@
+"""The ``cpu`` backend: NumPy arrays, one worker thread per stream.
+
+Each :class:`CpuStream` owns a daemon thread that runs the stream's queue in
+order, so work on two streams really runs concurrently and needs events to be
+ordered, as on a GPU. Semantics follow CUDA's:
+
+* ``record_event`` enqueues a marker; the event completes when the worker
+  reaches it. ``wait_event`` enqueues a task that blocks the worker until the
+  event completes (other streams keep running).
+* ``launch_host_func`` runs the callable on the worker, in queue order.
+* a task that raises does not stop the queue; the first error is kept
+  (*sticky*) and raised, as a :class:`~deviceops.LaunchError` chained to the
+  original exception, by the next ``synchronize()`` of the stream or of any
+  event recorded after it. ``synchronize()`` clears it.
+* while a stream is being captured into a graph, tasks are recorded into the
+  capture instead of running (see ``deviceops.graphs``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._errors import LaunchError
+from ._stream import Event, Stream
+
+if TYPE_CHECKING:
+    from ._capture import CaptureState
+    from ._device import Device
+
+__all__ = ["CpuEvent", "CpuStream"]
+
+_STOP = object()
+
+
+class CpuEvent(Event):
+    """An event of a :class:`CpuStream`."""
+
+    __slots__ = ("_callbacks", "_done", "_lock", "error")
+
+    def __init__(self, stream: Stream, seq: int, capture: CaptureState | None) -> None:
+        super().__init__(stream, seq, capture)
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self.error: BaseException | None = None
+
+    def _fire(self, error: BaseException | None) -> None:
+        self.error = error
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def when_complete(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+
+class _Worker:
+    """The state a stream's thread needs; holds no reference to the stream."""
+
+    def __init__(self, name: str, device: str) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.submitted = 0
+        self.completed = 0
+        self.error: BaseException | None = None
+        self.device = device
+        self.thread = threading.Thread(target=self.run, name=name, daemon=True)
+        self.thread.start()
+        _all_workers.add(self)
+
+    def run(self) -> None:
+        q = self.queue
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            fn, name = item
+            try:
+                fn()
+            except BaseException as exc:
+                if self.error is None:
+                    err = LaunchError(
+                        f"{name} failed on {self.device}: {type(exc).__name__}: {exc}",
+                        op=name,
+                        device=self.device,
+                    )
+                    err.__cause__ = exc
+                    self.error = err
+            with self.cond:
+                self.completed += 1
+                self.cond.notify_all()
+
+    def put(self, fn: Callable[[], None], name: str) -> None:
+        with self.cond:
+            self.submitted += 1
+        self.queue.put((fn, name))
+
+
+class CpuStream(Stream):
+    """A stream of the ``cpu`` backend: an in-order queue run by its own thread."""
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+        self._worker = _Worker(f"deviceops-cpu-stream-{self.id}", str(device))
+        weakref.finalize(self, self._worker.queue.put, _STOP)
+
+    def enqueue(self, fn: Callable[[], None], name: str) -> None:
+        """Run ``fn()`` on the worker when the queue reaches it (or record it in a capture)."""
+        if self.capture is not None:
+            self.capture.record_task(self, fn, name)
+        else:
+            self._worker.put(fn, name)
+
+    def _record(self) -> Event:
+        ev = CpuEvent(self, self.seq, self.capture)
+        if self.capture is None:
+            worker = self._worker
+            self._worker.put(lambda: ev._fire(worker.error), "record_event")
+        return ev
+
+    def _wait(self, event: Event) -> None:
+        if self.capture is not None and event.capture is self.capture:
+            return  # in-graph dependency: capture replays tasks in enqueue order
+        assert isinstance(event, CpuEvent)
+        self.enqueue(event._done.wait, "wait_event")
+
+    def launch_host_func(self, fn: Callable[[], None]) -> None:
+        self.enqueue(fn, "host_func")
+
+    def query(self) -> bool:
+        w = self._worker
+        with w.cond:
+            return w.completed == w.submitted
+
+    def synchronize(self) -> None:
+        w = self._worker
+        with w.cond:
+            target = w.submitted
+            while w.completed < target:
+                w.cond.wait()
+            err, w.error = w.error, None
+        if err is not None:
+            raise err
+
+
+_all_workers: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+def synchronize_all() -> None:
+    """Wait until every live cpu stream's queue is drained (cpu ``device.synchronize()``)."""
+    for w in list(_all_workers):
+        with w.cond:
+            target = w.submitted
+            while w.completed < target:
+                w.cond.wait()

@@ -1,0 +1,179 @@
+"""Devices: where tensors live and streams run.
+
+``device(0)`` / ``device("cuda:1")`` name a CUDA GPU, ``device("cpu")`` the
+NumPy backend. The default device is CUDA device 0 when CuPy imports **and** a
+GPU answers; otherwise the ``cpu`` backend, which is said once on the
+``deviceops`` logger. ``DEVICEOPS_DEVICE=cpu`` or ``=cuda`` forces the choice;
+forcing ``cuda`` without a usable GPU is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._errors import DeviceError
+from ._stream import Stream
+
+__all__ = ["Device", "cuda_available", "default_device", "device", "set_default_device"]
+
+_log = logging.getLogger("deviceops")
+_lock = threading.Lock()
+_devices: dict[str, Device] = {}
+_default: Device | None = None
+_cuda_probe: tuple[bool, str] | None = None
+
+
+def _probe_cuda() -> tuple[bool, str]:
+    """(usable, reason): whether CuPy imports and sees at least one GPU."""
+    global _cuda_probe
+    if _cuda_probe is None:
+        try:
+            import cupy
+
+            n = cupy.cuda.runtime.getDeviceCount()
+            _cuda_probe = (n > 0, f"{n} CUDA device(s)" if n else "CuPy sees no CUDA device")
+        except ImportError as exc:
+            _cuda_probe = (False, f"CuPy is not installed ({exc})")
+        except Exception as exc:  # CUDARuntimeError: no driver / no device
+            _cuda_probe = (False, f"CuPy found no usable GPU ({type(exc).__name__}: {exc})")
+    return _cuda_probe
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and at least one CUDA GPU answers."""
+    return _probe_cuda()[0]
+
+
+class Device:
+    """A place where tensors live and streams run: a CUDA GPU or the ``cpu`` backend.
+
+    Get one with :func:`deviceops.device`; instances are unique per device.
+
+    Attributes:
+        kind: ``"cuda"`` or ``"cpu"``.
+        index: the CUDA ordinal (0 for cpu).
+        xp: the array module, :mod:`cupy` or :mod:`numpy`.
+    """
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind = kind
+        self.index = index
+        self.is_cpu = kind == "cpu"
+        self.xp: ModuleType
+        if self.is_cpu:
+            self.xp = np
+        else:
+            import cupy
+
+            self.xp = cupy
+        self._name = "cpu" if self.is_cpu else f"cuda:{index}"
+
+    def __repr__(self) -> str:
+        return f"deviceops.device({self._name!r})"
+
+    def __str__(self) -> str:
+        return self._name
+
+    def new_stream(self) -> Stream:
+        """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda)."""
+        if self.is_cpu:
+            from ._cpu_backend import CpuStream
+
+            return CpuStream(self)
+        from ._cuda_backend import CudaStream
+
+        return CudaStream(self)
+
+    def wrap_stream(self, native: Any) -> Stream:
+        """Wrap an existing :class:`cupy.cuda.Stream` of this device as a deviceops stream."""
+        if self.is_cpu:
+            raise DeviceError("wrap_stream: the cpu backend has no native streams", device="cpu")
+        from ._cuda_backend import CudaStream
+
+        return CudaStream(self, native)
+
+    def synchronize(self) -> None:
+        """Block until every stream of this device is idle (cuda: ``cudaDeviceSynchronize``)."""
+        if self.is_cpu:
+            from ._cpu_backend import synchronize_all
+
+            synchronize_all()
+            return
+        import cupy
+
+        from ._cuda_backend import cuda_errors
+
+        with cuda_errors("device synchronize", self._name), cupy.cuda.Device(self.index):
+            cupy.cuda.runtime.deviceSynchronize()
+
+
+def device(spec: int | str | Device) -> Device:
+    """The device named by ``spec``: ``0``, ``"cuda"``, ``"cuda:1"`` or ``"cpu"``.
+
+    Raises:
+        DeviceError: CUDA was asked for but no usable GPU exists, or the
+            ordinal is out of range.
+    """
+    if isinstance(spec, Device):
+        return spec
+    if isinstance(spec, int):
+        kind, index = "cuda", spec
+    elif spec == "cpu":
+        kind, index = "cpu", 0
+    elif spec == "cuda" or spec.startswith("cuda:"):
+        kind, index = "cuda", int(spec.partition(":")[2] or 0)
+    else:
+        raise ValueError(f"device: {spec!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or N")
+    key = "cpu" if kind == "cpu" else f"cuda:{index}"
+    dev = _devices.get(key)
+    if dev is not None:
+        return dev
+    if kind == "cuda":
+        ok, reason = _probe_cuda()
+        if not ok:
+            raise DeviceError(
+                f"device({spec!r}): no usable CUDA GPU: {reason}. "
+                "Use device('cpu') (or DEVICEOPS_DEVICE=cpu) to run on the cpu backend.",
+                device=key,
+            )
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= index < n:
+            raise DeviceError(f"device({spec!r}): CUDA ordinal {index} out of range (found {n})")
+    with _lock:
+        return _devices.setdefault(key, Device(kind, index))
+
+
+def default_device() -> Device:
+    """The device ops run on when nothing else says: CUDA 0 if usable, else ``cpu``.
+
+    ``DEVICEOPS_DEVICE=cpu|cuda|cuda:N`` forces it; :func:`set_default_device` overrides.
+    """
+    global _default
+    if _default is not None:
+        return _default
+    forced = os.environ.get("DEVICEOPS_DEVICE", "").strip()
+    if forced:
+        dev = device(forced)
+    else:
+        ok, reason = _probe_cuda()
+        if ok:
+            dev = device(0)
+        else:
+            _log.warning("deviceops: %s; using the cpu backend (NumPy).", reason)
+            dev = device("cpu")
+    _default = dev
+    return dev
+
+
+def set_default_device(dev: int | str | Device | None) -> None:
+    """Make ``dev`` the default device (``None`` restores automatic choice)."""
+    global _default
+    _default = None if dev is None else device(dev)

@@ -1,0 +1,119 @@
+"""DeviceFuture: the handle ``op.schedule()`` returns.
+
+It follows :class:`concurrent.futures.Future` / :class:`asyncio.Future`
+conventions: ``done()``, ``result(timeout)``, ``exception(timeout)``,
+``add_done_callback(fn)``, and it is awaitable from asyncio and trio (from any
+event loop: each ``await`` registers its own wake-up). An error raised while the
+op was being enqueued is stored and re-raised by ``result()``/``await``; an
+error the device reports is raised as a :class:`~deviceops.DeviceError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ._stream import Event, Stream
+
+__all__ = ["DeviceFuture"]
+
+T = TypeVar("T")
+
+
+class DeviceFuture(Generic[T]):
+    """The pending output of a scheduled DeviceOp.
+
+    Example:
+        >>> fut = api.ones((4,)).schedule()
+        >>> fut.result().shape
+        (4,)
+    """
+
+    __slots__ = ("_event", "_exc", "_lock", "_out", "_stream", "stream")
+
+    def __init__(self) -> None:
+        self._out: Any = None
+        self._exc: BaseException | None = None
+        self._event: Event | None = None
+        self.stream: Stream | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def _pending(cls, out: T, stream: Stream, event: Event) -> DeviceFuture[T]:
+        f: DeviceFuture[T] = cls()
+        f._out, f._event, f.stream = out, event, stream
+        return f
+
+    @classmethod
+    def _failed(cls, exc: BaseException, stream: Stream | None) -> DeviceFuture[T]:
+        f: DeviceFuture[T] = cls()
+        f._exc, f.stream = exc, stream
+        return f
+
+    def __repr__(self) -> str:
+        state = "failed" if self._exc is not None else ("done" if self.done() else "pending")
+        return f"<DeviceFuture {state} on {self.stream!r}>"
+
+    def done(self) -> bool:
+        """True once the device finished the work (or enqueueing failed). Never blocks."""
+        if self._exc is not None:
+            return True
+        assert self._event is not None
+        try:
+            return self._event.query()
+        except Exception:
+            return True
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait (blocking the thread) for the output.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            DeviceError: the device reported a failure; or the error raised
+                while the op was being enqueued.
+        """
+        if self._exc is not None:
+            raise self._exc
+        assert self._event is not None
+        if timeout is not None:
+            self._wait_until(time.monotonic() + timeout)
+        self._event.synchronize()
+        return self._out  # type: ignore[no-any-return]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error ``result()`` would raise, or ``None``."""
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as exc:
+            return exc
+        return None
+
+    def _wait_until(self, deadline: float) -> None:
+        assert self._event is not None
+        if self._event.query():
+            return
+        done = threading.Event()
+        self._event.when_complete(done.set)
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"DeviceFuture on {self.stream!r} not done in time")
+
+    def add_done_callback(self, fn: Callable[[DeviceFuture[T]], object]) -> None:
+        """Call ``fn(self)`` once done: at once if it is, else from a deviceops thread.
+
+        ``fn`` must not block; hand results to an event loop thread-safely.
+        """
+        if self._exc is not None:
+            fn(self)
+            return
+        assert self._event is not None
+        self._event.when_complete(lambda: fn(self))
+
+    def __await__(self) -> Generator[Any, None, T]:
+        from ._async import await_future
+
+        return await_future(self).__await__()

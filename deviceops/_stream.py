@@ -1,0 +1,169 @@
+"""Streams and events: the backend-neutral interface, plus ordering bookkeeping.
+
+A :class:`Stream` is an in-order queue of device work; an :class:`Event` marks a
+point in one. Each backend subclasses both (``_cpu_backend``, ``_cuda_backend``);
+this module holds the part they share, which is how deviceops decides when one
+stream has to wait for another:
+
+* every stream counts the operations enqueued on it (``seq``);
+* a tensor remembers ``(stream, seq)`` of the work that last wrote it and of
+  the reads since (``_tensor._Storage``);
+* before stream B touches it, ``B._wait_for(A, seq)`` makes B wait on an event
+  of A covering ``seq`` — recorded lazily, only when a cross-stream hazard
+  exists, and reused while nothing new was enqueued on A; B also remembers how
+  far it has already waited on A, so a second hazard costs nothing.
+
+Same-stream work costs no events at all: stream order is enough.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._capture import CaptureState
+    from ._device import Device
+
+__all__ = ["Event", "Stream"]
+
+_ids = iter(range(1, 1 << 62))
+_ids_lock = threading.Lock()
+
+
+def _next_id() -> int:
+    with _ids_lock:
+        return next(_ids)
+
+
+class Event(ABC):
+    """A point in a stream's queue; complete once the stream has passed it.
+
+    Attributes:
+        stream: the stream it was recorded on.
+        seq: that stream's operation count when it was recorded: every op with
+            a sequence number ``<= seq`` is before the event.
+        capture: the graph capture it was recorded in, if any.
+    """
+
+    __slots__ = ("capture", "seq", "stream")
+
+    def __init__(self, stream: Stream, seq: int, capture: CaptureState | None) -> None:
+        self.stream = stream
+        self.seq = seq
+        self.capture = capture
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when the device has passed this point (never blocks)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the event is complete.
+
+        Raises:
+            DeviceError: the device reported a failure in the work before it.
+        """
+
+    @abstractmethod
+    def when_complete(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` from some thread once the event is complete.
+
+        ``fn`` must not block and must not call into deviceops or CUDA.
+        """
+
+
+class Stream(ABC):
+    """An in-order queue of device work on one device.
+
+    Obtain one from :meth:`Device.new_stream`. Work enqueued on a stream runs in
+    order; work on different streams may overlap unless ordered by events.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.id = _next_id()
+        self.seq = 0
+        self._waited: dict[int, int] = {}
+        self._last_event: Event | None = None
+        self.capture: CaptureState | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} #{self.id} on {self.device}>"
+
+    # -- the backend interface ------------------------------------------------
+    @abstractmethod
+    def _record(self) -> Event:
+        """Record a fresh event at the current end of the queue."""
+
+    @abstractmethod
+    def _wait(self, event: Event) -> None:
+        """Make later work on this stream wait until ``event`` is complete."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all work enqueued so far has finished.
+
+        Raises:
+            DeviceError: the device reported a failure in that work.
+        """
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when all work enqueued so far has finished (never blocks)."""
+
+    @abstractmethod
+    def launch_host_func(self, fn: Callable[[], None]) -> None:
+        """Enqueue ``fn()`` to run on a host thread when the stream reaches it.
+
+        ``fn`` must not call CUDA or block: it runs on the driver's callback
+        thread (cuda) or the stream's worker (cpu), holding the stream up.
+        """
+
+    # -- shared bookkeeping ---------------------------------------------------
+    def bump(self) -> int:
+        """Count one more operation enqueued on this stream; return its number."""
+        self.seq += 1
+        return self.seq
+
+    def record_event(self) -> Event:
+        """An event at the current end of the queue (reused if nothing new was enqueued)."""
+        ev = self._last_event
+        if ev is not None and ev.seq == self.seq and ev.capture is self.capture:
+            return ev
+        ev = self._record()
+        self._last_event = ev
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``.
+
+        Waiting on an event of a stream being captured into a CUDA graph joins
+        this stream to that capture, as CUDA does.
+        """
+        if event.stream is self:
+            return
+        if event.capture is not None and self.capture is None:
+            event.capture.join(self)
+        self._wait(event)
+        other = event.stream.id
+        if self._waited.get(other, 0) < event.seq:
+            self._waited[other] = event.seq
+
+    def wait_for(self, other: Stream, seq: int) -> None:
+        """Order later work on this stream after op ``seq`` of ``other``.
+
+        Costs nothing when ``other`` is this stream or this stream already
+        waited that far; otherwise records (or reuses) one event on ``other``.
+        """
+        if other is self or self._waited.get(other.id, 0) >= seq:
+            return
+        if self.capture is not other.capture:
+            # A hazard across a capture boundary: work from before a capture is
+            # complete when it begins (capture starts with a device-wide
+            # synchronize), and replays are ordered by the graph launch's own
+            # hazard tracking. Waiting here would wrongly join a stream to it.
+            return
+        self.wait_event(other.record_event())

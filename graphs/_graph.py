@@ -1,0 +1,214 @@
+"""CudaGraph: capture a DeviceOp once, replay it with one call.
+
+``op.graph()`` / ``op.graph_on(stream)``:
+
+1. synchronizes the stream's device, so everything enqueued before the
+   capture is complete and needs no ordering inside the graph;
+2. starts a *relaxed* stream capture (cpu backend: the stream records its
+   tasks instead of running them) and enqueues ``op`` on it. Work the op forks
+   onto other streams (a ``zip`` under a multi-stream policy) joins the capture
+   through its events and is captured as parallel branches; every such
+   stream is joined back before the capture ends;
+3. refuses ops that allocate (:class:`~deviceops.CaptureError` names the op
+   and the fix: allocate before capturing), and ``sync()``/``await`` inside
+   the capture (:class:`~deviceops.NestedExecutionError`);
+4. on any failure ends the capture, frees the partial graph, restores the
+   streams and re-raises, so the library keeps working.
+
+A launch is ordered, like any op, after other streams' conflicting use of the
+tensors the graph touches, and the graph keeps those tensors alive.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from deviceops._capture import CaptureState
+from deviceops._context import ExecutionContext, enqueue_lock, guard, refuse_nested
+from deviceops._errors import CaptureError, SchedulingError
+from deviceops._op import DeviceOp
+from deviceops._tensor import after_access, before_access
+
+if TYPE_CHECKING:
+    from deviceops._stream import Stream
+
+__all__ = ["CudaGraph", "capture"]
+
+T = TypeVar("T")
+
+
+class CudaGraph(Generic[T]):
+    """A captured DeviceOp, replayable with one driver call per launch.
+
+    Example:
+        >>> x = api.zeros((8,)).sync(); one = api.ones((8,)).sync()
+        >>> g = kernels.add(x, one, out=x).graph()   # x += 1 per replay
+        >>> for _ in range(3):
+        ...     g.launch()
+        >>> g.synchronize()
+
+    Attributes:
+        stream: the stream it was captured on; ``launch()`` and ``update()`` use it.
+    """
+
+    def __init__(self, stream: Stream, output: T, native: Any, state: CaptureState) -> None:
+        self.stream = stream
+        self._output: Any = output
+        self._taken = False
+        self._native = native
+        self._state = state
+        self._reads = [st for st, w in state.storages.values() if not w]
+        self._writes = [st for st, w in state.storages.values() if w]
+        self.launches = 0
+
+    def __repr__(self) -> str:
+        n = len(self._state.tasks) if self.stream.device.is_cpu else "?"
+        return f"<CudaGraph of {self._state.op_name} on {self.stream!r}, {n} tasks, {self.launches} launches>"
+
+    def take_output(self) -> T:
+        """The captured op's output handle (the tensors each replay writes). Once only."""
+        if self._taken:
+            raise SchedulingError("take_output: the graph's output was already taken")
+        self._taken = True
+        return self._output  # type: ignore[no-any-return]
+
+    def update(self, op: DeviceOp[Any]) -> Any:
+        """Run ``op`` on the graph's stream now (e.g. ``api.memcpy(captured_input, new)``).
+
+        Being on the same stream, it is ordered before the next ``launch()``.
+        Returns the op's output.
+        """
+        return op.async_on(self.stream)
+
+    def _replay(self, ctx: ExecutionContext) -> None:
+        stream = ctx.stream
+        if stream.device is not self.stream.device:
+            raise SchedulingError(f"CudaGraph captured on {self.stream.device} cannot launch on {stream.device}")
+        if stream.capture is not None:
+            raise CaptureError("launching a CudaGraph inside another capture is not supported",
+                               op=self._state.op_name)
+        before_access(stream, self._reads, self._writes)
+        if stream.device.is_cpu:
+            for fn, name in self._state.tasks:
+                stream.enqueue(fn, name)  # type: ignore[attr-defined]
+        else:
+            from deviceops._cuda_backend import cuda_errors
+
+            with cuda_errors("graph launch", str(stream.device)):
+                self._native.launch(stream.native)  # type: ignore[attr-defined]
+        seq = stream.bump()
+        after_access(stream, seq, self._reads, self._writes)
+        self.launches += 1
+
+    def launch(self) -> None:
+        """Enqueue one replay on :attr:`stream` now; does not block."""
+        refuse_nested("CudaGraph.launch()")
+        with enqueue_lock:
+            self._replay(ExecutionContext(self.stream, _policy()))
+
+    def launch_op(self) -> DeviceOp[T]:
+        """A DeviceOp that replays the graph on the stream it executes on; produces the output."""
+        return _LaunchOp(self)
+
+    def synchronize(self) -> None:
+        """Block until every replay enqueued on :attr:`stream` has finished."""
+        self.stream.synchronize()
+
+
+def _policy() -> Any:
+    from deviceops.scheduling import current_policy
+
+    return current_policy()
+
+
+class _LaunchOp(DeviceOp[Any]):
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: CudaGraph[Any]) -> None:
+        super().__init__()
+        self._graph = graph
+
+    def _execute(self, ctx: ExecutionContext) -> Any:
+        self._graph._replay(ctx)
+        return self._graph._output
+
+    def _describe(self) -> str:
+        return f"graph_launch({self._graph._state.op_name})"
+
+
+def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
+    """Capture ``op`` on ``stream`` (default: a stream of the current policy)."""
+    refuse_nested(f"graph() of {op._describe()}")
+    policy = _policy()
+    if stream is None:
+        stream = policy.next_stream()
+    if stream.capture is not None:
+        raise CaptureError(f"{stream!r} is already capturing", op=op._describe())
+    stream.device.synchronize()
+    state = CaptureState(stream, op._describe())
+    ctx = ExecutionContext(stream, policy)
+    with enqueue_lock:
+        stream.capture = state
+        native_began = False
+        guard.active = f"the graph capture of {op._describe()}"
+        try:
+            if not stream.device.is_cpu:
+                _begin_cuda(stream)
+                native_began = True
+            out = op._exec(ctx)
+            for member in state.members[1:]:
+                stream.wait_event(member.record_event())
+            native = _end_cuda(stream) if native_began else None
+            native_began = False
+        except BaseException as exc:
+            if native_began:
+                _abort_cuda(stream)
+            exc.add_note(f"deviceops: raised while capturing {op._describe()} into a graph; "
+                         "the capture was ended and the partial graph freed")
+            raise
+        finally:
+            guard.active = None
+            for member in state.members:
+                member.capture = None
+    return CudaGraph(stream, out, native, state)
+
+
+def _begin_cuda(stream: Any) -> None:
+    import cupy
+
+    from deviceops._cuda_backend import cuda_errors
+
+    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
+    with cuda_errors("begin_capture", str(stream.device)):
+        stream.native.begin_capture(mode=mode)
+
+
+def _end_cuda(stream: Any) -> Any:
+    from deviceops._cuda_backend import cuda_errors
+
+    with cuda_errors("end_capture", str(stream.device)):
+        return stream.native.end_capture()
+
+
+def _abort_cuda(stream: Any) -> None:
+    try:
+        g = stream.native.end_capture()
+        del g
+    except Exception:
+        pass  # an invalidated capture fails to end; the partial graph is gone either way
+
+
+def host_task(fn: Any, name: str = "host_func") -> DeviceOp[None]:
+    """A DeviceOp that calls ``fn()`` on a host thread when its stream reaches it.
+
+    Inside a graph it becomes a host node and fires on every replay.
+    """
+    from deviceops.api import _ApiOp
+
+    def run(ctx: ExecutionContext) -> None:
+        ctx.stream.launch_host_func(fn)
+        ctx.stream.bump()
+
+    return _ApiOp(name, run)
+
+

@@ -1,0 +1,89 @@
+"""Kernel launch ops: how a kernel function becomes a DeviceOp.
+
+A kernel launcher (``saxpy``, ``add``, ``gemm``, ...) accepts, for each tensor
+argument, a :class:`~deviceops.Tensor`, a :class:`~deviceops.Partition`, or a
+DeviceOp producing either; scalars are plain Python numbers. It returns a
+:class:`KernelOp` whose execution
+
+1. executes the DeviceOp arguments first, in order, on the same stream;
+2. validates shapes/dtypes/devices (already done at construction for
+   arguments that were given as tensors), raising before any launch;
+3. allocates outputs that were not given (refused inside graph capture);
+4. launches through :func:`deviceops._launch.launch` (hazards, trace);
+5. returns the written outputs *in the form they were given*: a Partition
+   stays a Partition, a Tensor a Tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from deviceops._context import ExecutionContext
+from deviceops._errors import ShapeError
+from deviceops._op import DeviceOp
+from deviceops._tensor import Partition, Tensor
+
+__all__ = ["KernelOp", "TensorArg", "as_tensor", "is_deferred", "resolve"]
+
+TensorArg = Tensor | Partition | DeviceOp[Any]
+
+
+def is_deferred(arg: Any) -> bool:
+    """True if ``arg`` is a DeviceOp (its value is only known at execution)."""
+    return isinstance(arg, DeviceOp)
+
+
+def as_tensor(arg: Tensor | Partition, op: str, name: str) -> Tensor:
+    """The tensor behind a Tensor or Partition argument (``TypeError`` otherwise)."""
+    if isinstance(arg, Tensor):
+        return arg
+    if isinstance(arg, Partition):
+        return arg.tensor
+    raise TypeError(f"{op}: argument {name!r} must be a Tensor, Partition or DeviceOp "
+                    f"producing one, got {type(arg).__name__}")
+
+
+def resolve(arg: Any, ctx: ExecutionContext) -> Any:
+    """Execute ``arg`` on ``ctx`` if it is a DeviceOp; return the value."""
+    if isinstance(arg, DeviceOp):
+        return arg._exec(ctx)
+    return arg
+
+
+def contiguous(t: Tensor, op: str, name: str) -> None:
+    """Refuse a non-contiguous tensor, naming the fix."""
+    if not t.array.flags.c_contiguous:
+        raise ShapeError(
+            f"{op}: {name} of shape {t.shape} with strides {t.array.strides} is not "
+            "C-contiguous; make a contiguous copy first (api.dup)",
+            op=op,
+        )
+
+
+class KernelOp(DeviceOp[Any]):
+    """A kernel launch: executes DeviceOp arguments, then ``run(ctx, *values)``.
+
+    Args:
+        name: the kernel's name (errors, traces, ``to_dot``).
+        run: validates (if needed), allocates, launches; returns the output.
+        args: the launcher's arguments as given (DeviceOps are executed first).
+    """
+
+    __slots__ = ("_args", "_name", "_run")
+
+    def __init__(self, name: str, run: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self._name = name
+        self._run = run
+        self._args = tuple(a._adopt() if isinstance(a, DeviceOp) else a for a in args)
+
+    def _execute(self, ctx: ExecutionContext) -> Any:
+        vals = [a._exec(ctx) if isinstance(a, DeviceOp) else a for a in self._args]
+        return self._run(ctx, *vals)
+
+    def _children(self) -> tuple[DeviceOp[Any], ...]:
+        return tuple(a for a in self._args if isinstance(a, DeviceOp))
+
+    def _describe(self) -> str:
+        return self._name
