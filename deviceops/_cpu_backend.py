@@ -61,6 +61,8 @@ class CpuEvent(Event):
 
     def synchronize(self) -> None:
         self._done.wait()
+        if self.capture is None and self.stream.done_seq < self.seq:
+            self.stream.done_seq = self.seq
         if self.error is not None:
             raise self.error
 
@@ -150,7 +152,7 @@ class CpuStream(Stream):
         with w.cond:
             return w.completed == w.submitted
 
-    def synchronize(self) -> None:
+    def _synchronize(self) -> None:
         w = self._worker
         with w.cond:
             target = w.submitted

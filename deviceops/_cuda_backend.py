@@ -52,6 +52,8 @@ class CudaEvent(Event):
     def synchronize(self) -> None:
         with cuda_errors("event synchronize", str(self.stream.device)):
             self.native.synchronize()
+        if self.capture is None and self.stream.done_seq < self.seq:
+            self.stream.done_seq = self.seq
 
     def when_complete(self, fn: Callable[[], None]) -> None:
         from ._completion import poller
@@ -96,6 +98,6 @@ class CudaStream(Stream):
         with cuda_errors("stream query", str(self.device)):
             return bool(self.native.done)
 
-    def synchronize(self) -> None:
+    def _synchronize(self) -> None:
         with cuda_errors("stream synchronize", str(self.device)):
             self.native.synchronize()

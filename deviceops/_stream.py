@@ -8,10 +8,15 @@ stream has to wait for another:
 * every stream counts the operations enqueued on it (``seq``);
 * a tensor remembers ``(stream, seq)`` of the work that last wrote it and of
   the reads since (``_tensor._Storage``);
-* before stream B touches it, ``B._wait_for(A, seq)`` makes B wait on an event
+* before stream B touches it, ``B.wait_for(A, seq)`` makes B wait on an event
   of A covering ``seq`` — recorded lazily, only when a cross-stream hazard
   exists, and reused while nothing new was enqueued on A; B also remembers how
-  far it has already waited on A, so a second hazard costs nothing.
+  far it has already waited on A, so a second hazard costs nothing, and A
+  remembers how far the host saw it finish (``done_seq``: synchronize and
+  completed events), so finished work needs no event at all.
+
+A lazily recorded event covers everything enqueued on A so far, which may be
+more than the access it orders: correct, only possibly less overlap.
 
 Same-stream work costs no events at all: stream order is enough.
 """
@@ -86,6 +91,7 @@ class Stream(ABC):
         self.device = device
         self.id = _next_id()
         self.seq = 0
+        self.done_seq = 0
         self._waited: dict[int, int] = {}
         self._last_event: Event | None = None
         self.capture: CaptureState | None = None
@@ -103,12 +109,19 @@ class Stream(ABC):
         """Make later work on this stream wait until ``event`` is complete."""
 
     @abstractmethod
+    def _synchronize(self) -> None:
+        """Backend part of :meth:`synchronize`."""
+
     def synchronize(self) -> None:
         """Block until all work enqueued so far has finished.
 
         Raises:
             DeviceError: the device reported a failure in that work.
         """
+        seq = self.seq
+        self._synchronize()
+        if self.capture is None and seq > self.done_seq:
+            self.done_seq = seq
 
     @abstractmethod
     def query(self) -> bool:
@@ -158,7 +171,7 @@ class Stream(ABC):
         Costs nothing when ``other`` is this stream or this stream already
         waited that far; otherwise records (or reuses) one event on ``other``.
         """
-        if other is self or self._waited.get(other.id, 0) >= seq:
+        if other is self or other.done_seq >= seq or self._waited.get(other.id, 0) >= seq:
             return
         if self.capture is not other.capture:
             # A hazard across a capture boundary: work from before a capture is

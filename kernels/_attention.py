@@ -1,0 +1,474 @@
+"""Flash attention forward: shape checks, NumPy reference, planning and CUDA launchers.
+
+Semantics (shared by the ``cpu`` reference and the CUDA kernels):
+
+* ``q`` ``(B, Hq, Lq, D)``, ``k``/``v`` ``(B, Hkv, Lk, D)``, ``Hq % Hkv == 0`` (GQA/MQA:
+  query head ``h`` reads kv head ``h // (Hq // Hkv)``); output ``(B, Hq, Lq, D)`` in q's dtype.
+* ``out = softmax(scale * q k^T) v`` with ``scale = 1/sqrt(D)`` by default; float32
+  accumulation and softmax statistics.
+* The queries are the LAST ``Lq`` positions of the key sequence: with ``causal=True`` query
+  ``i`` (0-based in ``Lq``) sees keys ``j <= i + (Lk - Lq)`` (bottom-right aligned mask, as in
+  decode with a KV cache). ``Lq > Lk`` is allowed; with ``causal=True`` the first
+  ``Lq - Lk`` query rows see no key at all and their output is defined as **zeros** (no NaN).
+  Without ``causal`` every query sees every key, whatever ``Lq`` and ``Lk`` are.
+* dtypes: float16 or bfloat16 (``ml_dtypes.bfloat16``), the same for q, k, v and out.
+  ``D`` must be a multiple of 8 and at most 256 (64 and 128 are the fast head dims).
+
+CUDA paths (chosen per call, no allocation, no synchronisation, launches only on ``stream``):
+
+* ``attn_fwd_sm90`` (sm_90a): wgmma tensor-core kernel, ``Lq > 8``.
+* ``attn_splitkv`` (+ ``attn_splitkv_combine``): split-KV "flash-decoding" on CUDA cores for
+  ``Lq <= 8`` (the KV length is split across blocks, partials merged by a second kernel);
+  also the portable fallback for every shape on GPUs other than sm_90.
+
+CuPy is imported lazily: the module imports (and the reference runs) without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from deviceops._errors import DTypeError, ShapeError
+
+from ._module import load_module, read_source, set_max_dynamic_smem
+
+__all__ = [
+    "attention_check",
+    "attention_reference",
+    "attention_workspace_nbytes",
+    "flash_attention_cuda",
+]
+
+#: Query lengths up to this use the split-KV (decode) kernel.
+DECODE_MAX_LQ = 8
+#: Upper bound on KV splits (sizes the workspace).
+MAX_SPLITS = 64
+#: Keys per split are a multiple of this.
+SPLIT_GRANULE = 64
+#: Largest supported head dim.
+MAX_HEAD_DIM = 256
+
+
+def _bf16_dtype() -> np.dtype | None:
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _supported_dtypes() -> tuple[np.dtype, ...]:
+    bf = _bf16_dtype()
+    return (np.dtype(np.float16),) if bf is None else (np.dtype(np.float16), bf)
+
+
+def _dtype_name(dt: Any) -> str:
+    try:
+        return str(np.dtype(dt))
+    except TypeError:
+        return repr(dt)
+
+
+def attention_check(
+    q_shape: tuple[int, ...],
+    q_dtype: Any,
+    k_shape: tuple[int, ...],
+    k_dtype: Any,
+    v_shape: tuple[int, ...],
+    v_dtype: Any,
+    *,
+    out_shape: tuple[int, ...] | None = None,
+    out_dtype: Any = None,
+    op: str = "flash_attention",
+) -> tuple[tuple[int, ...], np.dtype]:
+    """Validate flash-attention arguments before anything is launched.
+
+    Args:
+        q_shape: ``(B, Hq, Lq, D)``.
+        q_dtype: dtype of q (float16 or bfloat16).
+        k_shape: ``(B, Hkv, Lk, D)``.
+        k_dtype: dtype of k (same as q).
+        v_shape: same as ``k_shape``.
+        v_dtype: dtype of v (same as q).
+        out_shape: shape of a caller-provided output, if any (must equal ``q_shape``).
+        out_dtype: dtype of a caller-provided output, if any (must equal q's).
+        op: operation name used in error messages.
+
+    Returns:
+        ``(out_shape, out_dtype)``.
+
+    Raises:
+        ShapeError: ranks, batch/head/length/head-dim mismatches, ``Hq % Hkv != 0``,
+            empty dims, head dim not a multiple of 8 or above 256, wrong ``out`` shape.
+        DTypeError: unsupported or mismatched dtypes.
+    """
+    q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    shapes = f"q {q_shape}, k {k_shape}, v {v_shape}"
+    for name, shp in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shp) != 4:
+            raise ShapeError(
+                f"{op}: {name} must be 4-D (B, H, L, D); got {shapes}", op=op
+            )
+        if any(int(s) < 1 for s in shp):
+            raise ShapeError(f"{op}: every dimension must be >= 1; got {shapes}", op=op)
+    b, hq, _lq, d = q_shape
+    bk, hkv, _lk, dk = k_shape
+    if k_shape != v_shape:
+        raise ShapeError(f"{op}: k and v shapes must be equal; got {shapes}", op=op)
+    if b != bk:
+        raise ShapeError(f"{op}: batch sizes differ (q B={b}, k/v B={bk}); got {shapes}", op=op)
+    if d != dk:
+        raise ShapeError(f"{op}: head dims differ (q D={d}, k/v D={dk}); got {shapes}", op=op)
+    if hq % hkv != 0:
+        raise ShapeError(
+            f"{op}: query heads must be a multiple of kv heads (Hq={hq}, Hkv={hkv}); got {shapes}",
+            op=op,
+        )
+    if d % 8 != 0 or d > MAX_HEAD_DIM:
+        raise ShapeError(
+            f"{op}: head dim must be a multiple of 8 and <= {MAX_HEAD_DIM} (got D={d}); {shapes}",
+            op=op,
+        )
+    dts = {"q": q_dtype, "k": k_dtype, "v": v_dtype}
+    try:
+        ndts = {n: np.dtype(t) for n, t in dts.items()}
+    except TypeError as exc:
+        raise DTypeError(f"{op}: unknown dtype among {dts}", op=op) from exc
+    supported = _supported_dtypes()
+    if ndts["q"] not in supported:
+        raise DTypeError(
+            f"{op}: q dtype {ndts['q']} not supported (float16, bfloat16); "
+            f"q {ndts['q']}, k {ndts['k']}, v {ndts['v']}",
+            op=op,
+        )
+    if ndts["k"] != ndts["q"] or ndts["v"] != ndts["q"]:
+        raise DTypeError(
+            f"{op}: q, k, v dtypes must match; q {ndts['q']}, k {ndts['k']}, v {ndts['v']}",
+            op=op,
+        )
+    if out_shape is not None and tuple(out_shape) != q_shape:
+        raise ShapeError(
+            f"{op}: out shape {tuple(out_shape)} must equal q shape {q_shape}", op=op
+        )
+    if out_dtype is not None:
+        try:
+            odt = np.dtype(out_dtype)
+        except TypeError as exc:
+            raise DTypeError(f"{op}: unknown out dtype {out_dtype!r}", op=op) from exc
+        if odt != ndts["q"]:
+            raise DTypeError(f"{op}: out dtype {odt} must equal q dtype {ndts['q']}", op=op)
+    return q_shape, ndts["q"]
+
+
+def attention_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> np.ndarray:
+    """NumPy flash-attention forward (float64 math), returned in ``q.dtype``.
+
+    The ``cpu`` backend runs exactly this. Semantics are in the module docstring
+    (GQA, bottom-right causal mask, fully masked rows give zeros).
+
+    Args:
+        q: ``(B, Hq, Lq, D)``.
+        k: ``(B, Hkv, Lk, D)``.
+        v: ``(B, Hkv, Lk, D)``.
+        causal: apply the bottom-right aligned causal mask.
+        scale: softmax scale; ``1/sqrt(D)`` when None.
+
+    Returns:
+        ``(B, Hq, Lq, D)`` array of q's dtype.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ShapeError(
+            f"flash_attention: q, k, v must be 4-D; got q {q.shape}, k {k.shape}, v {v.shape}",
+            op="flash_attention",
+        )
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hkv < 1 or hq % hkv:
+        raise ShapeError(
+            f"flash_attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}",
+            op="flash_attention",
+        )
+    g = hq // hkv
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = np.zeros((b, hq, lq, d), dtype=np.float64)
+    if causal:
+        qi = np.arange(lq)[:, None]
+        kj = np.arange(lk)[None, :]
+        visible = kj <= qi + (lk - lq)  # (Lq, Lk)
+    for bi in range(b):
+        for hk in range(hkv):
+            kk = k[bi, hk].astype(np.float64)  # (Lk, D)
+            vv = v[bi, hk].astype(np.float64)  # (Lk, D)
+            qq = q[bi, hk * g : (hk + 1) * g].astype(np.float64)  # (g, Lq, D)
+            s = (qq @ kk.T) * sc  # (g, Lq, Lk)
+            if causal:
+                s = np.where(visible[None], s, -np.inf)
+            m = s.max(axis=-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - m)
+            denom = p.sum(axis=-1, keepdims=True)
+            o = p @ vv
+            out[bi, hk * g : (hk + 1) * g] = np.divide(
+                o, denom, out=np.zeros_like(o), where=denom > 0
+            )
+    return out.astype(q.dtype)
+
+
+def _num_splits_upper(lk: int) -> int:
+    return max(1, min(MAX_SPLITS, -(-lk // SPLIT_GRANULE)))
+
+
+def attention_workspace_nbytes(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: Any
+) -> int:
+    """Bytes of device workspace that lets ``flash_attention_cuda`` split the KV length.
+
+    Non-zero only for the decode path (``Lq <= DECODE_MAX_LQ``): float32 partial outputs
+    and (max, sum) pairs for up to ``MAX_SPLITS`` splits. Without it (``workspace=None``)
+    the decode path still runs, unsplit and slower.
+
+    Args:
+        q_shape: ``(B, Hq, Lq, D)``.
+        k_shape: ``(B, Hkv, Lk, D)``.
+        dtype: element dtype (does not change the size; partials are float32).
+
+    Returns:
+        Size in bytes (0 if the call needs none).
+    """
+    del dtype
+    b, hq, lq, d = (int(x) for x in q_shape)
+    lk = int(k_shape[2])
+    if lq > DECODE_MAX_LQ:
+        return 0
+    rows = b * hq * lq
+    ns = _num_splits_upper(lk)
+    return _ws_layout(rows, ns, d)[2]
+
+
+def _ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:
+    """(offset of partial outputs, offset of (m, l) pairs, total bytes) in the workspace."""
+    o_bytes = rows * n_split * d * 4
+    ml_off = (o_bytes + 255) // 256 * 256
+    return 0, ml_off, ml_off + rows * n_split * 2 * 4
+
+
+# --------------------------------------------------------------------------------------
+# Sources and modules
+# --------------------------------------------------------------------------------------
+
+_INCLUDE = re.compile(r'^\s*#include\s+"(attn_[A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def expanded_source(name: str) -> str:
+    """Kernel source ``name`` with its ``#include "attn_*.cuh"`` lines inlined.
+
+    NVRTC gets one self-contained text, so CuPy's on-disk cache (keyed by the text) sees
+    header edits.
+    """
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def repl(m: re.Match[str]) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return ""
+            seen.add(inc)
+            return expand(read_source(inc))
+
+        return _INCLUDE.sub(repl, text)
+
+    return expand(read_source(name))
+
+
+#: sm_90 kernel configurations by padded head dim: (BN, NWG, MINB).
+SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
+    64: (128, 2, 1),
+    128: (128, 2, 1),
+    192: (64, 2, 1),
+    256: (64, 2, 1),
+}
+
+_kernels: dict[tuple[Any, ...], Any] = {}
+
+
+def _sm90_smem_bytes(dp: int, bn: int, nwg: int) -> int:
+    return 64 * nwg * dp * 2 + 4 * bn * dp * 2 + 1024
+
+
+def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, minb: int, bf16: bool) -> Any:
+    key = ("sm90", device_id, dp, bn, nwg, minb, bf16)
+    fn = _kernels.get(key)
+    if fn is None:
+        opts = (
+            f"-DATTN_DP={dp}",
+            f"-DATTN_BN={bn}",
+            f"-DATTN_NWG={nwg}",
+            f"-DATTN_MINB={minb}",
+            f"-DATTN_BF16={int(bf16)}",
+        )
+        mod = load_module(
+            expanded_source("attn_fwd_sm90.cu"),
+            options=opts,
+            device_id=device_id,
+            arch_suffix="a",
+        )
+        fn = mod.get_function("attn_fwd_sm90")
+        set_max_dynamic_smem(fn, _sm90_smem_bytes(dp, bn, nwg))
+        _kernels[key] = fn
+    return fn
+
+
+def _splitkv_kernels(device_id: int, d: int, gt: int, bf16: bool) -> tuple[Any, Any]:
+    key = ("splitkv", device_id, d, gt, bf16)
+    fns = _kernels.get(key)
+    if fns is None:
+        opts = (f"-DATTN_D={d}", f"-DATTN_GT={gt}", f"-DATTN_BF16={int(bf16)}")
+        mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
+        fns = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
+        _kernels[key] = fns
+    return fns
+
+
+@functools.cache
+def _device_info(device_id: int) -> tuple[int, int]:
+    """(compute capability as int, e.g. 90; multiprocessor count)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return int(dev.compute_capability), int(dev.attributes["MultiProcessorCount"])
+
+
+def _check_array(name: str, a: Any, device_id: int) -> None:
+    if not a.flags.c_contiguous:
+        raise ShapeError(
+            f"flash_attention: {name} must be C-contiguous (got strides {a.strides} for shape "
+            f"{a.shape}); pass cupy.ascontiguousarray({name})",
+            op="flash_attention",
+        )
+    if a.data.ptr % 16:
+        raise ShapeError(
+            f"flash_attention: {name} data pointer must be 16-byte aligned", op="flash_attention"
+        )
+    if a.device.id != device_id:
+        raise ShapeError(
+            f"flash_attention: {name} is on device {a.device.id}, q on device {device_id}",
+            op="flash_attention",
+        )
+
+
+def flash_attention_cuda(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    workspace: Any = None,
+    stream: Any,
+    _sm90_config: tuple[int, int, int] | None = None,
+    _force_splitkv: bool = False,
+) -> None:
+    """Enqueue flash attention on ``stream`` (CuPy arrays; no allocation, no sync).
+
+    Args:
+        q: ``(B, Hq, Lq, D)`` cupy array, float16 or bfloat16, C-contiguous.
+        k: ``(B, Hkv, Lk, D)`` cupy array, same dtype.
+        v: ``(B, Hkv, Lk, D)`` cupy array, same dtype.
+        out: ``(B, Hq, Lq, D)`` cupy array to write, same dtype.
+        causal: bottom-right aligned causal mask (see module docstring).
+        scale: softmax scale, ``1/sqrt(D)`` when None.
+        workspace: device buffer (cupy array) of at least
+            :func:`attention_workspace_nbytes` bytes, or None (decode runs unsplit).
+        stream: the ``cupy.cuda.Stream`` every launch goes to.
+        _sm90_config: benchmarking override ``(BN, NWG, MINB)`` for the sm_90 kernel.
+        _force_splitkv: use the CUDA-core split-KV kernel whatever the shape (tests).
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    attention_check(
+        q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype,
+        out_shape=out.shape, out_dtype=out.dtype,
+    )  # fmt: skip
+    device_id = q.device.id
+    for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_array(name, a, device_id)
+    b, hq, lq, d = (int(x) for x in q.shape)
+    hkv, lk = int(k.shape[1]), int(k.shape[2])
+    bf16 = np.dtype(q.dtype) != np.dtype(np.float16)
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale_log2 = np.float32(sc * math.log2(math.e))
+    cc, n_sm = _device_info(device_id)
+    i32 = np.int32
+
+    if cc == 90 and lq > DECODE_MAX_LQ and not _force_splitkv:
+        dp = -(-d // 64) * 64
+        bn, nwg, minb = _sm90_config or SM90_CONFIGS[dp]
+        fn = _sm90_kernel(device_id, dp, bn, nwg, minb, bf16)
+        bm = 64 * nwg
+        n_mblk = -(-lq // bm)
+        if n_mblk > 65535:
+            raise ShapeError(f"flash_attention: Lq={lq} too long for one launch", op="flash_attention")
+        with stream:
+            fn(
+                (b * hq, n_mblk, 1),
+                (128 * nwg, 1, 1),
+                (q, k, v, out, i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
+                 i32(bool(causal)), i32(n_mblk)),
+                shared_mem=_sm90_smem_bytes(dp, bn, nwg),
+            )  # fmt: skip
+        return
+
+    # Split-KV path (decode, or the portable fallback).
+    g = hq // hkv
+    gt = 1
+    while gt < min(g, 8):
+        gt *= 2
+    n_hchunk = -(-g // gt)
+    x_blocks = hkv * lq * n_hchunk
+    base_blocks = b * x_blocks
+    n_split = 1
+    if lq <= DECODE_MAX_LQ and workspace is not None:
+        want = max(1, -(-8 * n_sm // base_blocks))
+        n_split = min(want, _num_splits_upper(lk))
+    chunk = -(-lk // n_split)
+    chunk = -(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE
+    n_split = -(-lk // chunk)
+    rows = b * hq * lq
+    ws_o_ptr = ws_ml_ptr = 0
+    if n_split > 1:
+        o_off, ml_off, need = _ws_layout(rows, n_split, d)
+        if workspace.nbytes < need:
+            n_split, chunk = 1, lk
+        else:
+            base_ptr = int(workspace.data.ptr)
+            ws_o_ptr, ws_ml_ptr = base_ptr + o_off, base_ptr + ml_off
+    if n_split == 1:
+        chunk = lk
+    if x_blocks > 2**31 - 1 or n_split > 65535 or b > 65535:
+        raise ShapeError(f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention")
+    fn, combine = _splitkv_kernels(device_id, d, gt, bf16)
+    u64 = np.uint64
+    with stream:
+        fn(
+            (x_blocks, n_split, b),
+            (128, 1, 1),
+            (q, k, v, out, u64(ws_o_ptr), u64(ws_ml_ptr), i32(hq), i32(hkv), i32(lq), i32(lk),
+             scale_log2, i32(bool(causal)), i32(n_split), i32(chunk), i32(n_hchunk)),
+        )  # fmt: skip
+        if n_split > 1:
+            combine((rows, 1, 1), (64, 1, 1), (u64(ws_o_ptr), u64(ws_ml_ptr), out, i32(n_split)))
