@@ -302,6 +302,8 @@ SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
 }
 
 _kernels: dict[tuple[Any, ...], Any] = {}
+#: Extra NVRTC defines for the sm_90 kernel (experiments only, e.g. ``("-DATTN_VSPLIT=1",)``).
+EXTRA_SM90_DEFINES: tuple[str, ...] = ()
 
 
 def _sm90_smem_bytes(dp: int, bn: int, nwg: int) -> int:
@@ -309,7 +311,7 @@ def _sm90_smem_bytes(dp: int, bn: int, nwg: int) -> int:
 
 
 def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, minb: int, bf16: bool) -> Any:
-    key = ("sm90", device_id, dp, bn, nwg, minb, bf16)
+    key = ("sm90", device_id, dp, bn, nwg, minb, bf16, EXTRA_SM90_DEFINES)
     fn = _kernels.get(key)
     if fn is None:
         opts = (
@@ -318,6 +320,7 @@ def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, minb: int, bf16: bo
             f"-DATTN_NWG={nwg}",
             f"-DATTN_MINB={minb}",
             f"-DATTN_BF16={int(bf16)}",
+            *EXTRA_SM90_DEFINES,
         )
         mod = load_module(
             expanded_source("attn_fwd_sm90.cu"),

@@ -31,6 +31,9 @@
 #ifndef ATTN_NWG
 #define ATTN_NWG 2
 #endif
+#ifndef ATTN_VSPLIT
+#define ATTN_VSPLIT 0
+#endif
 #ifndef ATTN_MINB
 #define ATTN_MINB 1
 #endif
@@ -238,8 +241,17 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
     for (int t = 0; t < BN / 16; ++t) {
       // keys 16t..16t+15: two 8-row groups of every 64-column block
+#if ATTN_VSPLIT  // one N=64 wgmma per 64-column block (no reliance on LBO)
+#pragma unroll
+      for (int cb = 0; cb < DP / 64; ++cb) {
+        const u64 db = make_desc(sV + cb * (BN * 128) + t * (16 * 128), BN * 128, 1024);
+        CAT4(wgmma_rs_m64n, 64, k16, TYS)(*reinterpret_cast<float(*)[32]>(&acc[32 * cb]), p[4 * t], p[4 * t + 1],
+                                          p[4 * t + 2], p[4 * t + 3], db, 1);
+      }
+#else
       const u64 db = make_desc(sV + t * (16 * 128), BN * 128, 1024);
       WGMMA_O(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], db, 1);
+#endif
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -1,0 +1,58 @@
+"""Device-side quick check: sm_90 kernel variants vs a float32 torch reference (GPU only).
+
+Usage: ``python benchmarks/attention_check.py [-DATTN_X=1 ...]`` (extra defines per variant set,
+separated by ``/``). Prints the relative L2 error of each variant on a few odd shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import cupy
+import torch
+
+from deviceops.kernels import _attention as attn
+
+
+def ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = q.float() @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        lq, lk = q.shape[2], k.shape[2]
+        i = torch.arange(lq, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vv
+
+
+def main() -> None:
+    variants = [tuple(v.split()) for v in " ".join(sys.argv[1:]).split("/")] if sys.argv[1:] else [()]
+    shapes = [(1, 2, 2, 200, 300, 128, True), (1, 2, 1, 129, 129, 64, False), (1, 2, 2, 130, 90, 256, True),
+              (1, 2, 2, 100, 100, 96, False), (2, 4, 2, 1000, 1000, 128, True)]  # fmt: skip
+    s = cupy.cuda.Stream(non_blocking=True)
+    for var in variants:
+        attn.EXTRA_SM90_DEFINES = var
+        for b, hq, hkv, lq, lk, d, causal in shapes:
+            for tdt in (torch.float16, torch.bfloat16):
+                q = torch.randn(b, hq, lq, d, device="cuda", dtype=tdt)
+                k = torch.randn(b, hkv, lk, d, device="cuda", dtype=tdt)
+                v = torch.randn(b, hkv, lk, d, device="cuda", dtype=tdt)
+                o = torch.full_like(q, float("nan"))
+                torch.cuda.synchronize()
+                try:
+                    attn.flash_attention_cuda(*(cupy.from_dlpack(t.view(torch.int16)).view(
+                        attn._supported_dtypes()[0 if tdt == torch.float16 else 1]) for t in (q, k, v, o)),
+                        causal=causal, stream=s)  # fmt: skip
+                    s.synchronize()
+                    r = ref(q, k, v, causal)
+                    err = ((o.float() - r).norm() / r.norm()).item()
+                    print(f"{var} {(b, hq, hkv, lq, lk, d, causal)} {tdt}: rel_err={err:.2e} nan={o.isnan().any().item()}")
+                except Exception:
+                    traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()
