@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--points", default="", help="e.g. 4096:128:0,8192:64:1")
     ap.add_argument("--variants", default="", help="sm90 configs BN:NWG:MINB,...")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--defines", default="", help="extra sm90 NVRTC defines, e.g. -DATTN_PIPE=0")
     args = ap.parse_args()
     t0 = time.time()
     if args.smoke:
@@ -250,6 +251,7 @@ def main() -> None:
         import torch
 
         dtypes = args.dtypes.split(",")
+        attn.EXTRA_SM90_DEFINES = tuple(args.defines.split())
         points = POINTS
         if args.points:
             points = [(int(a), int(b), bool(int(c))) for a, b, c in (p.split(":") for p in args.points.split(","))]

@@ -54,5 +54,22 @@ def main() -> None:
                     traceback.print_exc()
 
 
+def decode_nosplit() -> None:
+    s = cupy.cuda.Stream(non_blocking=True)
+    for lk in (1, 31, 64, 256, 1000, 4096):
+        for hq, hkv in ((4, 1), (32, 8)):
+            q = torch.randn(2, hq, 1, 128, device="cuda", dtype=torch.float16)
+            k = torch.randn(2, hkv, lk, 128, device="cuda", dtype=torch.float16)
+            v = torch.randn(2, hkv, lk, 128, device="cuda", dtype=torch.float16)
+            o = torch.full_like(q, float("nan"))
+            torch.cuda.synchronize()
+            attn.flash_attention_cuda(*(cupy.from_dlpack(t) for t in (q, k, v, o)), stream=s)
+            s.synchronize()
+            r = ref(q, k, v, False)
+            err = ((o.float() - r).norm() / r.norm()).item()
+            print(f"nosplit lk={lk} hq={hq} hkv={hkv}: err={err:.2e} nan={o.isnan().sum().item()}")
+
+
 if __name__ == "__main__":
+    decode_nosplit()
     main()

@@ -31,6 +31,9 @@
 #ifndef ATTN_NWG
 #define ATTN_NWG 2
 #endif
+#ifndef ATTN_PIPE
+#define ATTN_PIPE 1
+#endif
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
 #endif
@@ -78,6 +81,11 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(u32 (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Async copy of rows [row0, row0+ROWS) of a (nrows, D) matrix into a SW128 tile; rows past
@@ -141,52 +149,49 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     __syncthreads();
   }
 
-  load_tile<BM>(sQ, q, m0, Lq, D);
-  if (n_tiles > 0) {
-    load_tile<BN>(sK0, k, 0, Lk, D);
-    load_tile<BN>(sV0, v, 0, Lk, D);
-  }
-  cp_async_commit();
-
-  float acc[DP / 2];
+  float acc[DP / 2];  // O accumulator, m64nDP fragment
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-  float row_m[2] = {ATTN_NEG_INF, ATTN_NEG_INF};
-  float row_l[2] = {0.f, 0.f};
+  float row_m[2] = {ATTN_NEG_INF, ATTN_NEG_INF};  // running max (base-2 logits)
+  float row_l[2] = {0.f, 0.f};                    // running sum (this thread's columns)
 
   // This thread's rows (absolute query index) for h = 0, 1.
   const int r_base = m0 + wg * 64 + warp * 16 + (lane >> 2);
   const int c_base = 2 * (lane & 3);
 
-  for (int j = 0; j < n_tiles; ++j) {
-    const int buf = j & 1;
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    if (j + 1 < n_tiles) {
-      load_tile<BN>(sK0 + (buf ^ 1) * KV_BYTES, k, (j + 1) * BN, Lk, D);
-      load_tile<BN>(sV0 + (buf ^ 1) * KV_BYTES, v, (j + 1) * BN, Lk, D);
-    }
-    cp_async_commit();
+  float s[BN / 2];  // S tile, m64nBN fragment
+  u32 p[BN / 4];    // P tile as wgmma A fragments (16-bit pairs)
 
-    const u32 sK = sK0 + buf * KV_BYTES;
-    const u32 sV = sV0 + buf * KV_BYTES;
-
-    // ---- S = Q K^T  (64 x BN per warpgroup) ----
-    float s[BN / 2];
-    wgmma_fence();
+  // S = Q K^T for the K tile at sK (async; caller commits and waits).
+  auto issue_s = [&](u32 sK) {
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
       const u64 da = make_desc(sQ + (kk >> 2) * (BM * 128) + wg * (64 * 128) + (kk & 3) * 32, 16, 1024);
       const u64 db = make_desc(sK + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
       WGMMA_S(s, da, db, kk > 0 ? 1 : 0);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
-
-    // ---- scale, mask, online softmax ----
-    const int n0 = j * BN;
+  };
+  // O += P V for the V tile at sV (async).
+  auto issue_o = [&](u32 sV) {
+#pragma unroll
+    for (int t = 0; t < BN / 16; ++t) {
+#if ATTN_VSPLIT  // one N=64 wgmma per 64-column block (no reliance on LBO)
+#pragma unroll
+      for (int cb = 0; cb < DP / 64; ++cb) {
+        const u64 db = make_desc(sV + cb * (BN * 128) + t * (16 * 128), BN * 128, 1024);
+        CAT4(wgmma_rs_m64n, 64, k16, TYS)(*reinterpret_cast<float(*)[32]>(&acc[32 * cb]), p[4 * t], p[4 * t + 1],
+                                          p[4 * t + 2], p[4 * t + 3], db, 1);
+      }
+#else
+      // keys 16t..16t+15: two 8-row groups of every 64-column block (LBO = block stride)
+      const u64 db = make_desc(sV + t * (16 * 128), BN * 128, 1024);
+      WGMMA_O(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], db, 1);
+#endif
+    }
+  };
+  // Scale, mask and exponentiate s in place for the key tile starting at n0; update row_m,
+  // row_l; return the rescale factors for the accumulator in alpha.
+  auto softmax = [&](int n0, float (&alpha)[2]) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale_log2;
     const bool need_mask = (n0 + BN > Lk) || (causal && n0 + BN - 1 > m0 + off);
@@ -202,7 +207,6 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
             if (col >= Lk || (causal && col > row + off)) s[4 * t + 2 * h + e] = ATTN_NEG_INF;
           }
     }
-    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = row_m[h];
@@ -222,6 +226,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
       row_l[h] = row_l[h] * alpha[h] + sum;
     }
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int t = 0; t < DP / 8; ++t) {
       acc[4 * t + 0] *= alpha[0];
@@ -229,34 +235,107 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       acc[4 * t + 2] *= alpha[1];
       acc[4 * t + 3] *= alpha[1];
     }
-
-    // ---- O += P V ----
-    u32 p[BN / 4];
+  };
+  auto to_p = [&]() {
 #pragma unroll
     for (int t = 0; t < BN / 8; ++t) {
       p[2 * t] = pack2(s[4 * t], s[4 * t + 1]);
       p[2 * t + 1] = pack2(s[4 * t + 2], s[4 * t + 3]);
     }
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < BN / 16; ++t) {
-      // keys 16t..16t+15: two 8-row groups of every 64-column block
-#if ATTN_VSPLIT  // one N=64 wgmma per 64-column block (no reliance on LBO)
-#pragma unroll
-      for (int cb = 0; cb < DP / 64; ++cb) {
-        const u64 db = make_desc(sV + cb * (BN * 128) + t * (16 * 128), BN * 128, 1024);
-        CAT4(wgmma_rs_m64n, 64, k16, TYS)(*reinterpret_cast<float(*)[32]>(&acc[32 * cb]), p[4 * t], p[4 * t + 1],
-                                          p[4 * t + 2], p[4 * t + 3], db, 1);
-      }
-#else
-      const u64 db = make_desc(sV + t * (16 * 128), BN * 128, 1024);
-      WGMMA_O(acc, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], db, 1);
-#endif
+  };
+
+#if ATTN_PIPE == 0
+  // v1: per tile, S -> wait -> softmax -> PV -> wait; loads one tile ahead.
+  load_tile<BM>(sQ, q, m0, Lq, D);
+  if (n_tiles > 0) {
+    load_tile<BN>(sK0, k, 0, Lk, D);
+    load_tile<BN>(sV0, v, 0, Lk, D);
+  }
+  cp_async_commit();
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (j + 1 < n_tiles) {
+      load_tile<BN>(sK0 + (buf ^ 1) * KV_BYTES, k, (j + 1) * BN, Lk, D);
+      load_tile<BN>(sV0 + (buf ^ 1) * KV_BYTES, v, (j + 1) * BN, Lk, D);
     }
+    cp_async_commit();
+    wgmma_fence();
+    issue_s(sK0 + buf * KV_BYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    float alpha[2];
+    softmax(j * BN, alpha);
+    rescale(alpha);
+    to_p();
+    wgmma_fence();
+    issue_o(sV0 + buf * KV_BYTES);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc);
+    fence_regs(p);
   }
+#else
+  // v2: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued back to back; the softmax of
+  // S_{j+1} (exp2 on the MUFU units) runs while P_j V_j is still on the tensor cores.
+  // K_t lives in K buffer t&1, V_t in V buffer t&1. Iteration j loads K_{j+2} and V_{j+1}.
+  load_tile<BM>(sQ, q, m0, Lq, D);
+  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, Lk, D);
+  cp_async_commit();
+  if (n_tiles > 0) load_tile<BN>(sV0, v, 0, Lk, D);
+  if (n_tiles > 1) load_tile<BN>(sK0 + KV_BYTES, k, BN, Lk, D);
+  cp_async_commit();
+  if (n_tiles > 0) {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    wgmma_fence();
+    issue_s(sK0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    float alpha[2];
+    softmax(0, alpha);
+    to_p();
+  }
+  // Every iteration of this loop has a next tile (uniform wgmma pipeline for ptxas).
+  for (int j = 0; j + 1 < n_tiles; ++j) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (j + 2 < n_tiles) load_tile<BN>(sK0 + (j & 1) * KV_BYTES, k, (j + 2) * BN, Lk, D);
+    load_tile<BN>(sV0 + ((j + 1) & 1) * KV_BYTES, v, (j + 1) * BN, Lk, D);
+    cp_async_commit();
+    wgmma_fence();
+    issue_s(sK0 + ((j + 1) & 1) * KV_BYTES);
+    wgmma_commit();
+    issue_o(sV0 + (j & 1) * KV_BYTES);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(s);
+    float alpha[2];
+    softmax((j + 1) * BN, alpha);
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(p);
+    rescale(alpha);
+    to_p();
+  }
+  if (n_tiles > 0) {  // last tile: O += P V only
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    wgmma_fence();
+    issue_o(sV0 + ((n_tiles - 1) & 1) * KV_BYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(p);
+  }
+#endif
   cp_async_wait<0>();
 
   // ---- epilogue: O / l ----
