@@ -293,12 +293,13 @@ def expanded_source(name: str) -> str:
     return expand(read_source(name))
 
 
-#: sm_90 kernel configurations by padded head dim: (BN, NWG, MINB).
+#: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
+#: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
 SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
-    64: (128, 2, 1),
-    128: (128, 2, 1),
-    192: (64, 2, 1),
-    256: (64, 2, 1),
+    64: (128, 3, 3),
+    128: (64, 3, 4),
+    192: (64, 2, 2),
+    256: (64, 2, 2),
 }
 
 _kernels: dict[tuple[Any, ...], Any] = {}
@@ -306,19 +307,19 @@ _kernels: dict[tuple[Any, ...], Any] = {}
 EXTRA_SM90_DEFINES: tuple[str, ...] = ()
 
 
-def _sm90_smem_bytes(dp: int, bn: int, nwg: int) -> int:
-    return 64 * nwg * dp * 2 + 4 * bn * dp * 2 + 1024
+def _sm90_smem_bytes(dp: int, bn: int, nwg: int, nstage: int) -> int:
+    return 64 * nwg * dp * 2 + 2 * nstage * bn * dp * 2 + 1024
 
 
-def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, minb: int, bf16: bool) -> Any:
-    key = ("sm90", device_id, dp, bn, nwg, minb, bf16, EXTRA_SM90_DEFINES)
+def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, nstage: int, bf16: bool) -> Any:
+    key = ("sm90", device_id, dp, bn, nwg, nstage, bf16, EXTRA_SM90_DEFINES)
     fn = _kernels.get(key)
     if fn is None:
         opts = (
             f"-DATTN_DP={dp}",
             f"-DATTN_BN={bn}",
             f"-DATTN_NWG={nwg}",
-            f"-DATTN_MINB={minb}",
+            f"-DATTN_NSTAGE={nstage}",
             f"-DATTN_BF16={int(bf16)}",
             *EXTRA_SM90_DEFINES,
         )
@@ -329,7 +330,7 @@ def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, minb: int, bf16: bo
             arch_suffix="a",
         )
         fn = mod.get_function("attn_fwd_sm90")
-        set_max_dynamic_smem(fn, _sm90_smem_bytes(dp, bn, nwg))
+        set_max_dynamic_smem(fn, _sm90_smem_bytes(dp, bn, nwg, nstage))
         _kernels[key] = fn
     return fn
 
@@ -397,7 +398,7 @@ def flash_attention_cuda(
         workspace: device buffer (cupy array) of at least
             :func:`attention_workspace_nbytes` bytes, or None (decode runs unsplit).
         stream: the ``cupy.cuda.Stream`` every launch goes to.
-        _sm90_config: benchmarking override ``(BN, NWG, MINB)`` for the sm_90 kernel.
+        _sm90_config: benchmarking override ``(BN, NWG, NSTAGE)`` for the sm_90 kernel.
         _force_splitkv: use the CUDA-core split-KV kernel whatever the shape (tests).
 
     Raises:
@@ -420,8 +421,8 @@ def flash_attention_cuda(
 
     if cc == 90 and lq > DECODE_MAX_LQ and not _force_splitkv:
         dp = -(-d // 64) * 64
-        bn, nwg, minb = _sm90_config or SM90_CONFIGS[dp]
-        fn = _sm90_kernel(device_id, dp, bn, nwg, minb, bf16)
+        bn, nwg, nstage = _sm90_config or SM90_CONFIGS[dp]
+        fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16)
         bm = 64 * nwg
         n_mblk = -(-lq // bm)
         if n_mblk > 65535:
@@ -432,7 +433,7 @@ def flash_attention_cuda(
                 (128 * nwg, 1, 1),
                 (q, k, v, out, i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
                  i32(bool(causal)), i32(n_mblk)),
-                shared_mem=_sm90_smem_bytes(dp, bn, nwg),
+                shared_mem=_sm90_smem_bytes(dp, bn, nwg, nstage),
             )  # fmt: skip
         return
 

@@ -37,6 +37,9 @@
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
 #endif
+#ifndef ATTN_NSTAGE
+#define ATTN_NSTAGE 2
+#endif
 #ifndef ATTN_MINB
 #define ATTN_MINB 1
 #endif
@@ -60,7 +63,9 @@
 // Shared memory: Q [DP/64][BM][64], K[2] [DP/64][BN][64], V[2] likewise (16-bit elements).
 #define Q_BYTES (BM * DP * 2)
 #define KV_BYTES (BN * DP * 2)
-#define SMEM_BYTES (Q_BYTES + 4 * KV_BYTES + 1024)
+#define NSTAGE ATTN_NSTAGE
+#define PF (NSTAGE - 1)  // prefetch distance in tiles
+#define SMEM_BYTES (Q_BYTES + 2 * NSTAGE * KV_BYTES + 1024)
 
 // SW128 shared-memory matrix descriptor.
 __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
@@ -120,7 +125,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const u32 sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 sQ = sbase;
   const u32 sK0 = sQ + Q_BYTES;
-  const u32 sV0 = sK0 + 2 * KV_BYTES;
+  const u32 sV0 = sK0 + NSTAGE * KV_BYTES;
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
@@ -143,7 +148,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
   if (DP != D) {  // padded head dim: zero the whole buffer once so the pad columns stay 0
-    const int n16 = (Q_BYTES + 4 * KV_BYTES) / 16;
+    const int n16 = (Q_BYTES + 2 * NSTAGE * KV_BYTES) / 16;
     for (int i = tid; i < n16; i += NT)
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sbase + i * 16), "r"(0) : "memory");
     __syncthreads();
@@ -281,15 +286,20 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #else
   // v2: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued back to back; the softmax of
   // S_{j+1} (exp2 on the MUFU units) runs while P_j V_j is still on the tensor cores.
-  // K_t lives in K buffer t&1, V_t in V buffer t&1. Iteration j loads K_{j+2} and V_{j+1}.
+  // Copies run PF = NSTAGE-1 tiles ahead: copy group t = {K_{t+1}, V_t} (group -1 = {Q, K_0});
+  // K_t lives in K buffer t % NSTAGE, V_t in V buffer t % NSTAGE.
+  auto issue_group = [&](int t) {
+    if (t + 1 < n_tiles) load_tile<BN>(sK0 + ((t + 1) % NSTAGE) * KV_BYTES, k, (t + 1) * BN, Lk, D);
+    if (t < n_tiles) load_tile<BN>(sV0 + (t % NSTAGE) * KV_BYTES, v, t * BN, Lk, D);
+    cp_async_commit();  // always, so group counting stays uniform
+  };
   load_tile<BM>(sQ, q, m0, Lq, D);
   if (n_tiles > 0) load_tile<BN>(sK0, k, 0, Lk, D);
   cp_async_commit();
-  if (n_tiles > 0) load_tile<BN>(sV0, v, 0, Lk, D);
-  if (n_tiles > 1) load_tile<BN>(sK0 + KV_BYTES, k, BN, Lk, D);
-  cp_async_commit();
+#pragma unroll
+  for (int t = 0; t < PF; ++t) issue_group(t);
   if (n_tiles > 0) {
-    cp_async_wait<1>();
+    cp_async_wait<PF>();
     fence_proxy_async();
     __syncthreads();
     wgmma_fence();
@@ -303,16 +313,14 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   }
   // Every iteration of this loop has a next tile (uniform wgmma pipeline for ptxas).
   for (int j = 0; j + 1 < n_tiles; ++j) {
-    cp_async_wait<0>();
+    cp_async_wait<PF - 1>();  // group j landed
     fence_proxy_async();
-    __syncthreads();
-    if (j + 2 < n_tiles) load_tile<BN>(sK0 + (j & 1) * KV_BYTES, k, (j + 2) * BN, Lk, D);
-    load_tile<BN>(sV0 + ((j + 1) & 1) * KV_BYTES, v, (j + 1) * BN, Lk, D);
-    cp_async_commit();
+    __syncthreads();          // ... for every thread; buffers of step j-1 are free
+    issue_group(j + PF);
     wgmma_fence();
-    issue_s(sK0 + ((j + 1) & 1) * KV_BYTES);
+    issue_s(sK0 + ((j + 1) % NSTAGE) * KV_BYTES);
     wgmma_commit();
-    issue_o(sV0 + (j & 1) * KV_BYTES);
+    issue_o(sV0 + (j % NSTAGE) * KV_BYTES);
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(s);
@@ -325,11 +333,11 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     to_p();
   }
   if (n_tiles > 0) {  // last tile: O += P V only
-    cp_async_wait<0>();
+    cp_async_wait<PF - 1>();
     fence_proxy_async();
     __syncthreads();
     wgmma_fence();
-    issue_o(sV0 + ((n_tiles - 1) & 1) * KV_BYTES);
+    issue_o(sV0 + ((n_tiles - 1) % NSTAGE) * KV_BYTES);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc);
