@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_NS = (64, 128, 192, 256)
+_NS = (64, 96, 112, 128, 192, 256)
 _TYPES = {"f16": "f16", "bf16": "bf16"}
 
 

@@ -46,6 +46,7 @@ def main() -> int:
         ws = None
         if mode == "split":
             ws = cp.empty(attn.attention_workspace_nbytes(q.shape, k.shape, dt), dtype=cp.uint8)
+        cp.cuda.Device().synchronize()  # poison fill ran on the null stream
         attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, workspace=ws, stream=stream,
                                   _force_splitkv=mode == "fallback")  # fmt: skip
         stream.synchronize()

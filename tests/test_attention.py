@@ -162,6 +162,7 @@ def _run_gpu(
     out.view(cp.uint16).fill(0x7E00 if q.dtype == F16 else 0x7FC0)  # NaN poison
     nbytes = attn.attention_workspace_nbytes(q.shape, k.shape, q.dtype)
     ws = cp.empty(max(nbytes, 1), dtype=cp.uint8) if workspace else None
+    cp.cuda.Device().synchronize()  # inputs and poison (null stream) before the non-blocking stream
     stream = cp.cuda.Stream(non_blocking=True)
     attn.flash_attention_cuda(
         dq, dk, dv, out, causal=causal, scale=scale, workspace=ws, stream=stream,

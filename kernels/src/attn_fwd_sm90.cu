@@ -37,6 +37,9 @@
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
 #endif
+#ifndef ATTN_POLY  // 0: all exp2 on MUFU; N: every N-th 8-column group on the FMA pipe
+#define ATTN_POLY 0
+#endif
 #ifndef ATTN_NSTAGE
 #define ATTN_NSTAGE 2
 #endif
@@ -74,6 +77,18 @@ __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
   d |= (u64)((sbo >> 4) & 0x3FFF) << 32;
   d |= (u64)1 << 62;
   return d;
+}
+
+// 2^x for x <= 0 on the FMA/ALU pipes (Cody-Waite split + degree-3 polynomial, rel. error
+// < 8e-5, below fp16/bf16 rounding of P); exact 0 for x < -125 (and -inf).
+__device__ __forceinline__ float poly_exp2(float x) {
+  const float xc = fmaxf(x, -125.f);
+  const float t = xc + 12582912.f;  // 1.5 * 2^23: round to integer in the low mantissa bits
+  const float f = xc - (t - 12582912.f);  // in [-0.5, 0.5]
+  float p = fmaf(fmaf(fmaf(0.05516974627971649f, f, 0.24260665476322174f), f, 0.6932609677314758f), f,
+                 0.9999284744262695f);
+  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+  return x < -125.f ? 0.f : r;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -225,8 +240,13 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       float sum = 0.f;
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t) {
-        s[4 * t + 2 * h] = fast_exp2(s[4 * t + 2 * h] - m_use);
-        s[4 * t + 2 * h + 1] = fast_exp2(s[4 * t + 2 * h + 1] - m_use);
+        if (ATTN_POLY > 0 && t % (ATTN_POLY > 0 ? ATTN_POLY : 1) == 1 % (ATTN_POLY > 0 ? ATTN_POLY : 1)) {
+          s[4 * t + 2 * h] = poly_exp2(s[4 * t + 2 * h] - m_use);
+          s[4 * t + 2 * h + 1] = poly_exp2(s[4 * t + 2 * h + 1] - m_use);
+        } else {
+          s[4 * t + 2 * h] = fast_exp2(s[4 * t + 2 * h] - m_use);
+          s[4 * t + 2 * h + 1] = fast_exp2(s[4 * t + 2 * h + 1] - m_use);
+        }
         sum += s[4 * t + 2 * h] + s[4 * t + 2 * h + 1];
       }
       row_l[h] = row_l[h] * alpha[h] + sum;
