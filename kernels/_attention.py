@@ -296,8 +296,8 @@ def expanded_source(name: str) -> str:
 #: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
 #: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
 SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
-    64: (128, 3, 3),
-    128: (64, 3, 4),
+    64: (64, 4, 2),
+    128: (96, 3, 2),
     192: (64, 2, 2),
     256: (64, 2, 2),
 }

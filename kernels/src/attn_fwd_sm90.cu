@@ -67,7 +67,10 @@
 #define Q_BYTES (BM * DP * 2)
 #define KV_BYTES (BN * DP * 2)
 #define NSTAGE ATTN_NSTAGE
-#define PF (NSTAGE - 1)  // prefetch distance in tiles
+#ifndef ATTN_SLACK
+#define ATTN_SLACK 0
+#endif
+#define PF (NSTAGE - 1 - (ATTN_PIPE == 2 ? ATTN_SLACK : 0))  // prefetch distance in tiles
 #define SMEM_BYTES (Q_BYTES + 2 * NSTAGE * KV_BYTES + 1024)
 
 // SW128 shared-memory matrix descriptor.
@@ -89,6 +92,25 @@ __device__ __forceinline__ float poly_exp2(float x) {
                  0.9999284744262695f);
   const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
   return x < -125.f ? 0.f : r;
+}
+
+__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
+// Arrive once all of this thread's earlier cp.async copies have landed (count not raised).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -298,6 +320,79 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     to_p();
     wgmma_fence();
     issue_o(sV0 + buf * KV_BYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(p);
+  }
+#elif ATTN_PIPE == 2
+  // v3: as v2, but the copy pipeline runs on mbarriers instead of a block-wide barrier per
+  // tile, so warpgroups drift apart (one's softmax overlaps another's matmuls).
+  // Copy group g = {K_{g+1}, V_g} (each thread's cp.async copies, then an arrive on
+  // full[g % NSTAGE]); after tile j's matmuls each thread arrives on empty[j % NSTAGE].
+  // Group g (g >= NSTAGE) reuses the buffers of group g - NSTAGE.
+  __shared__ __align__(8) u64 bars[2 * NSTAGE];
+  const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[NSTAGE]);
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 2 * NSTAGE; ++i) mbar_init(full0 + 8 * i, NT);
+  }
+  __syncthreads();
+  auto issue_group = [&](int g) {  // only for g < n_tiles
+    if (g >= NSTAGE) mbar_wait(empty0 + 8 * (g % NSTAGE), ((g / NSTAGE) + 1) & 1);
+    if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, (g + 1) * BN, Lk, D);
+    load_tile<BN>(sV0 + (g % NSTAGE) * KV_BYTES, v, g * BN, Lk, D);
+    cp_async_commit();
+    mbar_arrive_cp_async(full0 + 8 * (g % NSTAGE));
+  };
+  load_tile<BM>(sQ, q, m0, Lq, D);
+  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, Lk, D);
+  cp_async_commit();
+#pragma unroll
+  for (int g = 0; g < PF; ++g) {
+    if (g < n_tiles) issue_group(g);
+    else cp_async_commit();  // keep the group count uniform for the wait below
+  }
+  if (n_tiles > 0) {
+    cp_async_wait<PF>();  // Q and K_0
+    fence_proxy_async();
+    __syncthreads();
+    wgmma_fence();
+    issue_s(sK0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    float alpha[2];
+    softmax(0, alpha);
+    to_p();
+    __syncthreads();  // K buffer 0 is free for group NSTAGE-1
+  }
+  for (int j = 0; j + 1 < n_tiles; ++j) {
+    mbar_wait(full0 + 8 * (j % NSTAGE), (j / NSTAGE) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_s(sK0 + ((j + 1) % NSTAGE) * KV_BYTES);
+    wgmma_commit();
+    issue_o(sV0 + (j % NSTAGE) * KV_BYTES);
+    wgmma_commit();
+    if (j + PF < n_tiles) issue_group(j + PF);
+    wgmma_wait<1>();
+    fence_regs(s);
+    float alpha[2];
+    softmax((j + 1) * BN, alpha);
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(p);
+    mbar_arrive(empty0 + 8 * (j % NSTAGE));
+    rescale(alpha);
+    to_p();
+  }
+  if (n_tiles > 0) {
+    const int j = n_tiles - 1;
+    mbar_wait(full0 + 8 * (j % NSTAGE), (j / NSTAGE) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_o(sV0 + (j % NSTAGE) * KV_BYTES);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc);
