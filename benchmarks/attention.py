@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="sm90 configs BN:NWG:MINB,...")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch SDPA timings")
+    ap.add_argument("--decode-defines", default="", help="extra split-KV defines, e.g. -DATTN_UK=8")
     ap.add_argument("--defines", default="", help="extra sm90 NVRTC defines, e.g. -DATTN_PIPE=0")
     args = ap.parse_args()
     t0 = time.time()
@@ -253,6 +254,7 @@ def main() -> None:
 
         dtypes = args.dtypes.split(",")
         attn.EXTRA_SM90_DEFINES = tuple(args.defines.split())
+        attn.EXTRA_SPLITKV_DEFINES = tuple(args.decode_defines.split())
         points = POINTS
         if args.points:
             points = [(int(a), int(b), bool(int(c))) for a, b, c in (p.split(":") for p in args.points.split(","))]

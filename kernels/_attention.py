@@ -296,8 +296,8 @@ def expanded_source(name: str) -> str:
 #: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
 #: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
 SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
-    64: (64, 4, 2),
-    128: (96, 3, 2),
+    64: (64, 4, 4),
+    128: (96, 3, 3),
     192: (64, 2, 2),
     256: (64, 2, 2),
 }
@@ -305,6 +305,8 @@ SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
 _kernels: dict[tuple[Any, ...], Any] = {}
 #: Extra NVRTC defines for the sm_90 kernel (experiments only, e.g. ``("-DATTN_VSPLIT=1",)``).
 EXTRA_SM90_DEFINES: tuple[str, ...] = ()
+#: Extra NVRTC defines for the split-KV kernel (experiments only, e.g. ``("-DATTN_UK=8",)``).
+EXTRA_SPLITKV_DEFINES: tuple[str, ...] = ()
 
 
 def _sm90_smem_bytes(dp: int, bn: int, nwg: int, nstage: int) -> int:
@@ -336,10 +338,10 @@ def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, nstage: int, bf16: 
 
 
 def _splitkv_kernels(device_id: int, d: int, gt: int, bf16: bool) -> tuple[Any, Any]:
-    key = ("splitkv", device_id, d, gt, bf16)
+    key = ("splitkv", device_id, d, gt, bf16, EXTRA_SPLITKV_DEFINES)
     fns = _kernels.get(key)
     if fns is None:
-        opts = (f"-DATTN_D={d}", f"-DATTN_GT={gt}", f"-DATTN_BF16={int(bf16)}")
+        opts = (f"-DATTN_D={d}", f"-DATTN_GT={gt}", f"-DATTN_BF16={int(bf16)}", *EXTRA_SPLITKV_DEFINES)
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         fns = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
         _kernels[key] = fns

@@ -31,8 +31,8 @@
 #ifndef ATTN_NWG
 #define ATTN_NWG 2
 #endif
-#ifndef ATTN_PIPE
-#define ATTN_PIPE 1
+#ifndef ATTN_PIPE  // 0: v1, 1: v2 (block barrier per tile), 2: v3 (mbarrier pipeline)
+#define ATTN_PIPE 2
 #endif
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
@@ -71,6 +71,9 @@
 #define ATTN_SLACK 0
 #endif
 #define PF (NSTAGE - 1 - (ATTN_PIPE == 2 ? ATTN_SLACK : 0))  // prefetch distance in tiles
+#if PF < 1
+#error "ATTN_NSTAGE too small for ATTN_SLACK"
+#endif
 #define SMEM_BYTES (Q_BYTES + 2 * NSTAGE * KV_BYTES + 1024)
 
 // SW128 shared-memory matrix descriptor.

@@ -28,7 +28,10 @@
 #define NCH (DH / 8)                                                       // 16-byte chunks per row
 #define LPK (NCH <= 1 ? 1 : NCH <= 2 ? 2 : NCH <= 4 ? 4 : NCH <= 8 ? 8 : NCH <= 16 ? 16 : 32)  // lanes per key
 #define KPW (32 / LPK)                                                     // keys per warp step
-#define UK 4                                                               // keys per lane group per step
+#ifndef ATTN_UK
+#define ATTN_UK 4
+#endif
+#define UK ATTN_UK  // keys per lane group per step
 #define NWARP 4
 
 __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
