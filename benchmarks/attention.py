@@ -22,6 +22,7 @@ same run (bytes read + written).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deviceops.kernels import _attention as attn  # noqa: E402
+from deviceops.kernels import _attention as attn
 
 POINTS = [(L, D, causal) for L in (1024, 4096, 8192) for D in (64, 128) for causal in (False, True)]
 
@@ -57,7 +58,9 @@ def smoke() -> dict[str, Any]:
             attn.attention_check(q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype)
             o = attn.attention_reference(q, k, v, causal=causal)
             ok = bool(np.isfinite(o.astype(np.float32)).all())
-            rows.append({"dtype": str(dt), "lq": lq, "lk": lk, "d": d, "causal": causal, "finite": ok})
+            rows.append(
+                {"dtype": str(dt), "lq": lq, "lk": lk, "d": d, "causal": causal, "finite": ok}
+            )
             print(f"smoke {dt!s:9} Lq={lq:3} Lk={lk:3} D={d:3} causal={causal!s:5} finite={ok}")
             assert ok
     return {"mode": "smoke", "rows": rows}
@@ -106,68 +109,105 @@ def _time_cupy(fn: Any, stream: Any, iters: int, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
-def bench_forward(dtypes: list[str], points: list[tuple[int, int, bool]], iters: int,
-                  variants: list[tuple[int, int, int]] | None, refs: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+def bench_forward(
+    dtypes: list[str],
+    points: list[tuple[int, int, bool]],
+    iters: int,
+    variants: list[tuple[int, int, int]] | None,
+    refs: bool = True,
+) -> list[dict[str, Any]]:
+    """Time every (dtype, L, D, causal) point: ours (and variants), FA2, cuDNN."""
+    import torch
+
+    rows = []
+    for dname in dtypes:
+        for L, D, causal in points:
+            row = _bench_point(dname, L, D, causal, iters, variants, refs)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_point(
+    dname: str,
+    L: int,
+    D: int,
+    causal: bool,
+    iters: int,
+    variants: list[tuple[int, int, int]] | None,
+    refs: bool,
+) -> dict[str, Any]:
     import cupy
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
-    for dname in dtypes:
-        tdt = torch.float16 if dname == "float16" else torch.bfloat16
-        for L, D, causal in points:
-            B, H = 16384 // L, 2048 // D
-            torch.manual_seed(L * 1000 + D + int(causal))
-            q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=tdt) for _ in range(3))
-            o = torch.empty_like(q)
-            cq, ck, cv, co = (_to_cupy(t) for t in (q, k, v, o))
-            torch.cuda.synchronize()
-            f = flops(B, H, L, L, D, causal)
-            row: dict[str, Any] = {"dtype": dname, "L": L, "D": D, "causal": causal, "B": B, "H": H}
-            cfgs = [None] + (variants or [])
-            best = None
-            for cfg in cfgs:
-                if cfg is not None and -(-D // 64) * 64 != D:
-                    continue
+    tdt = torch.float16 if dname == "float16" else torch.bfloat16
+    B, H = 16384 // L, 2048 // D
+    torch.manual_seed(L * 1000 + D + int(causal))
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=tdt) for _ in range(3))
+    o = torch.empty_like(q)
+    cq, ck, cv, co = (_to_cupy(t) for t in (q, k, v, o))
+    torch.cuda.synchronize()
+    f = flops(B, H, L, L, D, causal)
+    row: dict[str, Any] = {"dtype": dname, "L": L, "D": D, "causal": causal, "B": B, "H": H}
+    for cfg in [None, *(variants or [])]:
 
-                def ours(cfg: Any = cfg) -> None:
-                    attn.flash_attention_cuda(cq, ck, cv, co, causal=causal, stream=stream, _sm90_config=cfg)
+        def ours(cfg: tuple[int, int, int] | None = cfg) -> None:
+            attn.flash_attention_cuda(
+                cq, ck, cv, co, causal=causal, stream=stream, _sm90_config=cfg
+            )
 
-                try:
-                    ms = _time_cupy(ours, stream, iters)
-                except Exception as exc:  # a variant may not fit (smem/regs)
-                    print(f"  variant {cfg} failed: {exc}")
-                    continue
-                tf = f / ms / 1e9
-                key = "ours" if cfg is None else f"ours_{cfg[0]}_{cfg[1]}_{cfg[2]}"
-                row[key + "_tflops"] = round(tf, 1)
-                if best is None or tf > best:
-                    best = tf
-            # correctness against FA2's output on the same inputs (default config)
-            attn.flash_attention_cuda(cq, ck, cv, co, causal=causal, stream=stream)
-            stream.synchronize()
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                ref = sdpa(q, k, v, is_causal=causal)
-            err = (torch.linalg.vector_norm((o.float() - ref.float())) / torch.linalg.vector_norm(ref.float())).item()
-            row["rel_err_vs_fa2"] = float(f"{err:.2e}")
-            row["finite"] = bool(torch.isfinite(o).all().item())
-            for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))[: 2 * refs]:
-                try:
-                    with sdpa_kernel(be):
-                        ms = _time_torch(lambda be=be: sdpa(q, k, v, is_causal=causal), iters)
-                    row[name + "_tflops"] = round(f / ms / 1e9, 1)
-                except Exception as exc:
-                    print(f"  {name} failed: {exc}")
-            ours_tf = row.get("ours_tflops", float("nan"))
-            row["ratio_fa2"] = round(ours_tf / row.get("fa2_tflops", float("nan")), 3)
-            row["ratio_cudnn"] = round(ours_tf / row.get("cudnn_tflops", float("nan")), 3)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del q, k, v, o, cq, ck, cv, co, ref
-            torch.cuda.empty_cache()
-    return rows
+        try:
+            ms = _time_cupy(ours, stream, iters)
+        except Exception as exc:  # a variant may not fit (shared memory)
+            print(f"  variant {cfg} failed: {exc}")
+            continue
+        key = "ours" if cfg is None else f"ours_{cfg[0]}_{cfg[1]}_{cfg[2]}"
+        row[key + "_tflops"] = round(f / ms / 1e9, 1)
+    # correctness against FA2's output on the same inputs (default config)
+    attn.flash_attention_cuda(cq, ck, cv, co, causal=causal, stream=stream)
+    stream.synchronize()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = sdpa(q, k, v, is_causal=causal)
+    num = torch.linalg.vector_norm(o.float() - ref.float())
+    err = (num / torch.linalg.vector_norm(ref.float())).item()
+    row["rel_err_vs_fa2"] = float(f"{err:.2e}")
+    row["finite"] = bool(torch.isfinite(o).all().item())
+    backends = (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
+    for name, be in backends if refs else ():
+
+        def theirs() -> None:
+            sdpa(q, k, v, is_causal=causal)
+
+        try:
+            with sdpa_kernel(be):
+                ms = _time_torch(theirs, iters)
+            row[name + "_tflops"] = round(f / ms / 1e9, 1)
+        except Exception as exc:
+            print(f"  {name} failed: {exc}")
+    ours_tf = row.get("ours_tflops", float("nan"))
+    row["ratio_fa2"] = round(ours_tf / row.get("fa2_tflops", float("nan")), 3)
+    row["ratio_cudnn"] = round(ours_tf / row.get("cudnn_tflops", float("nan")), 3)
+    return row
+
+
+def _copy_gbs(stream: Any) -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer (bytes read + written)."""
+    import cupy
+
+    n = 1 << 30
+    src = cupy.empty(n, dtype=cupy.uint8)
+    src.view(cupy.float32)[:] = 1.0
+    dst = cupy.empty_like(src)
+
+    def copy() -> None:
+        dst.data.copy_from_device_async(src.data, n, stream=stream)
+
+    ms = _time_cupy(copy, stream, 20)
+    return 2 * n / ms / 1e6
 
 
 def bench_decode(dtypes: list[str]) -> list[dict[str, Any]]:
@@ -175,19 +215,8 @@ def bench_decode(dtypes: list[str]) -> list[dict[str, Any]]:
     import torch
 
     rows = []
-    # D2D copy bandwidth (bytes read + written)
-    n = 1 << 30
-    src = cupy.empty(n, dtype=cupy.uint8)
-    src.view(cupy.float32)[:] = 1.0
-    dst = cupy.empty_like(src)
     stream = cupy.cuda.Stream(non_blocking=True)
-
-    def copy() -> None:
-        dst.data.copy_from_device_async(src.data, n, stream=stream)
-
-    ms = _time_cupy(copy, stream, 20)
-    copy_gbs = 2 * n / ms / 1e6
-    del src, dst
+    copy_gbs = _copy_gbs(stream)
     B, Hq, Hkv, Lk, D = 8, 32, 8, 4096, 128
     for dname in dtypes:
         tdt = torch.float16 if dname == "float16" else torch.bfloat16
@@ -198,7 +227,9 @@ def bench_decode(dtypes: list[str]) -> list[dict[str, Any]]:
             v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=tdt)
             o = torch.empty_like(q)
             sets.append((q, k, v, o, *(_to_cupy(t) for t in (q, k, v, o))))
-        ws = cupy.empty(attn.attention_workspace_nbytes((B, Hq, 1, D), (B, Hkv, Lk, D), None), dtype=cupy.uint8)
+        ws = cupy.empty(
+            attn.attention_workspace_nbytes((B, Hq, 1, D), (B, Hkv, Lk, D), None), dtype=cupy.uint8
+        )
         torch.cuda.synchronize()
         for s in sets:  # warm-up / compile
             attn.flash_attention_cuda(*s[4:], workspace=ws, stream=stream)
@@ -211,12 +242,14 @@ def bench_decode(dtypes: list[str]) -> list[dict[str, Any]]:
         graph = stream.end_capture()
         graph.launch(stream=stream)
         stream.synchronize()
-        ms = _time_cupy(lambda: graph.launch(stream=stream), stream, 30) / reps
+        ms = _time_cupy(functools.partial(graph.launch, stream=stream), stream, 30) / reps
         nbytes = 2 * (B * Hq * D * 2) + 2 * (B * Hkv * Lk * D * 2)
         gbs = nbytes / ms / 1e6
         q, k, v, o = sets[0][:4]
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float().repeat_interleave(Hq // Hkv, 1), v.float().repeat_interleave(Hq // Hkv, 1)
+            q.float(),
+            k.float().repeat_interleave(Hq // Hkv, 1),
+            v.float().repeat_interleave(Hq // Hkv, 1),
         )
         attn.flash_attention_cuda(*sets[0][4:], workspace=ws, stream=stream)
         stream.synchronize()
@@ -257,8 +290,13 @@ def main() -> None:
         attn.EXTRA_SPLITKV_DEFINES = tuple(args.decode_defines.split())
         points = POINTS
         if args.points:
-            points = [(int(a), int(b), bool(int(c))) for a, b, c in (p.split(":") for p in args.points.split(","))]
-        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",") if v] or None
+            points = [
+                (int(a), int(b), bool(int(c)))
+                for a, b, c in (p.split(":") for p in args.points.split(","))
+            ]
+        variants = [
+            tuple(int(x) for x in v.split(":")) for v in args.variants.split(",") if v
+        ] or None
         result = {
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -276,7 +314,9 @@ def main() -> None:
 def print_table(result: dict[str, Any]) -> None:
     """Print the forward and decode tables (markdown)."""
     print(f"\n{result['device']}  torch {result['torch']}  cupy {result['cupy']}  {result['date']}")
-    print("| dtype | L | D | causal | ours TFLOP/s | FA2 | cuDNN | ours/FA2 | ours/cuDNN | rel err vs FA2 |")
+    print(
+        "| dtype | L | D | causal | ours TFLOP/s | FA2 | cuDNN | ours/FA2 | ours/cuDNN | rel err vs FA2 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["forward"]:
         print(f"| {r['dtype']} | {r['L']} | {r['D']} | {r['causal']} | {r.get('ours_tflops')} | "

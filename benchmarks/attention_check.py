@@ -11,7 +11,6 @@ import traceback
 
 import cupy
 import torch
-
 from deviceops.kernels import _attention as attn
 
 
@@ -29,7 +28,9 @@ def ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torc
 
 
 def main() -> None:
-    variants = [tuple(v.split()) for v in " ".join(sys.argv[1:]).split("/")] if sys.argv[1:] else [()]
+    variants = (
+        [tuple(v.split()) for v in " ".join(sys.argv[1:]).split("/")] if sys.argv[1:] else [()]
+    )
     shapes = [(1, 2, 2, 200, 300, 128, True), (1, 2, 1, 129, 129, 64, False), (1, 2, 2, 130, 90, 256, True),
               (1, 2, 2, 100, 100, 96, False), (2, 4, 2, 1000, 1000, 128, True)]  # fmt: skip
     s = cupy.cuda.Stream(non_blocking=True)
@@ -49,7 +50,9 @@ def main() -> None:
                     s.synchronize()
                     r = ref(q, k, v, causal)
                     err = ((o.float() - r).norm() / r.norm()).item()
-                    print(f"{var} {(b, hq, hkv, lq, lk, d, causal)} {tdt}: rel_err={err:.2e} nan={o.isnan().any().item()}")
+                    print(
+                        f"{var} {(b, hq, hkv, lq, lk, d, causal)} {tdt}: rel_err={err:.2e} nan={o.isnan().any().item()}"
+                    )
                 except Exception:
                     traceback.print_exc()
 

@@ -12,7 +12,6 @@ import sys
 import cupy as cp
 import ml_dtypes
 import numpy as np
-
 from deviceops.kernels import _attention as attn
 
 CASES = [
@@ -52,7 +51,7 @@ def main() -> int:
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)
         ref = attn.attention_reference(q, k, v, causal=causal).astype(np.float64)
-        err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
+        err = float(np.linalg.norm(o - ref) / max(float(np.linalg.norm(ref)), 1e-30))
         n_nan = int(np.isnan(o).sum())
         ok = n_nan == 0 and err < (2e-3 if dn == "f16" else 1e-2)
         bad += not ok

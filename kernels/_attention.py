@@ -111,9 +111,7 @@ def attention_check(
     shapes = f"q {q_shape}, k {k_shape}, v {v_shape}"
     for name, shp in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shp) != 4:
-            raise ShapeError(
-                f"{op}: {name} must be 4-D (B, H, L, D); got {shapes}", op=op
-            )
+            raise ShapeError(f"{op}: {name} must be 4-D (B, H, L, D); got {shapes}", op=op)
         if any(int(s) < 1 for s in shp):
             raise ShapeError(f"{op}: every dimension must be >= 1; got {shapes}", op=op)
     b, hq, _lq, d = q_shape
@@ -152,9 +150,7 @@ def attention_check(
             op=op,
         )
     if out_shape is not None and tuple(out_shape) != q_shape:
-        raise ShapeError(
-            f"{op}: out shape {tuple(out_shape)} must equal q shape {q_shape}", op=op
-        )
+        raise ShapeError(f"{op}: out shape {tuple(out_shape)} must equal q shape {q_shape}", op=op)
     if out_dtype is not None:
         try:
             odt = np.dtype(out_dtype)
@@ -341,7 +337,12 @@ def _splitkv_kernels(device_id: int, d: int, gt: int, bf16: bool) -> tuple[Any, 
     key = ("splitkv", device_id, d, gt, bf16, EXTRA_SPLITKV_DEFINES)
     fns = _kernels.get(key)
     if fns is None:
-        opts = (f"-DATTN_D={d}", f"-DATTN_GT={gt}", f"-DATTN_BF16={int(bf16)}", *EXTRA_SPLITKV_DEFINES)
+        opts = (
+            f"-DATTN_D={d}",
+            f"-DATTN_GT={gt}",
+            f"-DATTN_BF16={int(bf16)}",
+            *EXTRA_SPLITKV_DEFINES,
+        )
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         fns = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
         _kernels[key] = fns
@@ -428,7 +429,9 @@ def flash_attention_cuda(
         bm = 64 * nwg
         n_mblk = -(-lq // bm)
         if n_mblk > 65535:
-            raise ShapeError(f"flash_attention: Lq={lq} too long for one launch", op="flash_attention")
+            raise ShapeError(
+                f"flash_attention: Lq={lq} too long for one launch", op="flash_attention"
+            )
         with stream:
             fn(
                 (b * hq, n_mblk, 1),
@@ -466,7 +469,9 @@ def flash_attention_cuda(
     if n_split == 1:
         chunk = lk
     if x_blocks > 2**31 - 1 or n_split > 65535 or b > 65535:
-        raise ShapeError(f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention")
+        raise ShapeError(
+            f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention"
+        )
     fn, combine = _splitkv_kernels(device_id, d, gt, bf16)
     u64 = np.uint64
     with stream:

@@ -14,16 +14,18 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from deviceops.kernels import _attention as attn
 
 from deviceops._errors import DTypeError, ShapeError
-from deviceops.kernels import _attention as attn
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 TOL = {F16: 2e-3, BF16: 1e-2}
 
 
-def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float | None) -> np.ndarray:
+def naive(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float | None
+) -> np.ndarray:
     """float64 softmax(scale q k^T) v, row by row (the definition, no tricks but the max)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -45,7 +47,9 @@ def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: floa
     return out
 
 
-def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, amp: float = 1.0) -> np.ndarray:
+def rand(
+    rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, amp: float = 1.0
+) -> np.ndarray:
     return (rng.standard_normal(shape) * amp).astype(dtype)
 
 
@@ -78,7 +82,9 @@ def test_check_ok_and_gqa() -> None:
         ((2, 8, 0, 64), (2, 2, 9, 64), (2, 2, 9, 64), ">= 1"),
     ],
 )
-def test_check_shape_errors(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], match: str) -> None:
+def test_check_shape_errors(
+    q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], match: str
+) -> None:
     with pytest.raises(ShapeError, match=match) as ei:
         attn.attention_check(q, F16, k, F16, v, F16)
     assert isinstance(ei.value, ValueError)
@@ -122,7 +128,11 @@ def test_reference_matches_naive(
     b: int, hq: int, hkv: int, lq: int, lk: int, d: int, causal: bool, dtype: np.dtype
 ) -> None:
     rng = np.random.default_rng()
-    q, k, v = rand(rng, (b, hq, lq, d), dtype), rand(rng, (b, hkv, lk, d), dtype), rand(rng, (b, hkv, lk, d), dtype)
+    q, k, v = (
+        rand(rng, (b, hq, lq, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+    )
     ref = naive(q, k, v, causal, None)
     out = attn.attention_reference(q, k, v, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape
@@ -195,9 +205,14 @@ SHAPES_FWD = [
 @pytest.mark.parametrize("shape", SHAPES_FWD, ids=str)
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 def test_gpu_forward(shape: tuple[int, ...], dtype: np.dtype) -> None:
-    b, hq, hkv, lq, lk, d, causal = shape
+    b, hq, hkv, lq, lk, d, c = shape
+    causal = bool(c)
     rng = np.random.default_rng()
-    q, k, v = rand(rng, (b, hq, lq, d), dtype), rand(rng, (b, hkv, lk, d), dtype), rand(rng, (b, hkv, lk, d), dtype)
+    q, k, v = (
+        rand(rng, (b, hq, lq, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+    )
     out = _run_gpu(q, k, v, causal)
     assert np.isfinite(out.astype(np.float32)).all()
     ref = attn.attention_reference(q, k, v, causal=causal).astype(np.float64)
@@ -221,9 +236,14 @@ SHAPES_DEC = [
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("ws", [True, False], ids=["split", "nosplit"])
 def test_gpu_decode(shape: tuple[int, ...], dtype: np.dtype, ws: bool) -> None:
-    b, hq, hkv, lq, lk, d, causal = shape
+    b, hq, hkv, lq, lk, d, c = shape
+    causal = bool(c)
     rng = np.random.default_rng()
-    q, k, v = rand(rng, (b, hq, lq, d), dtype), rand(rng, (b, hkv, lk, d), dtype), rand(rng, (b, hkv, lk, d), dtype)
+    q, k, v = (
+        rand(rng, (b, hq, lq, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+        rand(rng, (b, hkv, lk, d), dtype),
+    )
     out = _run_gpu(q, k, v, causal, workspace=ws)
     assert np.isfinite(out.astype(np.float32)).all()
     ref = attn.attention_reference(q, k, v, causal=causal).astype(np.float64)
@@ -231,11 +251,20 @@ def test_gpu_decode(shape: tuple[int, ...], dtype: np.dtype, ws: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4, 2, 65, 130, 64, True), (1, 2, 1, 33, 17, 40, True), (1, 2, 2, 50, 70, 128, False)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 4, 2, 65, 130, 64, True), (1, 2, 1, 33, 17, 40, True), (1, 2, 2, 50, 70, 128, False)],
+    ids=str,
+)
 def test_gpu_portable_fallback(shape: tuple[int, ...]) -> None:
-    b, hq, hkv, lq, lk, d, causal = shape
+    b, hq, hkv, lq, lk, d, c = shape
+    causal = bool(c)
     rng = np.random.default_rng()
-    q, k, v = rand(rng, (b, hq, lq, d), F16), rand(rng, (b, hkv, lk, d), F16), rand(rng, (b, hkv, lk, d), F16)
+    q, k, v = (
+        rand(rng, (b, hq, lq, d), F16),
+        rand(rng, (b, hkv, lk, d), F16),
+        rand(rng, (b, hkv, lk, d), F16),
+    )
     out = _run_gpu(q, k, v, causal, force_splitkv=True)
     ref = naive(q, k, v, causal, None)
     assert rel_err(out, ref) < TOL[F16]
@@ -272,9 +301,17 @@ def test_gpu_graph_capture() -> None:
     """The launcher neither allocates nor synchronises: it captures into a CUDA graph."""
     cp = _cupy()
     rng = np.random.default_rng()
-    q, k, v = rand(rng, (1, 4, 1, 128), F16), rand(rng, (1, 2, 500, 128), F16), rand(rng, (1, 2, 500, 128), F16)
+    q, k, v = (
+        rand(rng, (1, 4, 1, 128), F16),
+        rand(rng, (1, 2, 500, 128), F16),
+        rand(rng, (1, 2, 500, 128), F16),
+    )
     dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-    q2, k2, v2 = rand(rng, (1, 4, 300, 128), F16), rand(rng, (1, 2, 300, 128), F16), rand(rng, (1, 2, 300, 128), F16)
+    q2, k2, v2 = (
+        rand(rng, (1, 4, 300, 128), F16),
+        rand(rng, (1, 2, 300, 128), F16),
+        rand(rng, (1, 2, 300, 128), F16),
+    )
     dq2, dk2, dv2 = cp.asarray(q2), cp.asarray(k2), cp.asarray(v2)
     out = cp.full(q.shape, cp.nan, dtype=cp.float16)
     out2 = cp.full(q2.shape, cp.nan, dtype=cp.float16)
@@ -294,4 +331,9 @@ def test_gpu_graph_capture() -> None:
     g.launch(stream=s)
     s.synchronize()
     assert rel_err(cp.asnumpy(out), attn.attention_reference(q, k, v).astype(np.float64)) < 2e-3
-    assert rel_err(cp.asnumpy(out2), attn.attention_reference(q2, k2, v2, causal=True).astype(np.float64)) < 2e-3
+    assert (
+        rel_err(
+            cp.asnumpy(out2), attn.attention_reference(q2, k2, v2, causal=True).astype(np.float64)
+        )
+        < 2e-3
+    )
