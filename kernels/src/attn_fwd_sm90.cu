@@ -37,6 +37,9 @@
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
 #endif
+#ifndef ATTN_PINGPONG  // 1: warpgroups issue their matmuls in turn (named barriers)
+#define ATTN_PINGPONG 1
+#endif
 #ifndef ATTN_POLY  // 0: all exp2 on MUFU; N: every N-th 8-column group on the FMA pipe
 #define ATTN_POLY 0
 #endif
@@ -114,6 +117,15 @@ __device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
       "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
       "r"(parity)
       : "memory");
+}
+
+// Named barriers 1..NWG (0 is __syncthreads): warpgroup w waits on barrier w+1 for its turn
+// and hands the turn to the next warpgroup after issuing its matmuls.
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -341,6 +353,13 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     for (int i = 0; i < 2 * NSTAGE; ++i) mbar_init(full0 + 8 * i, NT);
   }
   __syncthreads();
+#if ATTN_PINGPONG && NWG > 1
+  auto my_turn = [&]() { named_sync(1 + wg, 256); };
+  auto pass_turn = [&]() { named_arrive(1 + (wg + 1) % NWG, 256); };
+#else
+  auto my_turn = [&]() {};
+  auto pass_turn = [&]() {};
+#endif
   auto issue_group = [&](int g) {  // only for g < n_tiles
     if (g >= NSTAGE) mbar_wait(empty0 + 8 * (g % NSTAGE), ((g / NSTAGE) + 1) & 1);
     if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, (g + 1) * BN, Lk, D);
@@ -360,9 +379,14 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     cp_async_wait<PF>();  // Q and K_0
     fence_proxy_async();
     __syncthreads();
+#if ATTN_PINGPONG && NWG > 1
+    if (wg == NWG - 1) named_arrive(1, 256);  // the first turn goes to warpgroup 0
+#endif
+    my_turn();
     wgmma_fence();
     issue_s(sK0);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];
@@ -373,11 +397,13 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   for (int j = 0; j + 1 < n_tiles; ++j) {
     mbar_wait(full0 + 8 * (j % NSTAGE), (j / NSTAGE) & 1);
     fence_proxy_async();
+    my_turn();
     wgmma_fence();
     issue_s(sK0 + ((j + 1) % NSTAGE) * KV_BYTES);
     wgmma_commit();
     issue_o(sV0 + (j % NSTAGE) * KV_BYTES);
     wgmma_commit();
+    pass_turn();
     if (j + PF < n_tiles) issue_group(j + PF);
     wgmma_wait<1>();
     fence_regs(s);
@@ -394,12 +420,17 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     const int j = n_tiles - 1;
     mbar_wait(full0 + 8 * (j % NSTAGE), (j / NSTAGE) & 1);
     fence_proxy_async();
+    my_turn();
     wgmma_fence();
     issue_o(sV0 + (j % NSTAGE) * KV_BYTES);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     fence_regs(acc);
     fence_regs(p);
+#if ATTN_PINGPONG && NWG > 1
+    if (wg == 0) named_sync(1, 256);  // consume the last warpgroup's final hand-over
+#endif
   }
 #else
   // v2: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued back to back; the softmax of
