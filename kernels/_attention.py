@@ -309,8 +309,10 @@ def _sm90_smem_bytes(dp: int, bn: int, nwg: int, nstage: int) -> int:
     return 64 * nwg * dp * 2 + 2 * nstage * bn * dp * 2 + 1024
 
 
-def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, nstage: int, bf16: bool) -> Any:
-    key = ("sm90", device_id, dp, bn, nwg, nstage, bf16, EXTRA_SM90_DEFINES)
+def _sm90_kernel(
+    device_id: int, dp: int, bn: int, nwg: int, nstage: int, bf16: bool, scale_pos: bool
+) -> Any:
+    key = ("sm90", device_id, dp, bn, nwg, nstage, bf16, scale_pos, EXTRA_SM90_DEFINES)
     fn = _kernels.get(key)
     if fn is None:
         opts = (
@@ -318,6 +320,7 @@ def _sm90_kernel(device_id: int, dp: int, bn: int, nwg: int, nstage: int, bf16: 
             f"-DATTN_BN={bn}",
             f"-DATTN_NWG={nwg}",
             f"-DATTN_NSTAGE={nstage}",
+            f"-DATTN_SCALE_POS={int(scale_pos)}",
             f"-DATTN_BF16={int(bf16)}",
             *EXTRA_SM90_DEFINES,
         )
@@ -425,7 +428,7 @@ def flash_attention_cuda(
     if cc == 90 and lq > DECODE_MAX_LQ and not _force_splitkv:
         dp = -(-d // 64) * 64
         bn, nwg, nstage = _sm90_config or SM90_CONFIGS[dp]
-        fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16)
+        fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16, sc > 0)
         bm = 64 * nwg
         n_mblk = -(-lq // bm)
         if n_mblk > 65535:

@@ -337,3 +337,17 @@ def test_gpu_graph_capture() -> None:
         )
         < 2e-3
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq", [1, 130])
+def test_gpu_negative_scale(lq: int) -> None:
+    """scale <= 0 takes the kernel's general softmax path (max after scaling)."""
+    rng = np.random.default_rng()
+    q = rand(rng, (1, 4, lq, 128), F16)
+    k = rand(rng, (1, 2, 150, 128), F16)
+    v = rand(rng, (1, 2, 150, 128), F16)
+    out = _run_gpu(q, k, v, True, scale=-0.2)
+    ref = naive(q, k, v, True, -0.2)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert rel_err(out, ref) < TOL[F16]

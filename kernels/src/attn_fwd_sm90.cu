@@ -37,8 +37,14 @@
 #ifndef ATTN_VSPLIT
 #define ATTN_VSPLIT 0
 #endif
+#ifndef ATTN_SCALE_POS  // 1: scale > 0 (set by the launcher), folds the scale into exp2's FFMA
+#define ATTN_SCALE_POS 0
+#endif
+#ifndef ATTN_LAZY_RESCALE
+#define ATTN_LAZY_RESCALE 1
+#endif
 #ifndef ATTN_PINGPONG  // 1: warpgroups issue their matmuls in turn (named barriers)
-#define ATTN_PINGPONG 1
+#define ATTN_PINGPONG 0
 #endif
 #ifndef ATTN_POLY  // 0: all exp2 on MUFU; N: every N-th 8-column group on the FMA pipe
 #define ATTN_POLY 0
@@ -249,8 +255,10 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   // Scale, mask and exponentiate s in place for the key tile starting at n0; update row_m,
   // row_l; return the rescale factors for the accumulator in alpha.
   auto softmax = [&](int n0, float (&alpha)[2]) {
+#if !ATTN_SCALE_POS  // any sign of scale: scale first, then mask and take the max
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale_log2;
+#endif
     const bool need_mask = (n0 + BN > Lk) || (causal && n0 + BN - 1 > m0 + off);
     if (need_mask) {
 #pragma unroll
@@ -264,25 +272,33 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
             if (col >= Lk || (causal && col > row + off)) s[4 * t + 2 * h + e] = ATTN_NEG_INF;
           }
     }
+#if ATTN_SCALE_POS  // scale > 0: max of raw logits, scale folded into the exponent's FFMA
+    const float sc = scale_log2;
+#else
+    const float sc = 1.f;
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_m[h];
+      float mx = ATTN_NEG_INF;
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * h], s[4 * t + 2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(row_m[h], mx * sc);  // running max in the scaled (base-2) domain
       const float m_use = mx == ATTN_NEG_INF ? 0.f : mx;
       alpha[h] = fast_exp2(row_m[h] - m_use);
       row_m[h] = mx;
       float sum = 0.f;
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t) {
+        const float x0 = fmaf(s[4 * t + 2 * h], sc, -m_use);
+        const float x1 = fmaf(s[4 * t + 2 * h + 1], sc, -m_use);
         if (ATTN_POLY > 0 && t % (ATTN_POLY > 0 ? ATTN_POLY : 1) == 1 % (ATTN_POLY > 0 ? ATTN_POLY : 1)) {
-          s[4 * t + 2 * h] = poly_exp2(s[4 * t + 2 * h] - m_use);
-          s[4 * t + 2 * h + 1] = poly_exp2(s[4 * t + 2 * h + 1] - m_use);
+          s[4 * t + 2 * h] = poly_exp2(x0);
+          s[4 * t + 2 * h + 1] = poly_exp2(x1);
         } else {
-          s[4 * t + 2 * h] = fast_exp2(s[4 * t + 2 * h] - m_use);
-          s[4 * t + 2 * h + 1] = fast_exp2(s[4 * t + 2 * h + 1] - m_use);
+          s[4 * t + 2 * h] = fast_exp2(x0);
+          s[4 * t + 2 * h + 1] = fast_exp2(x1);
         }
         sum += s[4 * t + 2 * h] + s[4 * t + 2 * h + 1];
       }
@@ -290,6 +306,9 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     }
   };
   auto rescale = [&](const float (&alpha)[2]) {
+#if ATTN_LAZY_RESCALE  // the running max rarely moves after the first tiles: skip a no-op
+    if (!__any_sync(0xffffffffu, (alpha[0] != 1.f) | (alpha[1] != 1.f))) return;
+#endif
 #pragma unroll
     for (int t = 0; t < DP / 8; ++t) {
       acc[4 * t + 0] *= alpha[0];
