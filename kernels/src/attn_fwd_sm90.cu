@@ -41,7 +41,7 @@
 #define ATTN_SCALE_POS 0
 #endif
 #ifndef ATTN_LAZY_RESCALE
-#define ATTN_LAZY_RESCALE 1
+#define ATTN_LAZY_RESCALE 0
 #endif
 #ifndef ATTN_PINGPONG  // 1: warpgroups issue their matmuls in turn (named barriers)
 #define ATTN_PINGPONG 0
