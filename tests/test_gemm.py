@@ -1,0 +1,258 @@
+"""GEMM: argument checks, the NumPy reference, and (GPU) the CUDA paths against float64."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from deviceops.kernels import _gemm
+
+from deviceops._errors import DTypeError, ShapeError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+ACTS = [None, "relu", "gelu", "silu"]
+# ||out - ref|| / ||ref|| bounds per dtype (METHOD.md: f32 << 1e-3, tf32 ~ 3e-4, bf16 1e-3..1e-2)
+TOL = {"float32": 1e-5, "tf32": 2e-4, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def _rel(out: np.ndarray, ref: np.ndarray) -> float:
+    o = out.astype(np.float64)
+    r = ref.astype(np.float64)
+    den = float(np.linalg.norm(r)) or 1.0
+    return float(np.linalg.norm(o - r)) / den
+
+
+def _rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype[Any], scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+# --------------------------------------------------------------------------- CPU: checks
+
+
+def test_check_returns_out_shape_and_dtype() -> None:
+    assert _gemm.gemm_check((3, 5), F32, (5, 7), F32) == ((3, 7), F32)
+    assert _gemm.gemm_check((2, 4, 3, 5), BF16, (5, 7), BF16) == ((2, 4, 3, 7), BF16)
+    assert _gemm.gemm_check((2, 3, 5), F16, (2, 5, 7), F16, bias_shape=(7,), bias_dtype=F16) == ((2, 3, 7), F16)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "kw", "err", "text"),
+    [
+        ((3, 5), (6, 7), {}, ShapeError, "K=5"),
+        ((5,), (5, 7), {}, ShapeError, "at least 2 dims"),
+        ((2, 3, 5), (3, 5, 7), {}, ShapeError, "leading dims"),
+        ((0, 5), (5, 7), {}, ShapeError, ">= 1"),
+        ((3, 5), (5, 7), {"out_shape": (3, 8)}, ShapeError, "(3, 8)"),
+        ((3, 5), (5, 7), {"bias_shape": (3,)}, ShapeError, "bias"),
+        ((3, 5), (5, 7), {"activation": "tanh"}, ValueError, "activation"),
+    ],
+)
+def test_check_shape_errors(a: tuple[int, ...], b: tuple[int, ...], kw: dict[str, Any], err: type, text: str) -> None:
+    with pytest.raises(err, match="gemm") as ei:
+        _gemm.gemm_check(a, F32, b, F32, **kw)
+    assert text in str(ei.value)
+
+
+def test_check_dtype_errors() -> None:
+    with pytest.raises(DTypeError, match="float64"):
+        _gemm.gemm_check((3, 5), np.float64, (5, 7), np.float64)
+    with pytest.raises(DTypeError, match="must match"):
+        _gemm.gemm_check((3, 5), F16, (5, 7), BF16)
+    with pytest.raises(DTypeError, match="out"):
+        _gemm.gemm_check((3, 5), F16, (5, 7), F16, out_dtype=F32)
+    with pytest.raises(DTypeError, match="bias"):
+        _gemm.gemm_check((3, 5), F16, (5, 7), F16, bias_shape=(7,), bias_dtype=F32)
+    assert issubclass(ShapeError, ValueError) and issubclass(DTypeError, TypeError)
+
+
+def test_layout_error_names_fix() -> None:
+    a = np.zeros((4, 6), np.float32).T
+    with pytest.raises(ShapeError, match=r"gemm.*\(6, 4\).*strides.*copy\(\)"):
+        _gemm._check_layout("a", a.shape, a.strides, a.flags.c_contiguous, "gemm")
+
+
+# --------------------------------------------------------------------------- CPU: reference
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("act", ACTS)
+def test_reference_matches_float64(dtype: np.dtype[Any], act: str | None) -> None:
+    rng = np.random.default_rng()
+    for m, n, k, batch, bb in [(1, 1, 1, (), False), (7, 13, 31, (), False), (3, 5, 17, (2,), True),
+                               (5, 11, 3, (2, 3), False)]:  # fmt: skip
+        a = _rand(rng, (*batch, m, k), dtype)
+        b = _rand(rng, ((*batch, k, n) if bb else (k, n)), dtype)
+        bias = _rand(rng, (n,), dtype)
+        c = _rand(rng, (*batch, m, n), dtype)
+        out = _gemm.gemm_reference(a, b, bias=bias, activation=act, alpha=0.5, beta=-1.5, c=c)
+        assert out.dtype == dtype and out.shape == (*batch, m, n)
+        v = 0.5 * (a.astype(np.float64) @ b.astype(np.float64)) - 1.5 * c.astype(np.float64) + bias.astype(np.float64)
+        if act == "relu":
+            v = np.maximum(v, 0)
+        elif act == "gelu":
+            v = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+        elif act == "silu":
+            v = v / (1 + np.exp(-v))
+        assert _rel(out, v) < {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype.name]
+
+
+def test_reference_beta_zero_ignores_c_and_tf32_rounds() -> None:
+    a = np.ones((2, 3), np.float32)
+    b = np.ones((3, 2), np.float32)
+    c = np.full((2, 2), np.nan, np.float32)
+    assert np.all(_gemm.gemm_reference(a, b, c=c, beta=0.0) == 3.0)
+    x = np.array([[1.0 + 2.0**-12]], np.float32)
+    assert _gemm.gemm_reference(x, np.ones((1, 1), np.float32), tf32=True)[0, 0] == 1.0
+    assert _gemm.gemm_reference(x, np.ones((1, 1), np.float32))[0, 0] == x[0, 0]
+
+
+def test_workspace_nbytes() -> None:
+    assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16) == 0
+    ws = _gemm.gemm_workspace_nbytes((1, 768), (768, 768), BF16)
+    assert ws > 0 and ws % (768 * 4) == 0
+
+
+# --------------------------------------------------------------------------- GPU
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"cupy not importable: {exc}")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA GPU")
+    except Exception as exc:  # pragma: no cover
+        pytest.skip(f"no CUDA GPU: {exc}")
+    return cupy
+
+
+_SIZES = [1, 2, 3, 5, 7, 8, 13, 16, 31, 33, 61, 64, 65, 97, 127, 128, 129, 191, 255, 257, 263, 320, 383, 509, 640]
+
+
+def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
+    kind = rng.choice(["float32", "tf32", "float16", "bfloat16", "float16", "bfloat16"])
+    dtype = {"float32": F32, "tf32": F32, "float16": F16, "bfloat16": BF16}[str(kind)]
+    aligned = rng.random() < 0.5
+
+    def dim() -> int:
+        v = int(rng.choice(_SIZES))
+        return max(8, v // 8 * 8) if aligned else v
+
+    m = int(rng.choice(_SIZES))
+    n, k = dim(), dim()
+    nb = int(rng.choice([0, 0, 0, 1, 2]))
+    batch = tuple(int(x) for x in rng.integers(1, 4, size=nb))
+    b_batched = nb > 0 and rng.random() < 0.5
+    force = None
+    if dtype != F32 and rng.random() < 0.6:
+        opts = ["sm80", "sm80:3"]
+        if cc == 90 and n % 8 == 0 and k % 8 == 0:
+            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2"]
+        force = str(rng.choice(opts))
+    elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
+        force = "simt:3"
+    return {
+        "kind": str(kind), "dtype": dtype, "m": m, "n": n, "k": k, "batch": batch, "b_batched": b_batched,
+        "bias": bool(rng.random() < 0.5), "act": ACTS[int(rng.integers(0, 4))],
+        "alpha": float(rng.choice([1.0, 0.5, -2.0])), "beta": float(rng.choice([0.0, 0.0, 1.0, -0.5])),
+        "force": force,
+    }  # fmt: skip
+
+
+def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: Any) -> float:
+    dt, m, n, k, batch = cs["dtype"], cs["m"], cs["n"], cs["k"], cs["batch"]
+    a = _rand(rng, (*batch, m, k), dt)
+    b = _rand(rng, ((*batch, k, n) if cs["b_batched"] else (k, n)), dt)
+    bias = _rand(rng, (n,), dt) if cs["bias"] else None
+    c = _rand(rng, (*batch, m, n), dt)
+    tf32 = cs["kind"] == "tf32"
+    ref = _gemm.gemm_reference(a, b, bias=bias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+                               c=c, tf32=tf32)  # fmt: skip
+    # float64 "true" reference for the error bound (tf32 compares against its rounded operands)
+    ref64 = _ref64(a, b, bias, cs, c, tf32)
+    da, db = cupy.asarray(a), cupy.asarray(b)
+    dbias = cupy.asarray(bias) if bias is not None else None
+    # poison: every element must be written (beta != 0 starts from c instead)
+    dout = cupy.asarray(c) if cs["beta"] != 0.0 else cupy.full((*batch, m, n), np.nan, dtype=dt)
+    nbytes = _gemm.gemm_workspace_nbytes(a.shape, b.shape, dt)
+    ws = cupy.empty(max(nbytes, 12 * c.size) // 4 + 1, dtype=np.float32)
+    _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+                    tf32=tf32, workspace=ws, stream=stream, _force=cs["force"])  # fmt: skip
+    stream.synchronize()
+    out = cupy.asnumpy(dout)
+    assert not np.isnan(out.astype(np.float32)).any(), f"unwritten / NaN outputs for {cs}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    return _rel(out, ref64)
+
+
+def _ref64(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, cs: dict[str, Any], c: np.ndarray, tf32: bool) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    if tf32:
+        a64 = _gemm._round_tf32(a).astype(np.float64)
+        b64 = _gemm._round_tf32(b).astype(np.float64)
+    v = cs["alpha"] * (a64 @ b64)
+    if cs["beta"] != 0.0:
+        v = v + cs["beta"] * c.astype(np.float64)
+    if bias is not None:
+        v = v + bias.astype(np.float64)
+    return _gemm._act_np(v, cs["act"])
+
+
+@pytest.mark.gpu
+def test_gpu_random_shapes_vs_float64() -> None:
+    cupy = _cupy()
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    cc = int(cupy.cuda.Device().compute_capability)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    n_cases = int(os.environ.get("GEMM_TEST_CASES", "220"))
+    worst: dict[str, float] = {}
+    fails = []
+    for _ in range(n_cases):
+        cs = _case(rng, cc)
+        err = _run_case(cupy, rng, cs, stream)
+        worst[cs["kind"]] = max(worst.get(cs["kind"], 0.0), err)
+        if not err < TOL[cs["kind"]]:
+            fails.append((err, cs))
+    print(f"seed={seed} worst rel err per kind: {worst}")
+    assert not fails, f"seed={seed}: {len(fails)} mismatches, first: {fails[:3]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_gpu_edge_shapes(dtype: np.dtype[Any]) -> None:
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kind = dtype.name
+    for m, n, k in [(1, 1, 1), (1, 768, 768), (2, 3, 5), (128, 768, 768), (257, 264, 1000), (64, 8, 4096),
+                    (1, 8, 8), (300, 512, 72)]:  # fmt: skip
+        for act in ACTS:
+            cs = {"kind": kind, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
+                  "bias": True, "act": act, "alpha": 1.0, "beta": 0.0, "force": None}  # fmt: skip
+            err = _run_case(cupy, rng, cs, stream)
+            assert err < TOL[kind], (cs, err)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_before_launch() -> None:
+    cupy = _cupy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    a = cupy.ones((64, 32), dtype=np.float16)
+    b = cupy.ones((48, 64), dtype=np.float16)
+    out = cupy.full((32, 48), np.nan, dtype=np.float16)
+    with pytest.raises(ShapeError, match=r"gemm.*\(32, 64\).*strides.*copy\(\)"):
+        _gemm.gemm_cuda(a.T, b.T, out, stream=stream)
+    with pytest.raises(ShapeError, match="gemm"):
+        _gemm.gemm_cuda(a, b, out, stream=stream)
+    with pytest.raises(DTypeError, match="gemm"):
+        _gemm.gemm_cuda(a.T.copy(), b.T.copy(), out.astype(np.float32), stream=stream)
+    stream.synchronize()
+    assert bool(cupy.isnan(out).all())  # nothing was launched
