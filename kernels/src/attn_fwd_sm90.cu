@@ -6,19 +6,24 @@
 //   S = Q K^T     wgmma SS (Q and K from shared memory, both K-major, 128B swizzle)
 //   online softmax on S in registers (fp32, base-2 exponent, running max m and sum l)
 //   O += P V      wgmma RS (P from registers, V from shared memory MN-major, 128B swizzle)
-// K/V tiles are double-buffered: the copy of tile j+1 (cp.async, 16 B per thread-op) runs
-// while tile j is multiplied.
+// Default schedule (ATTN_PIPE=2, "v3"): S_{j+1} and P_j V_j are issued back to back and the
+// softmax of S_{j+1} runs while P_j V_j is on the tensor cores; K/V tiles stream through an
+// NSTAGE-deep ring of shared-memory buffers filled by every thread's cp.async and tracked by
+// mbarriers (full: data landed, empty: all warpgroups done with it), so warpgroups are not
+// held in lockstep by a block barrier per tile. ATTN_PIPE=1/0 keep the earlier versions.
 //
 // Shared-memory tile layout ("SW128 K-major"): a tile of R rows x DP columns is stored as
 // DP/64 column blocks of R rows x 128 bytes; inside a block, the 16-byte chunk c of row r
 // lives at chunk (c ^ (r % 8)). Blocks start 1024-byte aligned so the XOR matches the
-// hardware's address-based swizzle.
+// hardware's address-based swizzle. Head dims below DP are zero-padded in shared memory.
 //
 // Causal masking is bottom-right aligned: query i (0-based in Lq) sees keys j <= i + Lk - Lq.
 // Rows that see no key produce zeros.
 //
 // Compile-time parameters (NVRTC -D): ATTN_DP (padded head dim: 64/128/192/256),
-// ATTN_BN (keys per tile: 64/128), ATTN_NWG (warpgroups: 2/3), ATTN_BF16 (0/1).
+// ATTN_BN (keys per tile), ATTN_NWG (warpgroups), ATTN_NSTAGE (K/V buffers), ATTN_BF16,
+// ATTN_SCALE_POS (scale > 0); experiment switches ATTN_PIPE, ATTN_PINGPONG, ATTN_POLY,
+// ATTN_LAZY_RESCALE, ATTN_VSPLIT, ATTN_SLACK (see benchmarks/RESULTS-attention.md).
 #include "attn_common.cuh"
 #include "attn_wgmma.cuh"
 
