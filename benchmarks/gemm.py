@@ -84,32 +84,60 @@ def smoke() -> list[dict[str, Any]]:
 
 
 class _Timer:
+    """Times a callable by replaying a CUDA graph of many calls between CUDA events."""
+
     def __init__(self, cupy: Any) -> None:
         self.cupy = cupy
 
-    def median_us(self, fn: Any, n_sets: int, stream: Any, min_time_s: float = 0.4) -> float:
-        """Median per-call time over batches of ``n_sets`` calls (one per input set)."""
+    def _reps(self, fn: Any, n_sets: int, stream: Any) -> int:
         cp = self.cupy
         start, stop = cp.cuda.Event(), cp.cuda.Event()
-        for i in range(max(3, n_sets)):  # warm-up
+        for i in range(max(3, n_sets)):  # warm-up (compiles, loads, creates handles)
             fn(i % n_sets)
-        stream.synchronize()
-        # size a batch so that it takes >= 2 ms
-        t0 = time.perf_counter()
+        start.record(stream)
         for i in range(n_sets):
             fn(i)
-        stream.synchronize()
-        one = (time.perf_counter() - t0) / n_sets
-        reps = max(n_sets, math.ceil(2e-3 / max(one, 1e-7) / n_sets) * n_sets)
-        n_batches = max(10, min(50, int(min_time_s / max(one * reps, 1e-6))))
+        stop.record(stream)
+        stop.synchronize()
+        one_us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / n_sets  # eager: an upper bound
+        return min(4000, max(1, math.ceil(3000.0 / max(one_us, 0.5) / n_sets))) * n_sets
+
+    def median_us(self, fn: Any, n_sets: int, stream: Any, n_rep: int = 15) -> float:
+        """Median per-call time: ``n_rep`` replays of a graph of ``reps`` calls (cupy stream)."""
+        cp = self.cupy
+        reps = self._reps(fn, n_sets, stream)
+        stream.begin_capture()
+        for i in range(reps):
+            fn(i % n_sets)
+        graph = stream.end_capture()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        graph.launch(stream)
         times = []
-        for _ in range(n_batches):
+        for _ in range(n_rep):
             start.record(stream)
-            for i in range(reps):
-                fn(i % n_sets)
+            graph.launch(stream)
             stop.record(stream)
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps)
+        return statistics.median(times)
+
+    def median_us_torch(self, torch: Any, fn: Any, n_sets: int, stream: Any, n_rep: int = 15) -> float:
+        """As :meth:`median_us` for torch work (captured with ``torch.cuda.graph``)."""
+        reps = self._reps(fn, n_sets, stream)
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(i % n_sets, capture=True)
+        g.replay()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(n_rep):
+            start.record()
+            g.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3 / reps)
         return statistics.median(times)
 
 
@@ -152,11 +180,15 @@ def _bench_one(cp: Any, torch: Any, timer: _Timer, stream: Any, kind: str, m: in
         torch.backends.cuda.matmul.allow_tf32 = tf32
         ts = torch.cuda.ExternalStream(stream.ptr)
 
-        def blas(i: int) -> None:
+        def blas(i: int, capture: bool = False) -> None:
+            if capture:  # inside torch.cuda.graph: its own capture stream
+                torch.matmul(t_a[i], t_b[i], out=t_o[i])
+                return
             with torch.cuda.stream(ts):
                 torch.matmul(t_a[i], t_b[i], out=t_o[i])
 
-        row["reference"] = "torch.matmul (cuBLAS)"
+        row["reference"] = "torch.matmul (cuBLAS), CUDA-graph replay"
+        bus = timer.median_us_torch(torch, blas, n_sets, stream)
     else:  # pragma: no cover
 
         def blas(i: int) -> None:
@@ -164,7 +196,7 @@ def _bench_one(cp: Any, torch: Any, timer: _Timer, stream: Any, kind: str, m: in
                 cp.matmul(a_s[i], b_s[i], out=o_s[i])
 
         row["reference"] = "cupy.matmul (cuBLAS)"
-    bus = timer.median_us(blas, n_sets, stream)
+        bus = timer.median_us(blas, n_sets, stream)
     row["cublas_us"] = bus
     row["cublas_tflops"] = flops / bus * 1e-6
     row["ratio"] = row["ours_tflops"] / row["cublas_tflops"]
@@ -175,7 +207,7 @@ def _bench_one(cp: Any, torch: Any, timer: _Timer, stream: Any, kind: str, m: in
     return row
 
 
-def bench(quick: bool, configs: bool) -> list[dict[str, Any]]:
+def bench(quick: bool, configs: bool, only: list[int] | None = None) -> list[dict[str, Any]]:
     """Time every shape in SHAPES (``quick``: a subset) beside cuBLAS."""
     import cupy as cp
 
@@ -187,6 +219,8 @@ def bench(quick: bool, configs: bool) -> list[dict[str, Any]]:
     timer = _Timer(cp)
     rows = []
     shapes = SHAPES[:1] + SHAPES[4:5] + SHAPES[6:8] if quick else SHAPES
+    if only is not None:
+        shapes = [SHAPES[i] for i in only]
     for kind, m, n, k in shapes:
         row = _bench_one(cp, torch, timer, stream, kind, m, n, k, configs)
         rows.append(row)
@@ -202,6 +236,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", action="store_true", help="also time every sm_90 tile config")
+    ap.add_argument("--define", action="append", default=[], help="extra -D for the sm_90 kernel (experiments)")
+    ap.add_argument("--only", default=None, help="comma-separated row indices of SHAPES to run")
     args = ap.parse_args()
     meta: dict[str, Any] = {"date": time.strftime("%Y-%m-%d")}
     if args.smoke:
@@ -213,7 +249,10 @@ def main() -> None:
         props = cp.cuda.runtime.getDeviceProperties(0)
         meta["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         meta["cupy"] = cp.__version__
-        rows = bench(args.quick, args.configs)
+        _gemm.SM90_EXTRA_DEFINES = tuple(args.define)
+        meta["sm90_defines"] = list(args.define)
+        only = [int(x) for x in args.only.split(",")] if args.only else None
+        rows = bench(args.quick, args.configs, only)
     print(_table(rows))
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -70,6 +70,8 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
     "128x128": (128, 2, 6),
     "64x128": (128, 1, 8),
 }
+# Extra -D defines for the sm_90 kernel (benchmark experiments only; empty in normal use).
+SM90_EXTRA_DEFINES: tuple[str, ...] = ()
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -523,7 +525,7 @@ def gemm_cuda(
     if path == "sm90":
         bn, ncw, stages = SM90_CONFIGS[cfg]
         bm = 64 * ncw
-        defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={int(bf16)}")
+        defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={int(bf16)}", *SM90_EXTRA_DEFINES)
         fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
         smem = _sm90_smem(bn, ncw, stages)
         set_max_dynamic_smem(fn, smem)

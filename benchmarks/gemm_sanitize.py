@@ -1,0 +1,61 @@
+"""Shape sweep for ``compute-sanitizer --tool memcheck`` over every GEMM path (GPU only).
+
+Usage: ``compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/gemm_sanitize.py``.
+Each case runs once on small odd shapes (tails in M, N, K; batches; split-K; every
+sm_90 config, sm_80, tf32 and SIMT) and is checked against the NumPy reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ml_dtypes
+from deviceops.kernels import _gemm
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def main() -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng(7)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cases = []
+    for m, n, k in [(1, 8, 8), (1, 768, 768), (67, 136, 200), (130, 264, 72), (257, 520, 136), (5, 3, 7), (33, 17, 129)]:
+        for dt, kind in [(np.dtype(np.float16), "f16"), (BF16, "bf16")]:
+            forces = ["sm80", "sm80:3", None]
+            if n % 8 == 0 and k % 8 == 0:
+                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2"]
+            cases += [(m, n, k, dt, kind, f, (), False) for f in forces]
+        cases += [(m, n, k, np.dtype(np.float32), "f32", f, (), False) for f in (None, "simt:3")]
+        cases += [(m, n, k, np.dtype(np.float32), "tf32", f, (), False) for f in (None, "sm80:2")]
+    cases += [(65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
+              (31, 24, 40, np.dtype(np.float32), "f32", None, (3,), True)]  # fmt: skip
+    worst = 0.0
+    for m, n, k, dt, kind, force, batch, bb in cases:
+        a = rng.standard_normal((*batch, m, k)).astype(dt)
+        b = rng.standard_normal((*batch, k, n) if bb else (k, n)).astype(dt)
+        bias = rng.standard_normal((n,)).astype(dt)
+        c = rng.standard_normal((*batch, m, n)).astype(dt)
+        tf32 = kind == "tf32"
+        ref = _gemm.gemm_reference(a, b, bias=bias, activation="gelu", alpha=0.5, beta=1.0, c=c, tf32=tf32)
+        out = cp.asarray(c)
+        ws = cp.empty(4 * c.size + 64, dtype=np.float32)
+        _gemm.gemm_cuda(cp.asarray(a), cp.asarray(b), out, bias=cp.asarray(bias), activation="gelu", alpha=0.5,
+                        beta=1.0, tf32=tf32, workspace=ws, stream=stream, _force=force)  # fmt: skip
+        stream.synchronize()
+        o = cp.asnumpy(out).astype(np.float64)
+        r = ref.astype(np.float64)
+        err = float(np.linalg.norm(o - r) / np.linalg.norm(r))
+        worst = max(worst, err)
+        assert err < 2e-2, (m, n, k, kind, force, err)
+    print(f"gemm_sanitize: {len(cases)} cases ok, worst rel err vs reference {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()
