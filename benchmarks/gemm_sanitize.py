@@ -30,7 +30,7 @@ def main() -> None:
         for dt, kind in [(np.dtype(np.float16), "f16"), (BF16, "bf16")]:
             forces = ["sm80", "sm80:3", None]
             if n % 8 == 0 and k % 8 == 0:
-                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2"]
+                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2", "pp128x128", "pp128x128:3"]
             cases += [(m, n, k, dt, kind, f, (), False) for f in forces]
         cases += [(m, n, k, np.dtype(np.float32), "f32", f, (), False) for f in (None, "simt:3")]
         cases += [(m, n, k, np.dtype(np.float32), "tf32", f, (), False) for f in (None, "sm80:2")]

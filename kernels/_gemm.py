@@ -23,6 +23,8 @@ Semantics (every backend, every path)::
 CUDA paths (chosen per call by :func:`_plan`; no allocation, no synchronisation, every
 launch on the ``stream`` handed in, so calls can be captured into CUDA graphs):
 
+* ``gemm_sm90_pp`` (sm_90a): the same with a ping-pong schedule (each consumer warpgroup
+  owns a 128x128 tile; one's epilogue overlaps the other's mainloop).
 * ``gemm_sm90`` (sm_90a only: H100/H200): TMA (``cp.async.bulk.tensor``) + ``mbarrier``
   ring, one producer warpgroup and one or two consumer warpgroups issuing ``wgmma``
   (``setmaxnreg`` rebalances registers), persistent grid, tiles 128x256, 128x128 or
@@ -69,9 +71,13 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
     "128x256": (256, 2, 4),
     "128x128": (128, 2, 6),
     "64x128": (128, 1, 8),
+    # ping-pong schedule (gemm_sm90_pp.cu): each consumer owns a whole 128x128 tile
+    "pp128x128": (128, 2, 6),
 }
 # Extra -D defines for the sm_90 kernel (benchmark experiments only; empty in normal use).
 SM90_EXTRA_DEFINES: tuple[str, ...] = ()
+# Compile a convert-and-store-only epilogue for plain products (alpha 1, beta 0, no bias/act).
+SM90_PLAIN_EPILOGUE = True
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -269,6 +275,40 @@ def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
     return _cdiv(kt_total, kps)
 
 
+# Relative mainloop efficiency of the sm_90 configs (measured on H100, 2026-11-23).
+_SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65, "pp128x128": 0.0}  # 0: not planned
+_SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
+_SPLIT_FIXED_US = 2.0  # extra launch + partial round trip of split-K
+
+
+def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int, int]:
+    """Pick (config, splits, k-tiles per split) minimising a simple time model.
+
+    time = waves * k-tiles per split * tile cost / efficiency
+           + (split-K only) fixed cost + float32 partial traffic at ~3 TB/s.
+    """
+    kt = _cdiv(k, 64)
+    best: tuple[float, str, int, int] | None = None
+    for name, (bn, ncw, _) in SM90_CONFIGS.items():
+        if not _SM90_EFF.get(name):
+            continue
+        bm = 64 * ncw
+        tiles = batch * _cdiv(m, bm) * _cdiv(n, bn)
+        tile_us = 2.0 * bm * bn * 64 / (_SM90_EFF[name] * _SM_FLOPS_PER_US)
+        for s in (1, 2, 3, 4, 6, 8, 12, 16):
+            if s > 1 and kt // s < 2:
+                break
+            kps = _cdiv(kt, s)
+            s_eff = _cdiv(kt, kps)
+            t = _cdiv(tiles * s_eff, n_sm) * kps * tile_us
+            if s_eff > 1:
+                t += _SPLIT_FIXED_US + (4 * s_eff + 2) * batch * m * n / 3e6
+            if best is None or t < best[0] * 0.97:
+                best = (t, name, s_eff, kps)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
 def _plan(
     batch: int, m: int, n: int, k: int, dtype: np.dtype[Any], tf32: bool, sm90: bool, n_sm: int
 ) -> tuple[str, Any, int, int]:
@@ -286,18 +326,7 @@ def _plan(
         s = _splits_for(tiles, kt, n_sm)
         return "sm80", wm, s, _cdiv(kt, s)
     if sm90:
-        kt = _cdiv(k, 64)
-        best = None
-        for name in ("128x256", "128x128", "64x128"):
-            bn, ncw, _ = SM90_CONFIGS[name]
-            tiles = batch * _cdiv(m, 64 * ncw) * _cdiv(n, bn)
-            if tiles >= n_sm or name == "64x128":
-                best = (name, tiles)
-                break
-        assert best is not None
-        name, tiles = best
-        s = _splits_for(tiles, kt, n_sm)
-        return "sm90", name, s, _cdiv(kt, s)
+        return ("sm90", *_plan_sm90(batch, m, n, k, n_sm))
     wm = 2 if m > 64 and batch * _cdiv(m, 128) * _cdiv(n, 128) >= n_sm // 2 else 1
     tiles = batch * _cdiv(m, 64 * wm) * _cdiv(n, 128)
     kt = _cdiv(k, 32)
@@ -377,7 +406,7 @@ def _kernel(device_id: int, file: str, func: str, defines: tuple[str, ...], arch
 
 
 def _sm90_smem(bn: int, ncw: int, stages: int) -> int:
-    return stages * (64 * ncw * 64 * 2 + 64 * bn * 2) + 2 * 8 * stages + 1024
+    return stages * (64 * ncw * 64 * 2 + 64 * bn * 2) + 2 * 8 * stages + 16 + 1024
 
 
 def _sm80_smem(wm: int, tf32: bool) -> int:
@@ -525,8 +554,12 @@ def gemm_cuda(
     if path == "sm90":
         bn, ncw, stages = SM90_CONFIGS[cfg]
         bm = 64 * ncw
-        defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={int(bf16)}", *SM90_EXTRA_DEFINES)
-        fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
+        plain = SM90_PLAIN_EPILOGUE and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
+        defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={int(bf16)}",
+                  f"GEMM_EPI_PLAIN={int(plain)}", *SM90_EXTRA_DEFINES)  # fmt: skip
+        pp = cfg.startswith("pp")
+        fn = _kernel(dev, "gemm_sm90_pp.cu" if pp else "gemm_sm90.cu", "gemm_sm90_pp" if pp else "gemm_sm90",
+                     defs90, arch_suffix="a")  # fmt: skip
         smem = _sm90_smem(bn, ncw, stages)
         set_max_dynamic_smem(fn, smem)
         tm_a = _encode_tiled(int(a.data.ptr), (k, m, batch), (k * 2, m * k * 2), (64, bm, 1))

@@ -154,7 +154,7 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
     if dtype != F32 and rng.random() < 0.6:
         opts = ["sm80", "sm80:3"]
         if cc == 90 and n % 8 == 0 and k % 8 == 0:
-            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2"]
+            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2", "pp128x128", "pp128x128:2"]
         force = str(rng.choice(opts))
     elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
         force = "simt:3"

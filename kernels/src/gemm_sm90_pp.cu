@@ -1,0 +1,272 @@
+// Hopper (sm_90a) GEMM, "ping-pong" schedule: TMA + mbarrier ring, warp-specialized,
+// persistent. Same math and epilogue as gemm_sm90.cu, but each of the two consumer
+// warpgroups owns a whole 128 x BN output tile (two m64nBNk16 wgmma per k16 step, 2 x BN/2
+// float32 accumulators per thread) and the two alternate: tiles p = 0, 2, 4, ... of this
+// block go to consumer 0, p = 1, 3, ... to consumer 1. A consumer starts its mainloop only
+// after the other finished its previous one (turn[c] mbarriers), so one consumer's
+// epilogue overlaps the other's mainloop and the tensor cores stay busy. The producer
+// fills the ring in tile order; a consumer skips the k-tiles of the other's tiles.
+//
+//   a: (batch, M, K) row-major, B: (K, N) or (batch, K, N) row-major, 16-bit (f16 / bf16).
+//   stage s: A tile [128][64] (K-major, 128B swizzle), B tile [BN/64][64 k][64 n] (MN-major).
+// TMA needs K % 8 == 0 and N % 8 == 0 (host checks); tails zero-filled / masked.
+#include "gemm_common.cuh"
+#include "gemm_wgmma.cuh"
+
+#ifndef BN
+#define BN 256
+#endif
+#ifndef NCW
+#define NCW 2
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef GROUP_M
+#define GROUP_M 8
+#endif
+// GEMM_EPI_PLAIN = 1: alpha == 1, beta == 0, no bias, no activation (the host checks):
+// the epilogue only converts and stores.
+#ifndef GEMM_EPI_PLAIN
+#define GEMM_EPI_PLAIN 0
+#endif
+#define BM 128  // rows of one consumer's tile
+#define BK 64
+#define A_BYTES (BM * BK * 2)
+#define B_BYTES (BK * BN * 2)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+#define NTHREADS (128 * (NCW + 1))
+#define NACC (BN / 2)
+
+#define CAT3_(a, b, c) a##b##c
+#define CAT3(a, b, c) CAT3_(a, b, c)
+#if GEMM_BF16
+#define WGMMA CAT3(wgmma_m64n, BN, k16_bf16)
+#else
+#define WGMMA CAT3(wgmma_m64n, BN, k16_f16)
+#endif
+
+struct __align__(64) TmaDesc {
+  u64 v[16];
+};
+
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
+  u64 d = (u64)((saddr & 0x3FFFF) >> 4);
+  d |= (u64)((lbo >> 4) & 0x3FFF) << 16;
+  d |= (u64)((sbo >> 4) & 0x3FFF) << 32;
+  d |= (u64)1 << 62;  // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void tma_load3(u32 dst, const TmaDesc* tm, u32 bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(tm), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Linear tile index -> (batch, split, m-tile, n-tile); GROUP_M m-tiles share each n sweep.
+__device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int splits, int& bz, int& sp, int& tm,
+                                            int& tn) {
+  const int per = tiles_m * tiles_n;
+  const int local = t % per;
+  const int rest = t / per;
+  sp = rest % splits;
+  bz = rest / splits;
+  const int group = local / (GROUP_M * tiles_n);
+  const int first_m = group * GROUP_M;
+  const int gsz = min(tiles_m - first_m, GROUP_M);
+  const int in = local % (GROUP_M * tiles_n);
+  tm = first_m + in % gsz;
+  tn = in / gsz;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    gemm_sm90_pp(const __grid_constant__ TmaDesc tmA,  // a as (K, M, batch) [inner first]
+              const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b)
+              u16* __restrict__ out,                // (batch, M, N)
+              const u16* __restrict__ bias,         // (N,) or null
+              float* __restrict__ ws,               // (splits, batch, M, N) float32 when splits > 1
+              int M, int N, int batch, int tiles_m, int tiles_n, int splits, int kt_total, int kps, int b_batched,
+              int total_tiles, float alpha, float beta, int act, int has_bias, int has_beta) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 full = base + STAGES * STAGE_BYTES;  // STAGES x u64
+  const u32 empty = full + STAGES * 8;           // STAGES x u64
+  const int wg = threadIdx.x >> 7;
+  const int tid = threadIdx.x & 127;
+
+  const u32 turn = empty + STAGES * 8;          // 2 x u64: turn[c] <- other consumer's mainloop done
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 4);
+    }
+    mbar_init(turn, 1);
+    mbar_init(turn + 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&tmA) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&tmB) : "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+#if NCW == 2
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+#endif
+    if (tid == 0) {
+      int it = 0;
+      for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+        int bz, sp, tm, tn;
+        decode_tile(t, tiles_m, tiles_n, splits, bz, sp, tm, tn);
+        const int kb = sp * kps;
+        const int ke = min(kt_total, kb + kps);
+        const int bzb = b_batched ? bz : 0;
+        for (int kt = kb; kt < ke; ++kt, ++it) {
+          const int st = it % STAGES;
+          const u32 ph = (u32)(it / STAGES) & 1u;
+          mbar_wait(empty + 8 * st, ph ^ 1u);
+          mbar_arrive_tx(full + 8 * st, STAGE_BYTES);
+          const u32 sa = base + st * STAGE_BYTES;
+          const u32 sb = sa + A_BYTES;
+          tma_load3(sa, &tmA, full + 8 * st, kt * BK, tm * BM, bz);
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) tma_load3(sb + j * (BK * 128), &tmB, full + 8 * st, tn * BN + 64 * j, kt * BK, bzb);
+        }
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+#if NCW == 2
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+#endif
+    const int c = wg - 1;
+    const int warp = tid >> 5, lane = tid & 31;
+    const Epi e{alpha, beta, act, has_bias, has_beta};
+    int it = 0;
+    int p = 0;
+    int mine = 0;  // tiles this consumer has done
+    float d[2][NACC];
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++p) {
+      int bz, sp, tm, tn;
+      decode_tile(t, tiles_m, tiles_n, splits, bz, sp, tm, tn);
+      const int kb = sp * kps;
+      const int ke = min(kt_total, kb + kps);
+      if ((p & 1) != c) {
+        it += ke - kb;
+        continue;
+      }
+      // wait for the other consumer's previous mainloop (tile p - 1) to finish
+      if (p > 0) mbar_wait(turn + 8 * c, (u32)(c == 1 ? mine : mine - 1) & 1u);
+      ++mine;
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        d[0][i] = 0.f;
+        d[1][i] = 0.f;
+      }
+      int prev = -1;
+      for (int kt = kb; kt < ke; ++kt, ++it) {
+        const int st = it % STAGES;
+        const u32 ph = (u32)(it / STAGES) & 1u;
+        mbar_wait(full + 8 * st, ph);
+        const u32 sa = base + st * STAGE_BYTES;
+        const u32 sb = sa + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          const u64 db = make_desc(sb + kk * (16 * 128), BK * 128, 1024);
+          WGMMA(d[0], make_desc(sa + kk * 32, 16, 1024), db);
+          WGMMA(d[1], make_desc(sa + 64 * 128 + kk * 32, 16, 1024), db);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (prev >= 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + 8 * prev);
+        }
+        prev = st;
+      }
+      wgmma_wait<0>();
+      fence_regs(d[0]);
+      fence_regs(d[1]);
+      if (prev >= 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * prev);
+      }
+      // hand the tensor cores to the other consumer
+      if (tid == 0) mbar_arrive(turn + 8 * (1 - c));
+
+      // ---- epilogue: thread holds rows r0, r0 + 8 and column pairs 8j + 2(lane % 4) ----
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int r0 = tm * BM + mi * 64 + warp * 16 + (lane >> 2);
+        const int cb = tn * BN + 2 * (lane & 3);
+        if (splits > 1) {
+          const size_t slab = ((size_t)sp * batch + bz) * (size_t)M * N;
+#pragma unroll
+          for (int j = 0; j < NACC / 4; ++j) {
+            const int col = cb + 8 * j;
+            if (col >= N) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = r0 + 8 * h;
+              if (row < M) {
+                *reinterpret_cast<float2*>(ws + slab + (size_t)row * N + col) = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+              }
+            }
+          }
+        } else {
+          u16* op = out + (size_t)bz * M * N;
+#pragma unroll
+          for (int j = 0; j < NACC / 4; ++j) {
+            const int col = cb + 8 * j;
+            if (col >= N) continue;
+#if GEMM_EPI_PLAIN
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = r0 + 8 * h;
+              if (row < M)
+                *reinterpret_cast<u32*>(op + (size_t)row * N + col) = pack2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+            }
+            continue;
+#endif
+            float b0 = 0.f, b1 = 0.f;
+            if (has_bias) {
+              const u32 bb = *reinterpret_cast<const u32*>(bias + col);
+              b0 = h2f((u16)(bb & 0xFFFFu));
+              b1 = h2f((u16)(bb >> 16));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = r0 + 8 * h;
+              if (row < M) {
+                u32* q = reinterpret_cast<u32*>(op + (size_t)row * N + col);
+                float p0 = 0.f, p1 = 0.f;
+                if (has_beta) {
+                  const u32 pv = *q;
+                  p0 = h2f((u16)(pv & 0xFFFFu));
+                  p1 = h2f((u16)(pv >> 16));
+                }
+                *q = pack2(epi_apply(e, d[mi][4 * j + 2 * h], p0, b0), epi_apply(e, d[mi][4 * j + 2 * h + 1], p1, b1));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
