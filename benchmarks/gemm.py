@@ -159,8 +159,8 @@ def _bench_one(cp: Any, torch: Any, timer: _Timer, stream: Any, kind: str, m: in
     stream.synchronize()
     flops = 2.0 * m * n * k
     sm90 = kind in ("bfloat16", "float16") and k % 8 == 0 and n % 8 == 0
-    _, cfg, splits, _ = _gemm._plan(1, m, n, k, dt, tf32, sm90, _gemm._NOMINAL_SMS)
-    path = cfg if isinstance(cfg, str) else ("simt" if kind == "float32" else "sm80")
+    pth, cfg, splits, _ = _gemm._plan(1, m, n, k, dt, tf32, sm90, _gemm._NOMINAL_SMS)
+    path = cfg if isinstance(cfg, str) else pth
     path += f"/s{splits}" if splits > 1 else ""
 
     def ours(i: int, force: str | None = None) -> None:

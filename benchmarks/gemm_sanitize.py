@@ -34,7 +34,8 @@ def main() -> None:
             cases += [(m, n, k, dt, kind, f, (), False) for f in forces]
         cases += [(m, n, k, np.dtype(np.float32), "f32", f, (), False) for f in (None, "simt:3")]
         cases += [(m, n, k, np.dtype(np.float32), "tf32", f, (), False) for f in (None, "sm80:2")]
-    cases += [(65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
+    cases += [(3, 136, 72, BF16, "bf16", None, (3,), True), (2, 64, 40, np.dtype(np.float16), "f16", None, (2,), False),
+              (65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
               (31, 24, 40, np.dtype(np.float32), "f32", None, (3,), True)]  # fmt: skip
     worst = 0.0
     for m, n, k, dt, kind, force, batch, bb in cases:

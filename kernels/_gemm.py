@@ -30,6 +30,8 @@ launch on the ``stream`` handed in, so calls can be captured into CUDA graphs):
   (``setmaxnreg`` rebalances registers), persistent grid, tiles 128x256, 128x128 or
   64x128, split-K for small ``M * N``. Needs ``K % 8 == 0``, ``N % 8 == 0`` and 16-byte
   aligned base pointers (TMA strides); otherwise the sm_80 path runs.
+* ``gemm_gemv`` (any sm): f16/bf16 with at most 8 rows (decode) and ``N % 8 == 0``:
+  CUDA-core FMA streaming B once with 16-byte loads, no split-K round trip.
 * ``gemm_sm80`` (sm_80+: A100, L4, H100, ...): ``cp.async`` 3-stage pipeline, ``ldmatrix``
   and ``mma.sync`` m16n8k16 (f16/bf16) or m16n8k8 (tf32); any shape and alignment.
 * ``gemm_simt`` (any sm_70+): float32 FFMA register-tiled SGEMM (128x128x8 tiles).
@@ -74,6 +76,8 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
     # ping-pong schedule (gemm_sm90_pp.cu): each consumer owns a whole 128x128 tile
     "pp128x128": (128, 2, 6),
 }
+GEMV_MAX_M = 8  # f16/bf16 with at most this many rows (per batch entry) -> gemm_gemv
+
 # Extra -D defines for the sm_90 kernel (benchmark experiments only; empty in normal use).
 SM90_EXTRA_DEFINES: tuple[str, ...] = ()
 # Compile a convert-and-store-only epilogue for plain products (alpha 1, beta 0, no bias/act).
@@ -278,7 +282,7 @@ def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
 # Relative mainloop efficiency of the sm_90 configs (measured on H100, 2026-11-23).
 _SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65, "pp128x128": 0.0}  # 0: not planned
 _SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
-_SPLIT_FIXED_US = 2.0  # extra launch + partial round trip of split-K
+_SPLIT_FIXED_US = 1.0  # extra launch + partial round trip of split-K
 
 
 def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int, int]:
@@ -310,7 +314,8 @@ def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int,
 
 
 def _plan(
-    batch: int, m: int, n: int, k: int, dtype: np.dtype[Any], tf32: bool, sm90: bool, n_sm: int
+    batch: int, m: int, n: int, k: int, dtype: np.dtype[Any], tf32: bool, sm90: bool, n_sm: int,
+    gemv_ok: bool = True,
 ) -> tuple[str, Any, int, int]:
     """Choose (path, config, splits, k-tiles per split) for a problem."""
     if dtype == np.float32 and not tf32:
@@ -325,6 +330,8 @@ def _plan(
         kt = _cdiv(k, 16)
         s = _splits_for(tiles, kt, n_sm)
         return "sm80", wm, s, _cdiv(kt, s)
+    if gemv_ok and m <= GEMV_MAX_M and n % 8 == 0:
+        return "gemv", None, 1, 0
     if sm90:
         return ("sm90", *_plan_sm90(batch, m, n, k, n_sm))
     wm = 2 if m > 64 and batch * _cdiv(m, 128) * _cdiv(n, 128) >= n_sm // 2 else 1
@@ -346,8 +353,9 @@ def gemm_workspace_nbytes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dt
     most = 1
     for tf32 in (False, True):
         for sm90 in (False, True):
-            _, _, s, _ = _plan(batch, m, n, k, dt, tf32, sm90, _NOMINAL_SMS)
-            most = max(most, s)
+            for gemv_ok in (False, True):
+                _, _, s, _ = _plan(batch, m, n, k, dt, tf32, sm90, _NOMINAL_SMS, gemv_ok)
+                most = max(most, s)
     return 0 if most == 1 else most * batch * m * n * 4
 
 
@@ -532,7 +540,8 @@ def gemm_cuda(
         force_s = int(s_txt)
     if force_cfg in SM90_CONFIGS and not tma_ok:
         raise ShapeError(f"gemm: forced sm_90 config {_force} not usable for this call", op="gemm")
-    path, cfg, splits, kps = _plan(batch, m, n, k, odt, tf32, tma_ok, _NOMINAL_SMS)
+    gemv_ok = not _force and int(b.data.ptr) % 16 == 0
+    path, cfg, splits, kps = _plan(batch, m, n, k, odt, tf32, tma_ok, _NOMINAL_SMS, gemv_ok)
     if force_cfg in SM90_CONFIGS:
         path, cfg = "sm90", force_cfg
     elif force_cfg == "sm80" and (is16 or tf32):
@@ -551,6 +560,15 @@ def gemm_cuda(
         splits, kps = 1, kt_total
     ws_arg = workspace if splits > 1 else out
 
+    if path == "gemv":
+        fn = _kernel(dev, "gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={int(bf16)}",))
+        fn(
+            (_cdiv(n, 32), 1, batch), (256, 1, 1),
+            (a, b, out, bias_arg, i32(m), i32(n), i32(k), np.int64(k * n if b_batched else 0), f32(alpha),
+             f32(beta), act, has_bias, has_beta),
+            stream=stream,
+        )  # fmt: skip
+        return
     if path == "sm90":
         bn, ncw, stages = SM90_CONFIGS[cfg]
         bm = 64 * ncw
