@@ -24,6 +24,7 @@ VARIANTS = [
     ("gemm_sm80.cu", "WARPS_M=1 GEMM_TF32=1"),
     ("gemm_simt.cu", ""),
     ("gemm_reduce.cu", "GEMM_BF16=1"),
+    ("gemm_gemv.cu", "GEMM_BF16=1"),
 ]
 
 
