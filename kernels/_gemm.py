@@ -563,7 +563,7 @@ def gemm_cuda(
     if path == "gemv":
         fn = _kernel(dev, "gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={int(bf16)}",))
         fn(
-            (_cdiv(n, 32), 1, batch), (256, 1, 1),
+            (_cdiv(n, 16), 1, batch), (256, 1, 1),
             (a, b, out, bias_arg, i32(m), i32(n), i32(k), np.int64(k * n if b_batched else 0), f32(alpha),
              f32(beta), act, has_bias, has_beta),
             stream=stream,

@@ -6,14 +6,15 @@
 //   a: (batch, M, K); B: (K, N) or (batch, K, N) (b_bstride = 0 for 2-D); N % 8 == 0 and
 //   16-byte aligned rows (host checks).
 //
-// Block: 256 threads = 64 k-groups x 4 column groups of 8 columns. Thread (kg, cg) sums
-// k = kg, kg + 64, ... for its 8 columns and all M rows (acc[8][8]); warp shuffles reduce
-// the 8 k-groups of a warp, shared memory the 8 warps; then 256 threads = 8 rows x 32
-// columns apply the epilogue.
+// Block: 256 threads = 128 k-groups x 2 column groups of 8 columns (a 16-column strip).
+// Thread (kg, cg) sums k = kg, kg + 128, ... for its 8 columns and all M rows (acc[8][8]),
+// with 8 independent 16-byte loads in flight; warp shuffles reduce the 16 k-groups of a
+// warp, shared memory the 8 warps; then 8 rows x 16 columns of threads apply the epilogue.
 #include "gemm_common.cuh"
 
-#define GV_COLS 32
-#define GV_KG 64
+#define GV_COLS 16
+#define GV_KG 128
+#define GV_UNROLL 8
 
 extern "C" __global__ void __launch_bounds__(256)
     gemm_gemv(const u16* __restrict__ A, const u16* __restrict__ B, u16* __restrict__ out,
@@ -21,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(256)
               int act, int has_bias, int has_beta) {
   __shared__ float red[8][8][GV_COLS];  // [warp][row][col]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int cg = tid & 3, kg = tid >> 2;
+  const int cg = tid & 1, kg = tid >> 1;
   const int bz = blockIdx.z;
   const int n0 = blockIdx.x * GV_COLS;
   const int col = n0 + cg * 8;
@@ -36,13 +37,18 @@ extern "C" __global__ void __launch_bounds__(256)
 
   if (col < N) {
     int k = kg;
-    // 4 independent 16-byte loads in flight per thread
-    for (; k + 3 * GV_KG < K; k += 4 * GV_KG) {
-      uint4 v[4];
+    // GV_UNROLL independent 16-byte loads in flight per thread
+    for (; k + (GV_UNROLL - 1) * GV_KG < K; k += GV_UNROLL * GV_KG) {
+      uint4 v[GV_UNROLL];
+      float av[GV_UNROLL][8];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldg(reinterpret_cast<const uint4*>(Bb + (size_t)(k + u * GV_KG) * N + col));
+      for (int u = 0; u < GV_UNROLL; ++u) v[u] = __ldg(reinterpret_cast<const uint4*>(Bb + (size_t)(k + u * GV_KG) * N + col));
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < GV_UNROLL; ++u)
+#pragma unroll
+        for (int r = 0; r < 8; ++r) av[u][r] = r < M ? h2f(Ab[(size_t)r * K + k + u * GV_KG]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < GV_UNROLL; ++u) {
         const u32 w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
         float bf[8];
 #pragma unroll
@@ -53,9 +59,8 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
           if (r < M) {
-            const float a = h2f(Ab[(size_t)r * K + k + u * GV_KG]);
 #pragma unroll
-            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(a, bf[c], acc[r][c]);
+            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(av[u][r], bf[c], acc[r][c]);
           }
         }
       }
@@ -79,28 +84,29 @@ extern "C" __global__ void __launch_bounds__(256)
       }
     }
   }
-  // reduce the 8 k-groups of this warp (lanes differing in bits 2..4)
+  // reduce the 16 k-groups of this warp (lanes differing in bits 1..4)
 #pragma unroll
   for (int r = 0; r < 8; ++r)
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       float x = acc[r][c];
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
       x += __shfl_xor_sync(0xffffffffu, x, 4);
       x += __shfl_xor_sync(0xffffffffu, x, 8);
       x += __shfl_xor_sync(0xffffffffu, x, 16);
       acc[r][c] = x;
     }
-  if (lane < 4) {
+  if (lane < 2) {
 #pragma unroll
     for (int r = 0; r < 8; ++r)
 #pragma unroll
       for (int c = 0; c < 8; ++c) red[warp][r][lane * 8 + c] = acc[r][c];
   }
   __syncthreads();
-  // 256 threads = 8 rows x 32 columns
-  const int r = tid >> 5, cc = tid & 31;
+  // threads 0..127 = 8 rows x 16 columns
+  const int r = tid >> 4, cc = tid & 15;
   const int oc = n0 + cc;
-  if (r < M && oc < N) {
+  if (tid < 128 && r < M && oc < N) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) s += red[w][r][cc];
