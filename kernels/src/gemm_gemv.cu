@@ -36,17 +36,17 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
 
   if (col < N) {
-    int k = kg;
-    // GV_UNROLL independent 16-byte loads in flight per thread
-    for (; k + (GV_UNROLL - 1) * GV_KG < K; k += GV_UNROLL * GV_KG) {
+    // GV_UNROLL independent (predicated) 16-byte loads in flight per thread
+    for (int k = kg; k < K; k += GV_UNROLL * GV_KG) {
       uint4 v[GV_UNROLL];
       float av[GV_UNROLL][8];
 #pragma unroll
-      for (int u = 0; u < GV_UNROLL; ++u) v[u] = __ldg(reinterpret_cast<const uint4*>(Bb + (size_t)(k + u * GV_KG) * N + col));
+      for (int u = 0; u < GV_UNROLL; ++u) {
+        const int ku = k + u * GV_KG;
+        v[u] = ku < K ? __ldg(reinterpret_cast<const uint4*>(Bb + (size_t)ku * N + col)) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-      for (int u = 0; u < GV_UNROLL; ++u)
-#pragma unroll
-        for (int r = 0; r < 8; ++r) av[u][r] = r < M ? h2f(Ab[(size_t)r * K + k + u * GV_KG]) : 0.f;
+        for (int r = 0; r < 8; ++r) av[u][r] = (r < M && ku < K) ? h2f(Ab[(size_t)r * K + ku]) : 0.f;
+      }
 #pragma unroll
       for (int u = 0; u < GV_UNROLL; ++u) {
         const u32 w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
@@ -62,24 +62,6 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(av[u][r], bf[c], acc[r][c]);
           }
-        }
-      }
-    }
-    for (; k < K; k += GV_KG) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(Bb + (size_t)k * N + col));
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
-      float bf[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        bf[2 * q] = h2f((u16)(w[q] & 0xFFFFu));
-        bf[2 * q + 1] = h2f((u16)(w[q] >> 16));
-      }
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        if (r < M) {
-          const float a = h2f(Ab[(size_t)r * K + k]);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(a, bf[c], acc[r][c]);
         }
       }
     }
