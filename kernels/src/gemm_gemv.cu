@@ -68,7 +68,8 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   // reduce the 16 k-groups of this warp (lanes differing in bits 1..4)
 #pragma unroll
-  for (int r = 0; r < 8; ++r)
+  for (int r = 0; r < 8; ++r) {
+    if (r >= M) break;  // uniform: only live rows are reduced
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       float x = acc[r][c];
@@ -78,11 +79,14 @@ extern "C" __global__ void __launch_bounds__(256)
       x += __shfl_xor_sync(0xffffffffu, x, 16);
       acc[r][c] = x;
     }
+  }
   if (lane < 2) {
 #pragma unroll
-    for (int r = 0; r < 8; ++r)
+    for (int r = 0; r < 8; ++r) {
+      if (r >= M) break;
 #pragma unroll
       for (int c = 0; c < 8; ++c) red[warp][r][lane * 8 + c] = acc[r][c];
+    }
   }
   __syncthreads();
   // threads 0..127 = 8 rows x 16 columns
