@@ -429,16 +429,18 @@ def _sm80_smem(wm: int, tf32: bool) -> int:
 _TMA_DTYPE = np.dtype([("v", np.uint64, (16,))])
 _tma_cache: OrderedDict[tuple[int, ...], Any] = OrderedDict()
 _libcuda: Any = None
+_tma_lock = threading.Lock()
 
 
 def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> Any:
     """A 3-D ``CUtensorMap`` (16-bit elements, 128B swizzle) as a numpy record (kernel arg)."""
     global _libcuda
     key = (ptr, *dims, *strides, *box)
-    hit = _tma_cache.get(key)
-    if hit is not None:
-        _tma_cache.move_to_end(key)
-        return hit
+    with _tma_lock:
+        hit = _tma_cache.get(key)
+        if hit is not None:
+            _tma_cache.move_to_end(key)
+            return hit
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
         _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
@@ -464,9 +466,10 @@ def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int]
             op="gemm",
         )
     val = rec[0]
-    _tma_cache[key] = val
-    if len(_tma_cache) > 512:
-        _tma_cache.popitem(last=False)
+    with _tma_lock:
+        _tma_cache[key] = val
+        if len(_tma_cache) > 512:
+            _tma_cache.popitem(last=False)
     return val
 
 
