@@ -83,6 +83,7 @@ class _Worker:
         self.submitted = 0
         self.completed = 0
         self.error: BaseException | None = None
+        self.stopped = False
         self.device = device
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
         self.thread.start()
@@ -93,27 +94,44 @@ class _Worker:
         while True:
             item = q.get()
             if item is _STOP:
-                return
-            fn, name = item
-            try:
-                fn()
-            except BaseException as exc:
-                if self.error is None:
-                    err = LaunchError(
-                        f"{name} failed on {self.device}: {type(exc).__name__}: {exc}",
-                        op=name,
-                        device=self.device,
-                    )
-                    err.__cause__ = exc
-                    self.error = err
-            with self.cond:
-                self.completed += 1
-                self.cond.notify_all()
+                with self.cond:
+                    self.stopped = True
+                while True:  # drain anything put before ``stopped`` was seen
+                    try:
+                        item = q.get_nowait()
+                    except queue.Empty:
+                        return
+                    if item is not _STOP:
+                        self.execute(*item)
+            self.execute(*item)
+
+    def execute(self, fn: Callable[[], None], name: str) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            if self.error is None:
+                err = LaunchError(
+                    f"{name} failed on {self.device}: {type(exc).__name__}: {exc}",
+                    op=name,
+                    device=self.device,
+                )
+                err.__cause__ = exc
+                self.error = err
+        with self.cond:
+            self.completed += 1
+            self.cond.notify_all()
 
     def put(self, fn: Callable[[], None], name: str) -> None:
         with self.cond:
             self.submitted += 1
-        self.queue.put((fn, name))
+            stopped = self.stopped
+            if not stopped:
+                self.queue.put((fn, name))  # under the lock: the worker sees it before stopping
+        if stopped:
+            # The stream object is gone (its finalizer stopped the thread) but a
+            # finalizer running in the same garbage cycle still enqueued work,
+            # e.g. an event record: run it here so nothing waits forever.
+            self.execute(fn, name)
 
 
 class CpuStream(Stream):

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deviceops.scheduling import SingleStream
 
 import deviceops
 from deviceops import DeviceOp, ExecutionContext, api, kernels
-from deviceops.scheduling import SingleStream
 
 from .conftest import to_np
 

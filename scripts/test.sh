@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The README's test command: make a venv from pyproject.toml (once), then run
+# lint, type checks and the test suite. GPU tests skip, with a reason, where
+# no GPU answers; everything else runs on the cpu backend there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DEVICEOPS_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+"$VENV/bin/python" -m pip install -q -e '.[test]'
+"$VENV/bin/python" -m ruff check .
+"$VENV/bin/python" -m mypy
+exec "$VENV/bin/python" -m pytest "$@"
