@@ -134,8 +134,12 @@ async def _yield(lib: str) -> None:
 
 async def await_op(op: DeviceOp[T]) -> T:
     """``await op``: schedule it on the default policy and await the future."""
-    refuse_nested(f"await on {op._describe()}")
-    lib = _library()
+    try:
+        refuse_nested(f"await on {op._describe()}")
+        lib = _library()
+    except BaseException:
+        op._consume()  # the error is the report; no "never executed" warning on top
+        raise
     sl, loop = _slice_for(lib)
     while sl.used >= _slice_s:
         await _yield(lib)

@@ -64,6 +64,13 @@ class CpuEvent(Event):
         if self.capture is None and self.stream.done_seq < self.seq:
             self.stream.done_seq = self.seq
         if self.error is not None:
+            # Reported once, as CUDA reports a non-sticky error to the next
+            # synchronizing call: the stream is usable again afterwards.
+            worker = getattr(self.stream, "_worker", None)
+            if worker is not None:
+                with worker.cond:
+                    if worker.error is self.error:
+                        worker.error = None
             raise self.error
 
     def when_complete(self, fn: Callable[[], None]) -> None:

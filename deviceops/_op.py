@@ -56,6 +56,7 @@ def _current_policy() -> SchedulingPolicy:
 def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what: str) -> T:
     """Execute ``op`` as a top-level op on ``stream`` (the common path of every entry point)."""
     if guard.active is not None:
+        op._consume()
         refuse_nested(f"{what} on {op._describe()}")
     ctx = ExecutionContext(stream, policy if policy is not None else _current_policy())
     with enqueue_lock:
@@ -123,6 +124,11 @@ class DeviceOp(Generic[T]):
         self._state = _OWNED
         return self
 
+    def _consume(self) -> None:
+        """Mark a fresh op as spent without running it (its use failed and was reported)."""
+        if self._state == _FRESH:
+            self._state = _OWNED
+
     def __del__(self) -> None:
         if getattr(self, "_state", _DONE) == _FRESH:
             warnings.warn(
@@ -166,6 +172,7 @@ class DeviceOp(Generic[T]):
         if policy is None:
             policy = _current_policy()
         if guard.active is not None:
+            self._consume()
             refuse_nested(f"schedule() on {self._describe()}")
         stream = policy.next_stream()
         try:
