@@ -11,6 +11,7 @@ import traceback
 
 import cupy
 import torch
+
 from deviceops.kernels import _attention as attn
 
 

@@ -12,6 +12,7 @@ import sys
 import cupy as cp
 import ml_dtypes
 import numpy as np
+
 from deviceops.kernels import _attention as attn
 
 CASES = [

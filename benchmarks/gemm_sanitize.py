@@ -15,6 +15,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ml_dtypes
+
 from deviceops.kernels import _gemm
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -36,6 +36,7 @@ Knobs: :func:`configure_await` or the environment variables
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -190,7 +191,7 @@ async def _park_asyncio(ev: Any) -> None:
             waiter.set_result(None)
 
     def on_complete() -> None:
-        try:
+        try:  # noqa: SIM105 (hot path: a bare try is cheaper than suppress())
             loop.call_soon_threadsafe(wake)
         except RuntimeError:
             pass  # loop closed: nobody is waiting any more
@@ -206,10 +207,8 @@ async def _park_trio(ev: Any) -> None:
     done = trio.Event()
 
     def on_complete() -> None:
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
 
     ev.when_complete(on_complete)
     await done.wait()

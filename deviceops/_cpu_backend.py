@@ -167,7 +167,12 @@ class CpuStream(Stream):
         if self.capture is not None and event.capture is self.capture:
             return  # in-graph dependency: capture replays tasks in enqueue order
         assert isinstance(event, CpuEvent)
-        self.enqueue(event._done.wait, "wait_event")
+        done = event._done
+
+        def wait() -> None:
+            done.wait()
+
+        self.enqueue(wait, "wait_event")
 
     def launch_host_func(self, fn: Callable[[], None]) -> None:
         self.enqueue(fn, "host_func")

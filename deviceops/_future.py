@@ -81,7 +81,7 @@ class DeviceFuture(Generic[T]):
         if timeout is not None:
             self._wait_until(time.monotonic() + timeout)
         self._event.synchronize()
-        return self._out  # type: ignore[no-any-return]
+        return self._out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error ``result()`` would raise, or ``None``."""
@@ -111,7 +111,11 @@ class DeviceFuture(Generic[T]):
             fn(self)
             return
         assert self._event is not None
-        self._event.when_complete(lambda: fn(self))
+
+        def call() -> None:
+            fn(self)
+
+        self._event.when_complete(call)
 
     def __await__(self) -> Generator[Any, None, T]:
         from ._async import await_future

@@ -349,12 +349,12 @@ class SharedOp(DeviceOp[T]):
                 self._error = exc
                 raise
             self._where = (ctx.stream, ctx.stream.seq)
-            return self._out  # type: ignore[no-any-return]
+            return self._out
         if self._error is not None:
             raise self._error
         if self._where is not None:
             ctx.stream.wait_for(*self._where)
-        return self._out  # type: ignore[no-any-return]
+        return self._out
 
     def shared(self) -> SharedOp[T]:
         return self

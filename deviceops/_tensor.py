@@ -312,10 +312,7 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
     sweep()
     dt = normalize_dtype(dtype, op=op)
     dev = stream.device
-    if dev.is_cpu:
-        arr = np.empty(shape, dt)
-    else:
-        arr = _cuda_empty(stream, shape, dt)
+    arr = np.empty(shape, dt) if dev.is_cpu else _cuda_empty(stream, shape, dt)
     return Tensor(arr, dev, _storage=Storage(arr, dev, stream))
 
 

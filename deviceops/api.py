@@ -325,7 +325,7 @@ def to_host(t: Tensor) -> DeviceOp[np.ndarray]:
             a.get(stream=native, out=pinned, blocking=False)
 
         launch(ctx, "to_host", (src,), (), lambda: None, cuda)
-        return pinned  # type: ignore[no-any-return]
+        return pinned
 
     return _ApiOp("to_host", run)
 

@@ -70,7 +70,7 @@ class CudaGraph(Generic[T]):
         if self._taken:
             raise SchedulingError("take_output: the graph's output was already taken")
         self._taken = True
-        return self._output  # type: ignore[no-any-return]
+        return self._output
 
     def update(self, op: DeviceOp[Any]) -> Any:
         """Run ``op`` on the graph's stream now (e.g. ``api.memcpy(captured_input, new)``).

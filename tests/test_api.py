@@ -106,7 +106,7 @@ def test_errors_raise_before_launch() -> None:
     with pytest.raises(ValueError):
         api.memcpy(a, b)
     c = api.zeros((2, 3), "int32").sync()
-    with pytest.raises(deviceops.DTypeError, match="use api.convert"):
+    with pytest.raises(deviceops.DTypeError, match=r"use api\.convert"):
         api.memcpy(a, c)
     with pytest.raises(TypeError):
         api.memcpy(a, c)

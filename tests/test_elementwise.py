@@ -125,5 +125,5 @@ def test_wrong_device_is_refused() -> None:
     if not deviceops.cuda_available():
         pytest.skip("needs a CUDA GPU to have two backends")
     cpu_t = api.ones((4,)).sync_on(deviceops.device("cpu").new_stream())
-    with pytest.raises(deviceops.DeviceError, match="api.to_device"):
+    with pytest.raises(deviceops.DeviceError, match=r"api\.to_device"):
         kernels.add(cpu_t, cpu_t).sync_on(deviceops.device(0).new_stream())

@@ -9,9 +9,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from deviceops.kernels import _gemm
 
 from deviceops._errors import DTypeError, ShapeError
+from deviceops.kernels import _gemm
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from deviceops.graphs import host_task
-from deviceops.scheduling import StreamPoolRoundRobin
 
 import deviceops
 from deviceops import api, kernels
+from deviceops.graphs import host_task
+from deviceops.scheduling import StreamPoolRoundRobin
 
 from .conftest import to_np
 

@@ -12,11 +12,11 @@ import gc
 
 import numpy as np
 import pytest
-from deviceops.kernels._testing import slow_copy
 
 import deviceops
 from deviceops import api, kernels
 from deviceops._tensor import parked_count
+from deviceops.kernels._testing import slow_copy
 
 from .conftest import to_np
 

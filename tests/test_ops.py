@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from deviceops.scheduling import SingleStream
 
 import deviceops
 from deviceops import DeviceOp, ExecutionContext, api, kernels
+from deviceops.scheduling import SingleStream
 
 from .conftest import to_np
 
@@ -44,7 +44,7 @@ def test_construction_runs_nothing() -> None:
 def test_execute_once_plain_op_refuses_second_run() -> None:
     op = Counting()
     op.sync()
-    with pytest.raises(deviceops.SchedulingError, match="already executed.*shared"):
+    with pytest.raises(deviceops.SchedulingError, match=r"already executed.*shared"):
         op.sync()
 
 
@@ -216,7 +216,7 @@ def test_nested_execution_is_refused_with_fix(call: str, stream: deviceops.Strea
             inner._state = 2  # consumed either way; keep the leak check quiet
         return deviceops.value(0)
 
-    with pytest.raises(deviceops.NestedExecutionError, match="return the DeviceOp from a .then"):
+    with pytest.raises(deviceops.NestedExecutionError, match=r"return the DeviceOp from a \.then"):
         Counting().then(nested).sync()
 
 

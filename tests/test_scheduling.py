@@ -64,7 +64,7 @@ def test_zip_branches_serialize_under_single_stream(dev: deviceops.Device) -> No
 
 
 def test_zip_uses_distinct_streams_and_joins(dev: deviceops.Device) -> None:
-    ops, dsts = _branches(dev, 3, 0.001)
+    ops, _ = _branches(dev, 3, 0.001)
     pool = StreamPoolRoundRobin(dev, num_streams=3)
     z = deviceops.zip(*ops)
     with deviceops.using(pool):

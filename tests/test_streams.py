@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from deviceops.kernels._testing import slow_copy
 
 import deviceops
 from deviceops import api, kernels
+from deviceops.kernels._testing import slow_copy
 
 from .conftest import to_np
 
