@@ -34,11 +34,25 @@ class ExecutionContext:
         policy: the scheduling policy further streams are drawn from.
     """
 
-    __slots__ = ("policy", "stream")
+    __slots__ = ("_policy", "stream")
 
-    def __init__(self, stream: Stream, policy: SchedulingPolicy) -> None:
+    def __init__(self, stream: Stream, policy: SchedulingPolicy | None = None) -> None:
         self.stream = stream
-        self.policy = policy
+        self._policy = policy
+
+    @property
+    def policy(self) -> SchedulingPolicy:
+        """The policy further streams (zip branches) are drawn from.
+
+        Resolved on first use when the caller gave none (``async_on``/``sync_on``):
+        the current policy at that moment, which is the enqueueing moment.
+        """
+        p = self._policy
+        if p is None:
+            from deviceops.scheduling import current_policy
+
+            p = self._policy = current_policy()
+        return p
 
     @property
     def device(self) -> Device:
@@ -47,7 +61,7 @@ class ExecutionContext:
 
     def on(self, stream: Stream) -> ExecutionContext:
         """The same context, enqueuing on ``stream``."""
-        return ExecutionContext(stream, self.policy)
+        return ExecutionContext(stream, self._policy)
 
     def __repr__(self) -> str:
         return f"ExecutionContext(stream={self.stream!r}, policy={self.policy!r})"

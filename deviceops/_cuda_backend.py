@@ -33,6 +33,14 @@ def cuda_errors(op: str, device: str) -> Iterator[None]:
         raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc
 
 
+def raise_driver_error(exc: BaseException, op: str, device: str) -> None:
+    """Raise :class:`DriverError` from ``exc`` if it is a CUDA error; else return."""
+    import cupy
+
+    if isinstance(exc, (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError)):
+        raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc
+
+
 class CudaEvent(Event):
     """An event of a :class:`CudaStream` (a CuPy event, timing disabled)."""
 

@@ -44,10 +44,13 @@ def launch(
     if stream.device.is_cpu:
         stream.enqueue(cpu_fn, name)  # type: ignore[attr-defined]
     else:
-        from ._cuda_backend import cuda_errors
-
-        with cuda_errors(name, str(stream.device)):
+        try:
             cuda_fn(stream.native)  # type: ignore[attr-defined]
+        except Exception as exc:
+            from ._cuda_backend import raise_driver_error
+
+            raise_driver_error(exc, name, str(stream.device))
+            raise
     seq = stream.bump()
     after_access(stream, seq, rs, ws)
     if tracer is not None:

@@ -58,7 +58,7 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
     if guard.active is not None:
         op._consume()
         refuse_nested(f"{what} on {op._describe()}")
-    ctx = ExecutionContext(stream, policy if policy is not None else _current_policy())
+    ctx = ExecutionContext(stream, policy)
     with enqueue_lock:
         guard.active = op._describe()
         try:

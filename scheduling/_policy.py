@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from deviceops._device import default_device
+
 if TYPE_CHECKING:
     from deviceops._device import Device
     from deviceops._stream import Stream
@@ -54,7 +56,7 @@ _override: contextvars.ContextVar[SchedulingPolicy | None] = contextvars.Context
     "deviceops_policy", default=None
 )
 _default: SchedulingPolicy | None = None
-_per_device: dict[str, SchedulingPolicy] = {}
+_per_device: dict[Device, SchedulingPolicy] = {}  # the automatic default, per default device
 _lock = threading.Lock()
 
 
@@ -65,18 +67,15 @@ def current_policy() -> SchedulingPolicy:
         return p
     if _default is not None:
         return _default
-    from deviceops._device import default_device
-
-    from ._policies import StreamPoolRoundRobin
-
     dev = default_device()
-    key = str(dev)
-    p = _per_device.get(key)
+    p = _per_device.get(dev)
     if p is None:
+        from ._policies import StreamPoolRoundRobin
+
         with _lock:
-            p = _per_device.get(key)
+            p = _per_device.get(dev)
             if p is None:
-                p = _per_device[key] = StreamPoolRoundRobin(dev)
+                p = _per_device[dev] = StreamPoolRoundRobin(dev)
     return p
 
 
