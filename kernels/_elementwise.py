@@ -29,9 +29,11 @@ from deviceops._context import ExecutionContext
 from deviceops._dtypes import bfloat16, float16, float32, int32, int64, is_floating
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
+from deviceops._op import DeviceOp
 from deviceops._tensor import Partition, Tensor, allocate, check_device
 
-from ._launch import KernelOp, as_tensor, contiguous, is_deferred
+from ._fastlaunch import Launcher
+from ._launch import KernelOp, as_tensor, contiguous, resolve
 from ._module import load_module, read_source
 
 __all__ = ["add", "mul", "saxpy"]
@@ -83,39 +85,134 @@ def _tile_of(arg: Any) -> tuple[int, ...] | None:
     return arg.tile_shape if isinstance(arg, Partition) else None
 
 
+# -- fast launch -------------------------------------------------------------
+_launchers: dict[tuple[int, str, Any], Launcher] = {}
+_fgeom: dict[tuple[tuple[int, ...], tuple[int, ...] | None], tuple[Any, ...]] = {}
+_CODES = {"saxpy": "pfpqqii", "add": "pppqqii", "mul": "pppqqii"}
+
+
+def _launcher(device_index: int, kernel: str, dtype: np.dtype[Any]) -> Launcher:
+    key = (device_index, kernel, dtype)
+    ln = _launchers.get(key)
+    if ln is None:
+        fn = _function(device_index, kernel, dtype)
+        ln = _launchers[key] = Launcher(fn, _CODES[kernel], kernel, device_index)
+    return ln
+
+
+def _fast_geometry(shape: tuple[int, ...], tile: tuple[int, ...] | None) -> tuple[Any, ...]:
+    """``_geometry`` with plain ints and 3-d grid/block, for :class:`Launcher`."""
+    key = (shape, tile)
+    g = _fgeom.get(key)
+    if g is None:
+        (gx, gy), (threads,), rows, cols, tr, tc = _geometry(shape, tile)
+        g = _fgeom[key] = ((gx, gy, 1), (threads, 1, 1), int(rows), int(cols), int(tr), int(tc))
+    return g
+
+
+def _tensor_of(arg: Any, op: str, name: str) -> Tensor:
+    if type(arg) is Tensor:
+        return arg
+    return as_tensor(arg, op, name)
+
+
+class _ElementwiseOp(KernelOp):
+    """``saxpy``/``add``/``mul``: one launch, on the hot path of every benchmark.
+
+    Written out (no closures, no per-call validation when the arguments were
+    concrete at construction, driver launch through :class:`Launcher`), because
+    per-op host cost is what a chain of tiny ops measures.
+    """
+
+    __slots__ = ("_a", "_deferred")
+
+    def __init__(self, name: str, args: tuple[Any, ...], a: float, deferred: bool) -> None:
+        DeviceOp.__init__(self)
+        self._name = name
+        self._run = _noop
+        self._a = a
+        self._deferred = deferred
+        if deferred:
+            args = tuple(v._adopt() if isinstance(v, DeviceOp) else v for v in args)
+        self._args = args
+
+    def _execute(self, ctx: ExecutionContext) -> Any:
+        name = self._name
+        vals = [resolve(v, ctx) for v in self._args] if self._deferred else self._args
+        stream = ctx.stream
+        if name == "saxpy":
+            w_arg, x_arg = vals
+            w = _tensor_of(w_arg, name, "z")
+            x = _tensor_of(x_arg, name, "x")
+            y = None
+            if self._deferred:
+                _saxpy_check(w, x)
+        else:
+            x_arg, y_arg, w_arg = vals
+            x = _tensor_of(x_arg, name, "x")
+            y = _tensor_of(y_arg, name, "y")
+            if w_arg is None:
+                if self._deferred:
+                    _binary_check(name, x, y, None)
+                w_arg = w = allocate(stream, x.shape, x.dtype, name)
+            else:
+                w = _tensor_of(w_arg, name, "out")
+                if self._deferred:
+                    _binary_check(name, x, y, w)
+        if w._storage.device is not stream.device or x._storage.device is not stream.device:
+            check_device(w, stream, name)
+            check_device(x, stream, name)
+        if y is not None and y._storage.device is not stream.device:
+            check_device(y, stream, name)
+        reads = (x,) if y is None else (x, y)
+        if stream.device.is_cpu:
+            launch(ctx, name, (*reads, w) if y is None else reads, (w,), _cpu_task(name, self._a, w, x, y), _noop)
+            return w_arg
+        wa = w._array
+        ln = _launcher(stream.device.index, name, wa.dtype)
+        grid, block, rows, cols, tr, tc = _fast_geometry(wa.shape, _tile_of(w_arg))
+        if y is None:
+            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, rows, cols, tr, tc)
+            reads = (x, w)
+        else:
+            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, rows, cols, tr, tc)
+        sptr = stream.native.ptr  # type: ignore[attr-defined]
+        launch(ctx, name, reads, (w,), _noop, lambda _s: ln(grid, block, args, sptr))
+        return w_arg
+
+
+def _cpu_task(name: str, a: float, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
+    wa, xa, dt = w._array, x._array, w._array.dtype
+    if name == "saxpy":
+        def saxpy_cpu() -> None:
+            if is_floating(dt):
+                wa[...] = (np.float32(a) * xa.astype(np.float32) + wa.astype(np.float32)).astype(dt)
+            else:
+                wa[...] = (np.float64(np.float32(a)) * xa.astype(np.float64) + wa).astype(dt)
+
+        return saxpy_cpu
+    assert y is not None
+    ya = y._array
+    ufunc = np.add if name == "add" else np.multiply
+
+    def binary_cpu() -> None:
+        if dt in (float16, bfloat16):
+            wa[...] = ufunc(xa.astype(np.float32), ya.astype(np.float32)).astype(dt)
+        else:
+            ufunc(xa, ya, out=wa)
+
+    return binary_cpu
+
+
+def _noop(*_: Any) -> None:
+    pass
+
+
 # -- saxpy ---------------------------------------------------------------------
 def _saxpy_check(z: Tensor, x: Tensor) -> None:
     _check_pair("saxpy", z, x, "z", "x")
     contiguous(z, "saxpy", "z")
     contiguous(x, "saxpy", "x")
-
-
-def _saxpy_run(ctx: ExecutionContext, z_arg: Any, a: float, x_arg: Any, checked: bool) -> Any:
-    z = as_tensor(z_arg, "saxpy", "z")
-    x = as_tensor(x_arg, "saxpy", "x")
-    if not checked:
-        _saxpy_check(z, x)
-    stream = ctx.stream
-    check_device(z, stream, "saxpy")
-    za, xa, dt = z.array, x.array, z.dtype
-    if stream.device.is_cpu:
-        def cpu() -> None:
-            if is_floating(dt):
-                za[...] = (np.float32(a) * xa.astype(np.float32) + za.astype(np.float32)).astype(dt)
-            else:
-                za[...] = (np.float64(np.float32(a)) * xa.astype(np.float64) + za).astype(dt)
-
-        launch(ctx, "saxpy", (x, z), (z,), cpu, _noop)
-    else:
-        fn = _function(stream.device.index, "saxpy", dt)
-        grid, block, rows, cols, tr, tc = _geometry(z.shape, _tile_of(z_arg))
-        args = (za, np.float32(a), xa, rows, cols, tr, tc)
-        launch(ctx, "saxpy", (x, z), (z,), _noop, lambda s: fn(grid, block, args, stream=s))
-    return z_arg
-
-
-def _noop(*_: Any) -> None:
-    pass
 
 
 def saxpy(z: Any, a: float, x: Any) -> KernelOp:
@@ -126,59 +223,28 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
         a: scalar multiplier.
         x: Tensor or DeviceOp producing one, same shape and dtype as ``z``.
     """
-    checked = not (is_deferred(z) or is_deferred(x))
-    if checked:
-        _saxpy_check(as_tensor(z, "saxpy", "z"), as_tensor(x, "saxpy", "x"))
-    a = float(a)
-    return KernelOp("saxpy", lambda ctx, z_, x_: _saxpy_run(ctx, z_, a, x_, checked), (z, x))
+    deferred = isinstance(z, DeviceOp) or isinstance(x, DeviceOp)
+    if not deferred:
+        _saxpy_check(_tensor_of(z, "saxpy", "z"), _tensor_of(x, "saxpy", "x"))
+    return _ElementwiseOp("saxpy", (z, x), float(a), deferred)
 
 
 # -- add / mul -----------------------------------------------------------------
-def _binary(name: str, x_arg: Any, y_arg: Any, out_arg: Any) -> KernelOp:
-    deferred = any(is_deferred(v) for v in (x_arg, y_arg, out_arg))
+def _binary_check(name: str, x: Tensor, y: Tensor, out: Tensor | None) -> None:
+    _check_pair(name, x, y, "x", "y")
+    contiguous(x, name, "x")
+    contiguous(y, name, "y")
+    if out is not None:
+        _check_pair(name, out, x, "out", "x")
+        contiguous(out, name, "out")
 
-    def check(x: Tensor, y: Tensor, out: Tensor | None) -> None:
-        _check_pair(name, x, y, "x", "y")
-        contiguous(x, name, "x")
-        contiguous(y, name, "y")
-        if out is not None:
-            _check_pair(name, out, x, "out", "x")
-            contiguous(out, name, "out")
 
+def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
+    deferred = isinstance(x, DeviceOp) or isinstance(y, DeviceOp) or isinstance(out, DeviceOp)
     if not deferred:
-        check(as_tensor(x_arg, name, "x"), as_tensor(y_arg, name, "y"),
-              None if out_arg is None else as_tensor(out_arg, name, "out"))
-
-    def run(ctx: ExecutionContext, xv: Any, yv: Any, ov: Any) -> Any:
-        x, y = as_tensor(xv, name, "x"), as_tensor(yv, name, "y")
-        o = None if ov is None else as_tensor(ov, name, "out")
-        if deferred:
-            check(x, y, o)
-        stream = ctx.stream
-        check_device(x, stream, name)
-        if o is None:
-            o = allocate(stream, x.shape, x.dtype, name)
-            ov = o
-        oa, xa, ya = o.array, x.array, y.array
-        if stream.device.is_cpu:
-            ufunc = np.add if name == "add" else np.multiply
-            dt = x.dtype
-
-            def cpu() -> None:
-                if dt in (float16, bfloat16):
-                    oa[...] = ufunc(xa.astype(np.float32), ya.astype(np.float32)).astype(dt)
-                else:
-                    ufunc(xa, ya, out=oa)
-
-            launch(ctx, name, (x, y), (o,), cpu, _noop)
-        else:
-            fn = _function(stream.device.index, name, x.dtype)
-            grid, block, rows, cols, tr, tc = _geometry(o.shape, _tile_of(ov))
-            args = (oa, xa, ya, rows, cols, tr, tc)
-            launch(ctx, name, (x, y), (o,), _noop, lambda s: fn(grid, block, args, stream=s))
-        return ov
-
-    return KernelOp(name, run, (x_arg, y_arg, out_arg))
+        _binary_check(name, _tensor_of(x, name, "x"), _tensor_of(y, name, "y"),
+                      None if out is None else _tensor_of(out, name, "out"))
+    return _ElementwiseOp(name, (x, y, out), 0.0, deferred)
 
 
 def add(x: Any, y: Any, out: Any = None) -> KernelOp:

@@ -60,6 +60,12 @@ def _no_unexecuted_ops() -> Iterator[None]:
     assert not leaked, f"never-executed DeviceOps leaked: {[str(w.message) for w in leaked]}"
 
 
+_host_streams: dict[deviceops.Device, deviceops.Stream] = {}
+
+
 def to_np(t: deviceops.Tensor):  # type: ignore[no-untyped-def]
-    """Host copy of a tensor (synchronizing)."""
-    return deviceops.api.to_host(t).sync()
+    """Host copy of a tensor (synchronizing), read on a stream of the tensor's own device."""
+    s = _host_streams.get(t.device)
+    if s is None:
+        s = _host_streams[t.device] = t.device.new_stream()
+    return deviceops.api.to_host(t).sync_on(s)

@@ -1,0 +1,105 @@
+"""A thin ``cuLaunchKernel`` wrapper for the smallest, most frequent kernels.
+
+CuPy's ``RawKernel.__call__`` inspects every argument on every call (array or
+scalar, which dtype, which device) and is the largest single host cost of a
+tiny launch. The elementwise launchers know their argument types in advance,
+so they call the driver directly through ctypes:
+
+* the argument types are fixed per kernel by a code string
+  (``p`` device pointer, ``f`` float32, ``i`` int32, ``q`` int64);
+* the packed ``kernelParams`` array for a given argument tuple is built once
+  and cached (the driver copies the values at launch, so reuse is safe);
+* a launch is one ctypes call: about a microsecond.
+
+The function handle comes from the CuPy module (loaded and cached by
+:mod:`._module`), so compilation, caching and module lifetime stay CuPy's.
+Launch failures raise :class:`~deviceops.DriverError` naming the kernel and
+device. A thread whose current CUDA context is not the kernel's device gets
+it made current once (``cudaSetDevice``) and the launch retried.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+from deviceops._errors import DriverError
+
+__all__ = ["Launcher"]
+
+_CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int32, "q": ctypes.c_int64}
+_CUDA_ERROR_INVALID_CONTEXT = 201
+_CUDA_ERROR_INVALID_HANDLE = 400
+_CACHE_LIMIT = 4096
+_cu_launch: Any = None
+
+
+def _driver_launch() -> Any:
+    """``cuLaunchKernel`` from the driver library, typed (loaded once)."""
+    global _cu_launch
+    if _cu_launch is None:
+        name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        fn = ctypes.CDLL(name).cuLaunchKernel
+        u = ctypes.c_uint
+        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _cu_launch = fn
+    return _cu_launch
+
+
+class Launcher:
+    """Launch one CuPy-loaded kernel through the driver with typed, cached arguments.
+
+    Args:
+        kernel: the CuPy ``RawKernel`` (from ``RawModule.get_function``).
+        codes: one character per kernel parameter: ``p`` pointer, ``f``
+            float32, ``i`` int32, ``q`` int64.
+        name: the kernel's name, for errors.
+        device_index: the CUDA device the module was loaded on.
+    """
+
+    __slots__ = ("_cache", "_fptr", "_types", "device_index", "name")
+
+    def __init__(self, kernel: Any, codes: str, name: str, device_index: int) -> None:
+        if any(c not in _CTYPES for c in codes):
+            raise ValueError(f"Launcher({name}): unknown argument code in {codes!r}; use p, f, i, q")
+        self._fptr = int(kernel.kernel.ptr)
+        self._types = tuple(_CTYPES[c] for c in codes)
+        self._cache: dict[tuple[Any, ...], Any] = {}
+        self.name = name
+        self.device_index = device_index
+
+    def _pack(self, args: tuple[Any, ...]) -> Any:
+        if len(args) != len(self._types):
+            raise TypeError(f"{self.name}: expected {len(self._types)} kernel arguments, got {len(args)}")
+        holders = tuple(t(v) for t, v in zip(self._types, args, strict=True))
+        params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
+        if len(self._cache) >= _CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[args] = (params, holders)
+        return params
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...],
+                 stream_ptr: int, shared_mem: int = 0) -> None:
+        """Enqueue the kernel on the CUDA stream ``stream_ptr``."""
+        entry = self._cache.get(args)
+        params = entry[0] if entry is not None else self._pack(args)
+        rc = _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                              shared_mem, stream_ptr, params, None)
+        if rc:
+            self._retry_or_raise(rc, grid, block, params, stream_ptr, shared_mem)
+
+    def _retry_or_raise(self, rc: int, grid: tuple[int, int, int], block: tuple[int, int, int],
+                        params: Any, stream_ptr: int, shared_mem: int) -> None:
+        import cupy
+
+        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+            cupy.cuda.runtime.setDevice(self.device_index)
+            rc = _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                  shared_mem, stream_ptr, params, None)
+            if not rc:
+                return
+        cause = cupy.cuda.driver.CUDADriverError(rc)
+        raise DriverError(f"launching {self.name} (grid {grid}, block {block}) on cuda:{self.device_index} "
+                          f"failed: {cause}", op=self.name, device=f"cuda:{self.device_index}") from cause
