@@ -7,7 +7,28 @@ DeviceOps producing tensors interchangeably (see :mod:`._launch`).
 
 from __future__ import annotations
 
+from ._attention_op import flash_attention
 from ._elementwise import add, mul, saxpy
 from ._launch import KernelOp
+from ._linear import gemm, matmul, reserve_workspace
+from ._nn_ops import argmax, embedding, gelu, layer_norm, rms_norm, silu, softmax
+from ._testing import slow_copy
 
-__all__ = ["KernelOp", "add", "mul", "saxpy"]
+__all__ = [
+    "KernelOp",
+    "add",
+    "argmax",
+    "embedding",
+    "flash_attention",
+    "gelu",
+    "gemm",
+    "layer_norm",
+    "matmul",
+    "mul",
+    "reserve_workspace",
+    "rms_norm",
+    "saxpy",
+    "silu",
+    "slow_copy",
+    "softmax",
+]
