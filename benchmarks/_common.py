@@ -1,0 +1,424 @@
+"""Shared helpers for the overhead/latency/graph/overlap benchmarks.
+
+* device selection: :func:`setup` returns a :class:`Bench` (the default deviceops
+  device, CuPy or ``None``); ``DEVICEOPS_DEVICE=cpu`` forces the cpu backend;
+* timing: :func:`interleave` runs several variants round-robin (so drift hits all
+  of them alike) and returns per-sample seconds, timed with ``perf_counter``
+  around code that ends by synchronizing; :class:`EventTimer` times device spans
+  with CUDA events; :func:`median`, :func:`pct`;
+* correctness: :func:`check` raises :class:`CheckFailed`; :func:`main_guard`
+  turns it into a clear message and exit status 1;
+* output: :func:`table`, :class:`Bar` (PASS/FAIL lines; a missed bar is a
+  measurement, not a failure: exit status stays 0), :func:`write_json` (device
+  name, date, versions, config, rows, bars, checks).
+
+Import as ``from _common import ...`` (the script's folder is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import deviceops
+
+__all__ = [
+    "Bar",
+    "Bench",
+    "CheckFailed",
+    "EventTimer",
+    "add_common_args",
+    "check",
+    "check_equal",
+    "download",
+    "env_info",
+    "fmt",
+    "int_data",
+    "interleave",
+    "launch_geometry",
+    "main_guard",
+    "median",
+    "no_gc",
+    "pct",
+    "print_bars",
+    "raw_kernels",
+    "setup",
+    "table",
+    "upload",
+    "write_json",
+]
+
+
+# -- correctness -----------------------------------------------------------------
+class CheckFailed(Exception):
+    """A correctness check failed: the benchmark's numbers are not to be trusted."""
+
+
+_checks: list[str] = []
+
+
+def check(cond: bool, what: str) -> None:
+    """Record a correctness check; raise :class:`CheckFailed` if ``cond`` is false."""
+    if not cond:
+        raise CheckFailed(what)
+    _checks.append(what)
+
+
+def check_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Exact elementwise equality (the benchmarks use integer-valued floats), NaN fails."""
+    got = np.asarray(got)
+    ok = got.shape == want.shape and bool(np.array_equal(got, want))
+    if not ok:
+        bad = int(np.count_nonzero(got != want)) if got.shape == want.shape else -1
+        idx = int(np.argmax(got != want)) if bad > 0 else 0
+        detail = (f"shape {got.shape} != {want.shape}" if bad < 0 else
+                  f"{bad}/{want.size} elements differ, first at flat index {idx}: "
+                  f"got {got.ravel()[idx]!r}, want {want.ravel()[idx]!r}")
+        raise CheckFailed(f"{what}: {detail}")
+    _checks.append(what)
+
+
+def main_guard(main: Callable[[], int | None]) -> None:
+    """Run ``main``; exit 1 with a clear message if a correctness check failed."""
+    try:
+        rc = main()
+    except CheckFailed as exc:
+        print(f"\nCORRECTNESS FAIL: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        traceback.print_exc()
+        print("\nERROR: the benchmark raised; no results", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(rc or 0)
+
+
+# -- device ----------------------------------------------------------------------
+@dataclass
+class Bench:
+    """Where the benchmark runs."""
+
+    device: deviceops.Device
+    cupy: Any  # the cupy module on cuda, else None
+    smoke: bool
+
+    @property
+    def is_cuda(self) -> bool:
+        return not self.device.is_cpu
+
+    def sync_all(self) -> None:
+        """Block until every stream of the device is idle."""
+        self.device.synchronize()
+
+
+def setup(args: Any) -> Bench:
+    """The default deviceops device (``DEVICEOPS_DEVICE`` honoured), printed once."""
+    dev = deviceops.default_device()
+    cp = None
+    if not dev.is_cpu:
+        import cupy
+
+        cp = cupy
+        cupy.cuda.Device(dev.index).use()
+    b = Bench(dev, cp, bool(getattr(args, "smoke", False)))
+    info = env_info(b)
+    mode = "smoke" if b.smoke else "full"
+    print(f"# device: {info['device_name']} ({dev}), {mode} run, {info['date']}", flush=True)
+    if dev.is_cpu:
+        print("# cpu backend: figures measure the NumPy/worker-thread emulation; "
+              "the bars are GPU targets and only informational here", flush=True)
+    return b
+
+
+def add_common_args(p: Any) -> None:
+    """``--smoke`` and ``--json PATH``."""
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny counts; runs in seconds on the cpu backend (CI)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
+
+
+def env_info(b: Bench) -> dict[str, Any]:
+    """Device name, date and versions for the JSON record."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "device": str(b.device),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "deviceops": getattr(deviceops, "__version__", "?"),
+        "platform": platform.platform(),
+        "host_cpus": os.cpu_count(),
+    }
+    try:
+        import trio
+
+        info["trio"] = trio.__version__
+    except ImportError:
+        info["trio"] = None
+    if b.cupy is not None:
+        cp = b.cupy
+        props = cp.cuda.runtime.getDeviceProperties(b.device.index)
+        name = props["name"]
+        info["device_name"] = name.decode() if isinstance(name, bytes) else str(name)
+        info["cupy"] = cp.__version__
+        info["cuda_runtime"] = cp.cuda.runtime.runtimeGetVersion()
+        info["cuda_driver"] = cp.cuda.runtime.driverGetVersion()
+        info["sm_count"] = props.get("multiProcessorCount")
+        info["clock_khz"] = props.get("clockRate")
+    else:
+        info["device_name"] = f"cpu backend ({platform.processor() or platform.machine()})"
+        info["cupy"] = None
+    return info
+
+
+# -- timing ----------------------------------------------------------------------
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect once, then keep the cyclic GC out of the timed region (as ``timeit`` does)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def interleave(variants: dict[str, Callable[[], Any]], samples: int, warmup: int = 2,
+               before: Callable[[str], Any] | None = None,
+               after: Callable[[str, Any], Any] | None = None) -> dict[str, list[float]]:
+    """Time each variant ``samples`` times, round-robin, rotating the order.
+
+    Each call of a variant is one sample, timed on the host with
+    ``perf_counter``; a variant must end by synchronizing (its device work is
+    inside the sample). ``before(name)`` runs untimed before each call (reset
+    buffers), ``after(name, result)`` untimed after it (check results).
+    Warm-up calls are timed for nothing but still go through before/after.
+    """
+    names = list(variants)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    with no_gc():
+        for i in range(warmup + samples):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                if before is not None:
+                    before(name)
+                fn = variants[name]
+                t0 = time.perf_counter()
+                res = fn()
+                dt = time.perf_counter() - t0
+                if after is not None:
+                    after(name, res)
+                if i >= warmup:
+                    out[name].append(dt)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear interpolation."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+class EventTimer:
+    """Device time between two points of a CuPy stream (CUDA events with timing)."""
+
+    def __init__(self, cp: Any, native_stream: Any) -> None:
+        self.cp = cp
+        self.stream = native_stream
+        self.start = cp.cuda.Event()
+        self.stop = cp.cuda.Event()
+
+    def begin(self) -> None:
+        self.start.record(self.stream)
+
+    def end(self) -> None:
+        self.stop.record(self.stream)
+
+    def seconds(self) -> float:
+        """Elapsed seconds (synchronizes on the stop event)."""
+        self.stop.synchronize()
+        return float(self.cp.cuda.get_elapsed_time(self.start, self.stop)) * 1e-3
+
+
+# -- output ----------------------------------------------------------------------
+def fmt(x: Any, prec: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if x != x:
+            return "nan"
+        return f"{x:.{prec}f}"
+    return str(x)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:
+    """A fixed-width table: ``columns`` are (key, header, decimals)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([fmt(r.get(k), p) for k, _, p in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = []
+    for j, c in enumerate(cells):
+        lines.append("  ".join(s.rjust(w) if i else s.ljust(w) for i, (s, w) in enumerate(zip(c, widths, strict=True))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+_OPS: dict[str, Callable[..., bool]] = {
+    "~": lambda a, b, tol: abs(a - b) <= tol,
+    "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b,
+    ">=": lambda a, b: a >= b,
+    ">": lambda a, b: a > b,
+}
+
+
+@dataclass
+class Bar:
+    """A performance target: ``value op limit`` (e.g. ratio <= 1.3; ``~`` means within ``tol``)."""
+
+    name: str
+    value: float | None
+    op: str
+    limit: float
+    unit: str = ""
+    note: str = ""
+    tol: float = 0.0
+    passed: bool | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"Bar: unknown comparison {self.op!r}")
+        v = self.value
+        if v is None or v != v:
+            self.passed = None
+        elif self.op == "~":
+            self.passed = _OPS["~"](v, self.limit, self.tol)
+        else:
+            self.passed = _OPS[self.op](v, self.limit)
+
+    def line(self) -> str:
+        tag = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+        unit = f" {self.unit}" if self.unit else ""
+        note = f"  ({self.note})" if self.note else ""
+        want = f"~ {self.limit:g} +- {self.tol:g}" if self.op == "~" else f"{self.op} {self.limit:g}"
+        return f"{tag} {self.name}: {fmt(self.value, 3)}{unit} {want}{unit}{note}"
+
+
+def print_bars(bars: Sequence[Bar], b: Bench) -> None:
+    """Print one PASS/FAIL/SKIP line per bar (informational on the cpu backend)."""
+    print()
+    suffix = "  [cpu backend: informational]" if not b.is_cuda else ""
+    for bar in bars:
+        print(bar.line() + suffix)
+    sys.stdout.flush()
+
+
+def write_json(path: str | None, name: str, b: Bench, config: dict[str, Any],
+               rows: Sequence[dict[str, Any]], bars: Sequence[Bar],
+               extra: dict[str, Any] | None = None) -> None:
+    """Write the run's record to ``path`` (if given)."""
+    if not path:
+        return
+    rec: dict[str, Any] = {
+        "benchmark": name,
+        "device": str(b.device),
+        "env": env_info(b),
+        "smoke": b.smoke,
+        "config": config,
+        "rows": list(rows),
+        "bars": [asdict(x) for x in bars],
+        "checks": {"passed": True, "list": list(_checks)},
+    }
+    if extra:
+        rec.update(extra)
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(rec, indent=1, default=_jsonable))
+    print(f"# wrote {p}")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+# -- data and raw references ---------------------------------------------------------
+def int_data(rng: np.random.Generator, shape: int | tuple[int, ...], lo: int, hi: int) -> np.ndarray:
+    """Random integer-valued float32 data in ``[lo, hi]``.
+
+    The benchmarks accumulate many ops into one buffer; with integer values
+    (and sums below 2**24) float32 arithmetic is exact, so results are checked
+    for exact equality however many times the timed loops ran.
+    """
+    return rng.integers(lo, hi + 1, size=shape).astype(np.float32)
+
+
+def upload(x: np.ndarray, stream: deviceops.Stream) -> deviceops.Tensor:
+    """A device tensor holding ``x`` (synchronized)."""
+    return deviceops.api.from_host(x).sync_on(stream)
+
+
+def download(t: deviceops.Tensor, stream: deviceops.Stream) -> np.ndarray:
+    """A host copy of ``t`` (synchronized, ordered after every stream that wrote it)."""
+    return np.array(deviceops.api.to_host(t).sync_on(stream))
+
+
+RAW_SOURCE = r"""
+extern "C" __global__ void raw_saxpy(float* __restrict__ z, float a, const float* __restrict__ x,
+                                     long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        z[i] = a * x[i] + z[i];
+}
+extern "C" __global__ void raw_add(float* __restrict__ out, const float* __restrict__ x,
+                                   const float* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = x[i] + y[i];
+}
+"""
+
+
+def raw_kernels(cp: Any) -> dict[str, Any]:
+    """The raw-CuPy references: ``raw_saxpy(z, a, x, n)`` and ``raw_add(out, x, y, n)``.
+
+    Our own tiny :class:`cupy.RawModule` (not the library's module or cache),
+    launched as a raw CuPy user would; same arithmetic as deviceops' kernels.
+    """
+    mod = cp.RawModule(code=RAW_SOURCE, options=("-std=c++17",))
+    return {k: mod.get_function(k) for k in ("raw_saxpy", "raw_add")}
+
+
+def launch_geometry(n: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) deviceops' elementwise kernels use for ``n`` contiguous elements.
+
+    One block of 256 threads per 1024-element tile (``kernels/_elementwise.py``).
+    """
+    return (max(1, -(-n // 1024)),), (256,)

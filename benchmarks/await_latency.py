@@ -1,0 +1,483 @@
+"""Latency of one tiny op through ``sync()`` and ``await`` (asyncio, trio), and under load.
+
+Usage::
+
+    python benchmarks/await_latency.py [--smoke] [--json PATH] [--spin-us US] [--load N]
+
+Part 1, latency of one tiny op (``z = x + z``, 1024 float32), each call timed on
+the host, median and p90 over many calls (blocks of each variant interleaved):
+
+| variant                        | what                                                        |
+|--------------------------------|-------------------------------------------------------------|
+| ``op.sync()``                  | default policy; enqueue + block                             |
+| ``await op`` (asyncio / trio)  | default policy; see ``deviceops/_async.py`` (spin, wake-up) |
+| raw launch + sync (ref)        | raw CuPy RawKernel + ``stream.synchronize()``               |
+| raw host-func await (ref)      | raw launch, ``stream.launch_host_func`` sets an asyncio     |
+|                                | future via ``loop.call_soon_threadsafe`` (trio: a           |
+|                                | ``trio.Event`` via ``token.run_sync_soon``); await it       |
+
+On the cpu backend the references use a plain worker thread running the NumPy
+op (the cpu analogue of a stream and its host function).
+
+Part 2, load: N (10,000; smoke 500) tasks in one event loop each await their
+own tiny op, released at once (a burst); a 1 ms ticker task records its worst
+gap while they run (and, for context, while idle). All N results are checked.
+The cyclic GC is off during timed regions (collected before), as in ``timeit``.
+
+Bars: median await <= 1.5x median sync and <= 25 us; ticker worst gap < 5 ms
+(each for asyncio and trio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from _common import (
+    Bar,
+    Bench,
+    add_common_args,
+    check,
+    check_equal,
+    download,
+    int_data,
+    launch_geometry,
+    main_guard,
+    median,
+    no_gc,
+    pct,
+    print_bars,
+    raw_kernels,
+    setup,
+    table,
+    upload,
+    write_json,
+)
+
+import deviceops
+from deviceops import kernels
+
+trio: Any
+try:
+    import trio
+except ImportError:  # pragma: no cover - trio is a test dependency
+    trio = None
+
+SIZE = 1024
+LOAD_SIZE = 256
+A = 1.0
+A_LOAD = 3.0
+perf = time.perf_counter
+
+
+# -- raw references -------------------------------------------------------------------
+class _CpuWorker:
+    """cpu reference: one thread running queued NumPy work in order (a 'stream')."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._run, daemon=True, name="bench-raw-worker")
+        self.t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            work, done = item
+            work()
+            done()
+
+    def close(self) -> None:
+        self.q.put(None)
+
+
+class RawRef:
+    """The raw references: ``launch()`` enqueues ``z += x``; sync and host-func completion."""
+
+    def __init__(self, b: Bench, z0: np.ndarray, x: np.ndarray) -> None:
+        self.b = b
+        self.count = {"raw_sync": 0, "raw_hostfunc": 0, "raw_hostfunc_trio": 0}
+        if b.cupy is not None:
+            cp = b.cupy
+            self.fn = raw_kernels(cp)["raw_saxpy"]
+            self.grid, self.block = launch_geometry(SIZE)
+            self.cs = cp.cuda.Stream(non_blocking=True)
+            self.x = cp.asarray(x)
+            self.z = {k: cp.asarray(z0) for k in self.count}
+            cp.cuda.Device().synchronize()
+            self.worker = None
+        else:
+            self.x = x.copy()
+            self.z = {k: z0.copy() for k in self.count}
+            self.worker = _CpuWorker()
+
+    def _launch(self, key: str) -> None:
+        self.count[key] += 1
+        if self.b.cupy is not None:
+            self.fn(self.grid, self.block, (self.z[key], np.float32(A), self.x, np.int64(SIZE)), stream=self.cs)
+
+    def sync_once(self) -> None:
+        self._launch("raw_sync")
+        if self.worker is None:
+            self.cs.synchronize()
+        else:
+            z, x = self.z["raw_sync"], self.x
+            ev = threading.Event()
+            self.worker.q.put((lambda: np.add(z, x, out=z), ev.set))
+            ev.wait()
+
+    async def hostfunc_once(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._launch("raw_hostfunc")
+        if self.worker is None:
+            self.cs.launch_host_func(_wake, (loop, fut))
+        else:
+            z, x = self.z["raw_hostfunc"], self.x
+            self.worker.q.put((lambda: np.add(z, x, out=z), lambda: _wake((loop, fut))))
+        await fut
+
+    async def hostfunc_once_trio(self) -> None:
+        assert trio is not None
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        self._launch("raw_hostfunc_trio")
+        if self.worker is None:
+            self.cs.launch_host_func(_wake_trio, (token, done))
+        else:
+            z, x = self.z["raw_hostfunc_trio"], self.x
+            self.worker.q.put((lambda: np.add(z, x, out=z), lambda: _wake_trio((token, done))))
+        await done.wait()
+
+    def result(self, key: str) -> np.ndarray:
+        z = self.z[key]
+        return self.b.cupy.asnumpy(z) if self.b.cupy is not None else np.array(z)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _wake(arg: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]) -> None:
+    """Host-function / worker callback: hand completion to the loop thread-safely."""
+    loop, fut = arg
+    loop.call_soon_threadsafe(_set_done, fut)
+
+
+def _wake_trio(arg: tuple[Any, Any]) -> None:
+    """Host-function / worker callback for trio: ``token.run_sync_soon(event.set)``."""
+    token, done = arg
+    token.run_sync_soon(done.set)
+
+
+# -- part 1: latency ---------------------------------------------------------------------
+def latency(b: Bench, iters: int, warmup: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    rng = np.random.default_rng()
+    stream = b.device.new_stream()
+    z0 = int_data(rng, SIZE, -1000, 1000)
+    xh = int_data(rng, SIZE, -3, 3)
+    x = upload(xh, stream)
+    keys = ["sync", "asyncio"] + (["trio"] if trio is not None else [])
+    zs = {k: upload(z0, stream) for k in keys}
+    counts = dict.fromkeys(keys, 0)
+    raw = RawRef(b, z0, xh)
+    raw_keys = ["raw_sync", "raw_hostfunc"] + (["raw_hostfunc_trio"] if trio is not None else [])
+    lat: dict[str, list[float]] = {k: [] for k in [*keys, *raw_keys]}
+
+    # Each block: ``w`` warm-up calls, then ``n`` recorded ones, in one event loop.
+    def run_sync(w: int, n: int) -> None:
+        z = zs["sync"]
+        for i in range(w + n):
+            t0 = perf()
+            kernels.saxpy(z, A, x).sync()
+            dt = perf() - t0
+            if i >= w:
+                lat["sync"].append(dt)
+        counts["sync"] += w + n
+
+    async def run_await(key: str, w: int, n: int) -> None:
+        z = zs[key]
+        for i in range(w + n):
+            t0 = perf()
+            await kernels.saxpy(z, A, x)
+            dt = perf() - t0
+            if i >= w:
+                lat[key].append(dt)
+        counts[key] += w + n
+
+    def run_raw_sync(w: int, n: int) -> None:
+        for i in range(w + n):
+            t0 = perf()
+            raw.sync_once()
+            dt = perf() - t0
+            if i >= w:
+                lat["raw_sync"].append(dt)
+
+    async def run_raw_hostfunc(key: str, w: int, n: int) -> None:
+        once = raw.hostfunc_once if key == "raw_hostfunc" else raw.hostfunc_once_trio
+        for i in range(w + n):
+            t0 = perf()
+            await once()
+            dt = perf() - t0
+            if i >= w:
+                lat[key].append(dt)
+
+    blocks: dict[str, Callable[[int, int], None]] = {
+        "sync": run_sync,
+        "asyncio": lambda w, n: asyncio.run(run_await("asyncio", w, n)),
+        "raw_sync": run_raw_sync,
+        "raw_hostfunc": lambda w, n: asyncio.run(run_raw_hostfunc("raw_hostfunc", w, n)),
+    }
+    if trio is not None:
+        blocks["trio"] = lambda w, n: trio.run(run_await, "trio", w, n)
+        blocks["raw_hostfunc_trio"] = lambda w, n: trio.run(run_raw_hostfunc, "raw_hostfunc_trio", w, n)
+    per_round = max(1, iters // rounds)
+    names = list(blocks)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            with no_gc():
+                blocks[name](warmup, per_round)
+    b.sync_all()
+    for k in keys:
+        want = (z0 + np.float32(counts[k]) * xh).astype(np.float32)
+        check_equal(download(zs[k], stream), want, f"latency {k}: z after {counts[k]} ops")
+    for k in raw_keys:
+        want = (z0 + np.float32(raw.count[k]) * xh).astype(np.float32)
+        check_equal(raw.result(k), want, f"latency {k}: z after {raw.count[k]} raw ops")
+    raw.close()
+
+    us = {k: [t * 1e6 for t in v] for k, v in lat.items()}
+    med = {k: median(v) for k, v in us.items()}
+    ref_label = "raw launch+sync" if b.is_cuda else "worker thread+Event"
+    hf_labels = {"asyncio": "raw host-func await (asyncio)" if b.is_cuda else "worker+call_soon_threadsafe",
+                 "trio": "raw host-func await (trio)" if b.is_cuda else "worker+run_sync_soon"}
+    hf_keys = {"asyncio": "raw_hostfunc", "trio": "raw_hostfunc_trio"}
+    rows = [{"variant": "op.sync()", "median_us": med["sync"], "p90_us": pct(us["sync"], 90),
+             "reference": ref_label, "ref_median_us": med["raw_sync"], "ref_p90_us": pct(us["raw_sync"], 90),
+             "ratio": med["sync"] / med["raw_sync"], "vs_sync": 1.0, "n": len(us["sync"])}]
+    for k in keys[1:]:
+        rk = hf_keys[k]
+        rows.append({"variant": f"await op ({k})", "median_us": med[k], "p90_us": pct(us[k], 90),
+                     "reference": hf_labels[k], "ref_median_us": med[rk],
+                     "ref_p90_us": pct(us[rk], 90), "ratio": med[k] / med[rk],
+                     "vs_sync": med[k] / med["sync"], "n": len(us[k])})
+    return rows, med
+
+
+# -- part 2: load ------------------------------------------------------------------------------
+class LoadCase:
+    """N independent tiny ops (row views of one buffer, each its own Tensor)."""
+
+    def __init__(self, b: Bench, n: int) -> None:
+        rng = np.random.default_rng()
+        self.b = b
+        self.n = n
+        self.stream = b.device.new_stream()
+        self.z0 = int_data(rng, (n, LOAD_SIZE), -1000, 1000)
+        self.xh = int_data(rng, (n, LOAD_SIZE), -3, 3)
+        self.zbig = upload(self.z0, self.stream)
+        self.xbig = upload(self.xh, self.stream)
+        dev = b.device
+        # Independent tensors over disjoint rows: no false cross-stream hazards.
+        self.zs = [deviceops.Tensor(self.zbig.array[i], dev) for i in range(n)]
+        self.xs = [deviceops.Tensor(self.xbig.array[i], dev) for i in range(n)]
+        self.lat = [float("nan")] * n
+        self.ready = 0
+        self.done = 0
+        self.ticks: list[float] = []
+        self.stop = False
+        self.timed_out = False
+
+    async def one(self, i: int, gate: Any) -> None:
+        self.ready += 1
+        await gate.wait()
+        t0 = perf()
+        out = await kernels.saxpy(self.zs[i], A_LOAD, self.xs[i])
+        self.lat[i] = perf() - t0
+        check(out is self.zs[i], "load: await saxpy(z, a, x) produced z")
+        self.done += 1
+
+    async def ticker(self, sleep: Callable[[float], Awaitable[Any]]) -> None:
+        self.ticks.append(perf())
+        while not self.stop:
+            await sleep(0.001)
+            self.ticks.append(perf())
+
+    def verify(self, loop: str) -> None:
+        if self.timed_out:
+            print(f"# load {loop}: timed out after {self.done}/{self.n} ops; results not checked", flush=True)
+            self.b.sync_all()
+            return
+        check(self.done == self.n, f"load {loop}: {self.done}/{self.n} tasks completed")
+        self.b.sync_all()
+        want = (self.z0 + np.float32(A_LOAD) * self.xh).astype(np.float32)
+        check_equal(download(self.zbig, self.stream), want, f"load {loop}: all {self.n} results")
+
+    def summary(self, loop: str, t_open: float, t_done: float, idle_s: float) -> dict[str, Any]:
+        ticks = np.asarray(self.ticks)
+        gaps = np.diff(ticks)
+        ends = ticks[1:]
+        in_load = gaps[(ends > t_open) & (ticks[:-1] < t_done)]
+        idle = gaps[ends <= t_open]
+        lat_ms = np.asarray(self.lat) * 1e3
+        lat_ms = lat_ms[~np.isnan(lat_ms)] if self.timed_out else lat_ms
+        if lat_ms.size == 0:
+            lat_ms = np.asarray([float("nan")])
+        wall = t_done - t_open
+        return {"loop": loop, "ops": self.n, "wall_ms": wall * 1e3, "ops_per_s": self.done / wall,
+                "lat_p50_ms": float(np.median(lat_ms)), "lat_p99_ms": float(np.percentile(lat_ms, 99)),
+                "lat_max_ms": float(lat_ms.max()),
+                "gap_worst_ms": float(in_load.max()) * 1e3 if in_load.size else float("nan"),
+                "gap_p99_ms": float(np.percentile(in_load, 99)) * 1e3 if in_load.size else float("nan"),
+                "gap_idle_worst_ms": float(idle.max()) * 1e3 if idle.size else float("nan"),
+                "ticks_in_load": int(in_load.size), "idle_window_ms": idle_s * 1e3,
+                "completed": self.done, "timed_out": self.timed_out, "correct": not self.timed_out}
+
+
+async def _load_asyncio(case: LoadCase, idle_s: float, timeout: float) -> tuple[float, float]:
+    gate = asyncio.Event()
+    tasks = []
+    for i in range(case.n):
+        tasks.append(asyncio.create_task(case.one(i, gate)))
+        if i % 500 == 499:
+            await asyncio.sleep(0)
+    while case.ready < case.n:
+        await asyncio.sleep(0.001)
+    tick = asyncio.create_task(case.ticker(asyncio.sleep))
+    await asyncio.sleep(idle_s)
+    t_open = perf()
+    gate.set()
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    except TimeoutError:
+        case.timed_out = True
+    t_done = perf()
+    await asyncio.sleep(0.003)
+    case.stop = True
+    await tick
+    return t_open, t_done
+
+
+async def _load_trio(case: LoadCase, idle_s: float, timeout: float) -> tuple[float, float]:
+    assert trio is not None
+    gate = trio.Event()
+    all_done = trio.Event()
+    times = [0.0, 0.0]
+
+    async def one(i: int) -> None:
+        await case.one(i, gate)
+        if case.done == case.n:
+            all_done.set()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(case.n):
+            nursery.start_soon(one, i)
+            if i % 500 == 499:
+                await trio.lowlevel.checkpoint()
+        while case.ready < case.n:
+            await trio.sleep(0.001)
+        nursery.start_soon(case.ticker, trio.sleep)
+        await trio.sleep(idle_s)
+        times[0] = perf()
+        gate.set()
+        with trio.move_on_after(timeout) as scope:
+            await all_done.wait()
+        times[1] = perf()
+        case.timed_out = scope.cancelled_caught
+        await trio.sleep(0.003)
+        case.stop = True
+        if case.timed_out:
+            nursery.cancel_scope.cancel()
+    return times[0], times[1]
+
+
+def load(b: Bench, n: int, idle_s: float, timeout: float) -> list[dict[str, Any]]:
+    rows = []
+    runners: list[tuple[str, Callable[[LoadCase], tuple[float, float]]]] = [
+        ("asyncio", lambda c: asyncio.run(_load_asyncio(c, idle_s, timeout))),
+    ]
+    if trio is not None:
+        runners.append(("trio", lambda c: trio.run(_load_trio, c, idle_s, timeout)))
+    for name, run in runners:
+        case = LoadCase(b, n)
+        with no_gc():  # a full collection over 10k tasks would show as a ticker gap
+            t_open, t_done = run(case)
+        case.verify(name)
+        rows.append(case.summary(name, t_open, t_done, idle_s))
+        if not case.timed_out:
+            print(f"# load {name}: {n} ops checked ({(t_done - t_open) * 1e3:.0f} ms)", flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.add_argument("--iters", type=int, default=None, help="latency samples per variant (2000; smoke 50)")
+    p.add_argument("--load", type=int, default=None, help="concurrent awaited ops (10000; smoke 500)")
+    p.add_argument("--load-timeout", type=float, default=120.0,
+                   help="seconds the load test may take per loop before it is cancelled (reported)")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="deviceops.configure_await(spin_us=...) (default: DEVICEOPS_AWAIT_SPIN_US or 20)")
+    p.add_argument("--slice-ms", type=float, default=None, help="deviceops.configure_await(slice_ms=...)")
+    args = p.parse_args()
+    b = setup(args)
+    knobs = deviceops.configure_await(spin_us=args.spin_us, slice_ms=args.slice_ms)
+    iters = args.iters or (50 if args.smoke else 2000)
+    n_load = args.load or (500 if args.smoke else 10_000)
+    warmup = 5 if args.smoke else 50
+    rounds = 2 if args.smoke else 5
+    if trio is None:
+        print("# note: trio is not importable; trio rows and bars are skipped")
+
+    lat_rows, med = latency(b, iters, warmup, rounds)
+    load_rows = load(b, n_load, 0.02 if args.smoke else 0.05, args.load_timeout)
+
+    print()
+    print(f"Latency of one tiny op (us), {iters} samples each; await knobs {knobs}")
+    print(table(lat_rows, [("variant", "variant", 0), ("median_us", "median", 1), ("p90_us", "p90", 1),
+                           ("reference", "reference", 0), ("ref_median_us", "ref median", 1),
+                           ("ref_p90_us", "ref p90", 1), ("ratio", "ratio", 2), ("vs_sync", "vs sync", 2)]))
+    print()
+    print(f"Load: {n_load} concurrently awaited ops from one loop, 1 ms ticker")
+    print(table(load_rows, [("loop", "loop", 0), ("ops", "ops", 0), ("wall_ms", "wall ms", 1),
+                            ("ops_per_s", "ops/s", 0), ("lat_p50_ms", "lat p50 ms", 2),
+                            ("lat_p99_ms", "p99 ms", 2), ("lat_max_ms", "max ms", 2),
+                            ("gap_worst_ms", "tick gap worst ms", 2), ("gap_p99_ms", "gap p99", 2),
+                            ("gap_idle_worst_ms", "idle worst", 2), ("correct", "ok", 0)]))
+
+    bars: list[Bar] = []
+    for k in ("asyncio", "trio"):
+        if k not in med:
+            note = "trio not importable"
+            bars += [Bar(f"await ({k}) median vs sync median", None, "<=", 1.5, "x", note),
+                     Bar(f"await ({k}) median", None, "<=", 25.0, "us", note)]
+            continue
+        bars += [Bar(f"await ({k}) median vs sync median", med[k] / med["sync"], "<=", 1.5, "x"),
+                 Bar(f"await ({k}) median", med[k], "<=", 25.0, "us")]
+    for row in load_rows:
+        bars.append(Bar(f"ticker worst gap under {row['ops']} awaits ({row['loop']})",
+                        row["gap_worst_ms"], "<", 5.0, "ms",
+                        "timed out: not all ops completed" if row["timed_out"] else ""))
+    print_bars(bars, b)
+    write_json(args.json, "await_latency", b,
+               {"size": SIZE, "load_size": LOAD_SIZE, "iters": iters, "load": n_load, "await_knobs": knobs,
+                "rounds": rounds, "warmup_per_block": warmup, "trio": trio is not None},
+               lat_rows, bars, {"load_rows": load_rows})
+    return 0
+
+
+if __name__ == "__main__":
+    main_guard(main)
