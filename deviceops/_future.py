@@ -107,7 +107,7 @@ class DeviceFuture(Generic[T]):
 
         ``fn`` must not block; hand results to an event loop thread-safely.
         """
-        if self._exc is not None:
+        if self.done():
             fn(self)
             return
         assert self._event is not None

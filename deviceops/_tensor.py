@@ -144,7 +144,7 @@ class Tensor:
         ((2, 3), 'float32')
     """
 
-    __slots__ = ("_array", "_storage")
+    __slots__ = ("_array", "_contig", "_storage")
 
     def __init__(self, array: Any, device: Device | None = None, *, _storage: Storage | None = None) -> None:
         if device is None:
@@ -152,6 +152,7 @@ class Tensor:
 
             device = _dev("cpu") if isinstance(array, np.ndarray) else _dev(int(array.device.id))
         self._array = array
+        self._contig: bool | None = None
         self._storage = _storage if _storage is not None else Storage(array, device, None)
 
     # -- properties -------------------------------------------------------------
@@ -189,6 +190,14 @@ class Tensor:
 
     def __len__(self) -> int:
         return int(self._array.shape[0])
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True if the data is C-contiguous (computed once: a tensor's layout never changes)."""
+        c = self._contig
+        if c is None:
+            c = self._contig = bool(self._array.flags.c_contiguous)
+        return c
 
     # -- views ------------------------------------------------------------------
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:

@@ -231,11 +231,28 @@ def _tensor_arg(x: Any, op: str) -> Tensor:
     raise TypeError(f"{op}: expected a Tensor, got {type(x).__name__}")
 
 
-def dup(t: Tensor) -> DeviceOp[Tensor]:
-    """A new tensor with a copy of ``t``'s data."""
-    src = _tensor_arg(t, "dup")
+def _tensor_or_op(x: Any, op: str) -> Tensor | DeviceOp[Tensor]:
+    """A Tensor, or a DeviceOp producing one (adopted: it runs first, on the same stream)."""
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, DeviceOp):
+        return x._adopt()
+    raise TypeError(f"{op}: expected a Tensor or a DeviceOp producing one, got {type(x).__name__}")
+
+
+def _resolved(x: Tensor | DeviceOp[Tensor], ctx: ExecutionContext, op: str) -> Tensor:
+    t = x._exec(ctx) if isinstance(x, DeviceOp) else x
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: the DeviceOp argument produced {type(t).__name__}, not a Tensor")
+    return t
+
+
+def dup(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
+    """A new tensor with a copy of ``t``'s data (``t``: a Tensor or a DeviceOp producing one)."""
+    arg = _tensor_or_op(t, "dup")
 
     def run(ctx: ExecutionContext) -> Tensor:
+        src = _resolved(arg, ctx, "dup")
         check_device(src, ctx.stream, "dup")
         s = src.array
 
@@ -247,12 +264,13 @@ def dup(t: Tensor) -> DeviceOp[Tensor]:
     return _ApiOp("dup", run)
 
 
-def convert(t: Tensor, dtype: Any) -> DeviceOp[Tensor]:
-    """A new tensor with ``t``'s values converted to ``dtype``."""
-    src = _tensor_arg(t, "convert")
+def convert(t: Tensor | DeviceOp[Tensor], dtype: Any) -> DeviceOp[Tensor]:
+    """A new tensor with ``t``'s values converted to ``dtype`` (``t``: a Tensor or a DeviceOp producing one)."""
     dt = normalize_dtype(dtype, op="convert")
+    arg = _tensor_or_op(t, "convert")
 
     def run(ctx: ExecutionContext) -> Tensor:
+        src = _resolved(arg, ctx, "convert")
         check_device(src, ctx.stream, "convert")
         s = src.array
 
@@ -264,19 +282,29 @@ def convert(t: Tensor, dtype: Any) -> DeviceOp[Tensor]:
     return _ApiOp("convert", run)
 
 
-def memcpy(dst: Tensor, src: Tensor) -> DeviceOp[Tensor]:
-    """Overwrite ``dst`` with ``src`` (same shape and dtype); produces ``dst``.
-
-    Allocates nothing, so it may be captured into a graph; it is how
-    ``CudaGraph.update`` refreshes captured inputs.
-    """
-    d, s = _tensor_arg(dst, "memcpy"), _tensor_arg(src, "memcpy")
+def _memcpy_check(d: Tensor, s: Tensor) -> None:
     if d.shape != s.shape:
         raise ShapeError(f"memcpy: dst shape {d.shape} != src shape {s.shape}", op="memcpy")
     if d.dtype != s.dtype:
         raise DTypeError(f"memcpy: dst dtype {d.dtype} != src dtype {s.dtype}; use api.convert", op="memcpy")
 
+
+def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
+    """Overwrite ``dst`` with ``src`` (same shape and dtype); produces ``dst``.
+
+    Allocates nothing, so it may be captured into a graph; it is how
+    ``CudaGraph.update`` refreshes captured inputs. ``src`` may be a DeviceOp
+    producing a tensor (it runs first, on the same stream).
+    """
+    d = _tensor_arg(dst, "memcpy")
+    src_arg = _tensor_or_op(src, "memcpy")
+    if isinstance(src_arg, Tensor):
+        _memcpy_check(d, src_arg)
+
     def run(ctx: ExecutionContext) -> Tensor:
+        s = _resolved(src_arg, ctx, "memcpy")
+        if src_arg is not s:
+            _memcpy_check(d, s)
         check_device(d, ctx.stream, "memcpy")
         check_device(s, ctx.stream, "memcpy")
         da, sa = d.array, s.array
@@ -299,11 +327,15 @@ def memcpy(dst: Tensor, src: Tensor) -> DeviceOp[Tensor]:
     return _ApiOp("memcpy", run)
 
 
-def to_host(t: Tensor) -> DeviceOp[np.ndarray]:
-    """A NumPy copy of ``t`` (page-locked on cuda, copied without blocking the host)."""
-    src = _tensor_arg(t, "to_host")
+def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
+    """A NumPy copy of ``t`` (page-locked on cuda, copied without blocking the host).
+
+    ``t`` may be a DeviceOp producing a tensor: it runs first, on the same stream.
+    """
+    arg = _tensor_or_op(t, "to_host")
 
     def run(ctx: ExecutionContext) -> np.ndarray:
+        src = _resolved(arg, ctx, "to_host")
         check_device(src, ctx.stream, "to_host")
         s = src.array
         if ctx.device.is_cpu:

@@ -73,11 +73,12 @@ def _geometry(shape: tuple[int, ...], tile: tuple[int, ...] | None) -> tuple[Any
 
 
 def _check_pair(name: str, a: Tensor, b: Tensor, an: str, bn: str) -> None:
-    if a.shape != b.shape:
+    aa, ba = a._array, b._array
+    if aa.shape != ba.shape:
         raise ShapeError(f"{name}: {an} shape {a.shape} != {bn} shape {b.shape} (no broadcasting)", op=name)
-    if a.dtype != b.dtype:
+    if aa.dtype != ba.dtype:
         raise DTypeError(f"{name}: {an} dtype {a.dtype} != {bn} dtype {b.dtype}", op=name)
-    if a.device is not b.device:
+    if a._storage.device is not b._storage.device:
         raise ShapeError(f"{name}: {an} is on {a.device}, {bn} on {b.device}", op=name)
 
 

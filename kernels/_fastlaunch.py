@@ -9,7 +9,8 @@ so they call the driver directly through ctypes:
   (``p`` device pointer, ``f`` float32, ``i`` int32, ``q`` int64);
 * the packed ``kernelParams`` array for a given argument tuple is built once
   and cached (the driver copies the values at launch, so reuse is safe);
-* a launch is one ctypes call: about a microsecond.
+* a launch is one call of CuPy's typed Cython binding of ``cuLaunchKernel``
+  (``cupy.cuda.driver.launchKernel``): no per-argument inspection.
 
 The function handle comes from the CuPy module (loaded and cached by
 :mod:`._module`), so compilation, caching and module lifetime stay CuPy's.
@@ -21,7 +22,6 @@ it made current once (``cudaSetDevice``) and the launch retried.
 from __future__ import annotations
 
 import ctypes
-import sys
 from typing import Any
 
 from deviceops._errors import DriverError
@@ -36,15 +36,12 @@ _cu_launch: Any = None
 
 
 def _driver_launch() -> Any:
-    """``cuLaunchKernel`` from the driver library, typed (loaded once)."""
+    """CuPy's typed binding of ``cuLaunchKernel`` (resolved once)."""
     global _cu_launch
     if _cu_launch is None:
-        name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-        fn = ctypes.CDLL(name).cuLaunchKernel
-        u = ctypes.c_uint
-        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _cu_launch = fn
+        import cupy
+
+        _cu_launch = cupy.cuda.driver.launchKernel
     return _cu_launch
 
 
@@ -77,29 +74,33 @@ class Launcher:
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
         if len(self._cache) >= _CACHE_LIMIT:
             self._cache.clear()
-        self._cache[args] = (params, holders)
-        return params
+        addr = ctypes.addressof(params)
+        self._cache[args] = (addr, params, holders)
+        return addr
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...],
                  stream_ptr: int, shared_mem: int = 0) -> None:
         """Enqueue the kernel on the CUDA stream ``stream_ptr``."""
         entry = self._cache.get(args)
         params = entry[0] if entry is not None else self._pack(args)
-        rc = _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                              shared_mem, stream_ptr, params, None)
-        if rc:
-            self._retry_or_raise(rc, grid, block, params, stream_ptr, shared_mem)
+        try:
+            _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                             shared_mem, stream_ptr, params, 0)
+        except Exception as exc:
+            self._retry_or_raise(exc, grid, block, params, stream_ptr, shared_mem)
 
-    def _retry_or_raise(self, rc: int, grid: tuple[int, int, int], block: tuple[int, int, int],
-                        params: Any, stream_ptr: int, shared_mem: int) -> None:
+    def _retry_or_raise(self, exc: Exception, grid: tuple[int, int, int], block: tuple[int, int, int],
+                        params: int, stream_ptr: int, shared_mem: int) -> None:
         import cupy
 
-        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+        status = getattr(exc, "status", None)
+        if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
             cupy.cuda.runtime.setDevice(self.device_index)
-            rc = _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                  shared_mem, stream_ptr, params, None)
-            if not rc:
+            try:
+                _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                 shared_mem, stream_ptr, params, 0)
                 return
-        cause = cupy.cuda.driver.CUDADriverError(rc)
+            except Exception as again:
+                exc = again
         raise DriverError(f"launching {self.name} (grid {grid}, block {block}) on cuda:{self.device_index} "
-                          f"failed: {cause}", op=self.name, device=f"cuda:{self.device_index}") from cause
+                          f"failed: {exc}", op=self.name, device=f"cuda:{self.device_index}") from exc

@@ -53,7 +53,7 @@ def resolve(arg: Any, ctx: ExecutionContext) -> Any:
 
 def contiguous(t: Tensor, op: str, name: str) -> None:
     """Refuse a non-contiguous tensor, naming the fix."""
-    if not t.array.flags.c_contiguous:
+    if not t.is_contiguous:
         raise ShapeError(
             f"{op}: {name} of shape {t.shape} with strides {t.array.strides} is not "
             "C-contiguous; make a contiguous copy first (api.dup)",
