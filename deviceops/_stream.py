@@ -24,6 +24,7 @@ Same-stream work costs no events at all: stream order is enough.
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -53,7 +54,7 @@ class Event(ABC):
         capture: the graph capture it was recorded in, if any.
     """
 
-    __slots__ = ("capture", "seq", "stream")
+    __slots__ = ("__weakref__", "capture", "seq", "stream")
 
     def __init__(self, stream: Stream, seq: int, capture: CaptureState | None) -> None:
         self.stream = stream
@@ -93,7 +94,11 @@ class Stream(ABC):
         self.seq = 0
         self.done_seq = 0
         self._waited: dict[int, int] = {}
-        self._last_event: Event | None = None
+        # Weak: an event refers to its stream, so a strong reference back would
+        # make every stream part of a garbage cycle, freed only by the cyclic
+        # collector, which finalizes (destroys) the native stream even while a
+        # parked tensor resurrects the Python object.
+        self._last_event_ref: weakref.ref[Event] | None = None
         self.capture: CaptureState | None = None
 
     def __repr__(self) -> str:
@@ -141,13 +146,20 @@ class Stream(ABC):
         self.seq += 1
         return self.seq
 
+    @property
+    def _last_event(self) -> Event | None:
+        """The most recently recorded event, if anyone still holds it."""
+        ref = self._last_event_ref
+        return ref() if ref is not None else None
+
     def record_event(self) -> Event:
         """An event at the current end of the queue (reused if nothing new was enqueued)."""
-        ev = self._last_event
+        ref = self._last_event_ref
+        ev = ref() if ref is not None else None
         if ev is not None and ev.seq == self.seq and ev.capture is self.capture:
             return ev
         ev = self._record()
-        self._last_event = ev
+        self._last_event_ref = weakref.ref(ev)
         return ev
 
     def wait_event(self, event: Event) -> None:
