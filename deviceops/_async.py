@@ -37,9 +37,9 @@ Knobs: :func:`configure_await` or the environment variables
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -100,7 +100,8 @@ def _library() -> str:
 class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
-    __slots__ = ("cost", "lib", "loop", "open", "used", "waiters")
+    __slots__ = ("batch", "cost", "last_drain", "lib", "lock", "loop", "notified", "open", "ready",
+                 "used", "waiters")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
@@ -109,6 +110,12 @@ class _Slice:
         self.waiters: deque[Callable[[], None]] = deque()
         self.lib = lib
         self.loop = loop
+        # completion side: wake-ups handed over by the completion thread
+        self.ready: deque[Callable[[], None]] = deque()
+        self.lock = threading.Lock()
+        self.notified = False
+        self.batch = 256  # wake-ups per pass, adapted to keep passes short
+        self.last_drain = 0.0  # when the previous drain ran, if it rescheduled itself
 
 
 # id(loop) -> (weak or strong reference to the loop, its slice)
@@ -223,40 +230,75 @@ async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
                     if ev.query():
                         break
         if not ev.query():
+            sl = _slice_for(lib)
             if lib == "asyncio":
-                await _park_asyncio(ev)
+                await _park_asyncio(ev, sl)
             else:
-                await _park_trio(ev)
+                await _park_trio(ev, sl)
     return fut.result()
 
 
-async def _park_asyncio(ev: Any) -> None:
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
+def _deliver(sl: _Slice, wake: Callable[[], None]) -> None:
+    """Completion thread: queue ``wake`` for the loop; notify it once per drain."""
+    with sl.lock:
+        sl.ready.append(wake)
+        if sl.notified:
+            return
+        sl.notified = True
+    try:
+        if sl.lib == "asyncio":
+            sl.loop.call_soon_threadsafe(_drain, sl, False)
+        else:
+            sl.loop.run_sync_soon(_drain, sl, False)
+    except RuntimeError:
+        pass  # the loop is closed (trio.RunFinishedError is a RuntimeError): nobody waits
+
+
+def _drain(sl: _Slice, continued: bool) -> None:
+    """Loop thread: resume a bounded batch of completed awaits, then yield to the loop.
+
+    When thousands of ops complete together, resuming every awaiting task in
+    one pass would stall timers for as long as their code takes; instead each
+    pass resumes ``batch`` of them, halving it when the previous pass took
+    longer than ``_PASS_S`` and growing it otherwise.
+    """
+    now = time.perf_counter()
+    if continued:
+        if now - sl.last_drain > _PASS_S:
+            sl.batch = max(8, sl.batch // 2)
+        else:
+            sl.batch = min(8192, sl.batch + sl.batch // 4 + 1)
+    ready = sl.ready
+    for _ in range(min(sl.batch, len(ready))):
+        ready.popleft()()
+    with sl.lock:
+        if not ready:
+            sl.notified = False
+            return
+    sl.last_drain = time.perf_counter()
+    if sl.lib == "asyncio":
+        sl.loop.call_soon(_drain, sl, True)
+    else:
+        sl.loop.run_sync_soon(_drain, sl, True)
+
+
+_PASS_S = 1e-3
+
+
+async def _park_asyncio(ev: Any, sl: _Slice) -> None:
+    waiter: asyncio.Future[None] = sl.loop.create_future()
 
     def wake() -> None:
         if not waiter.done():
             waiter.set_result(None)
 
-    def on_complete() -> None:
-        try:  # noqa: SIM105 (hot path: a bare try is cheaper than suppress())
-            loop.call_soon_threadsafe(wake)
-        except RuntimeError:
-            pass  # loop closed: nobody is waiting any more
-
-    ev.when_complete(on_complete)
+    ev.when_complete(lambda: _deliver(sl, wake))
     await waiter
 
 
-async def _park_trio(ev: Any) -> None:
+async def _park_trio(ev: Any, sl: _Slice) -> None:
     import trio
 
-    token = trio.lowlevel.current_trio_token()
     done = trio.Event()
-
-    def on_complete() -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(done.set)
-
-    ev.when_complete(on_complete)
+    ev.when_complete(lambda: _deliver(sl, done.set))
     await done.wait()

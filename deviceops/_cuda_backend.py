@@ -41,25 +41,55 @@ def raise_driver_error(exc: BaseException, op: str, device: str) -> None:
         raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc
 
 
+_EVENT_POOL_MAX = 4096
+# recycled cupy events (timing disabled) per device; list.pop/append are atomic
+_event_pools: dict[int, list[Any]] = {}
+
+
+def _new_native_event(index: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(index):
+        return cupy.cuda.Event(disable_timing=True)
+
+
 class CudaEvent(Event):
     """An event of a :class:`CudaStream` (a CuPy event, timing disabled)."""
 
     __slots__ = ("native",)
 
     def __init__(self, stream: CudaStream, seq: int, capture: CaptureState | None) -> None:
-        import cupy
-
         super().__init__(stream, seq, capture)
-        self.native = cupy.cuda.Event(disable_timing=True)
-        self.native.record(stream.native)
+        index = stream.device.index
+        pool = _event_pools.get(index)
+        native = pool.pop() if pool else _new_native_event(index)
+        native.record(stream.native)
+        self.native = native
+
+    def __del__(self) -> None:
+        # Recycle the CUDA event: re-recording an abandoned event is legal, and
+        # waits already enqueued on it captured its state at the time. Events
+        # recorded inside a graph capture are not recycled.
+        native = getattr(self, "native", None)
+        if native is None or self.capture is not None:
+            return
+        pool = _event_pools.setdefault(self.stream.device.index, [])
+        if len(pool) < _EVENT_POOL_MAX:
+            pool.append(native)
 
     def query(self) -> bool:
-        with cuda_errors("event query", str(self.stream.device)):
+        try:
             return bool(self.native.done)
+        except Exception as exc:
+            raise_driver_error(exc, "event query", str(self.stream.device))
+            raise
 
     def synchronize(self) -> None:
-        with cuda_errors("event synchronize", str(self.stream.device)):
+        try:
             self.native.synchronize()
+        except Exception as exc:
+            raise_driver_error(exc, "event synchronize", str(self.stream.device))
+            raise
         if self.capture is None and self.stream.done_seq < self.seq:
             self.stream.done_seq = self.seq
 

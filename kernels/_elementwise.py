@@ -25,12 +25,21 @@ from typing import Any
 
 import numpy as np
 
+from deviceops import _trace
 from deviceops._context import ExecutionContext
 from deviceops._dtypes import bfloat16, float16, float32, int32, int64, is_floating
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._op import DeviceOp
-from deviceops._tensor import Partition, Tensor, allocate, check_device
+from deviceops._tensor import (
+    Partition,
+    Storage,
+    Tensor,
+    after_access,
+    allocate,
+    before_access,
+    check_device,
+)
 
 from ._fastlaunch import Launcher
 from ._launch import KernelOp, as_tensor, contiguous, resolve
@@ -165,16 +174,37 @@ class _ElementwiseOp(KernelOp):
             check_device(x, stream, name)
         if y is not None and y._storage.device is not stream.device:
             check_device(y, stream, name)
-        reads = (x,) if y is None else (x, y)
+        if stream.device.is_cpu or _trace.current is not None:
+            return self._launch_general(ctx, w_arg, w, x, y)
+        # cuda, untraced: the launch primitive (deviceops._launch.launch) written out
+        wa = w._array
+        ln = _launcher(stream.device.index, name, wa.dtype)
+        grid, block, rows, cols, tr, tc = _fast_geometry(wa.shape, _tile_of(w_arg))
+        ws = w._storage
+        if y is None:
+            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, rows, cols, tr, tc)
+            rs: tuple[Storage, ...] = (x._storage, ws)
+        else:
+            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, rows, cols, tr, tc)
+            rs = (x._storage, y._storage)
+        wl = (ws,)
+        before_access(stream, rs, wl)
+        ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
+        after_access(stream, stream.bump(), rs, wl)
+        return w_arg
+
+    def _launch_general(self, ctx: ExecutionContext, w_arg: Any, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
+        """cpu backend, or tracing: through :func:`deviceops._launch.launch`."""
+        name, stream = self._name, ctx.stream
+        reads = (x, w) if y is None else (x, y)
         if stream.device.is_cpu:
-            launch(ctx, name, (*reads, w) if y is None else reads, (w,), _cpu_task(name, self._a, w, x, y), _noop)
+            launch(ctx, name, reads, (w,), _cpu_task(name, self._a, w, x, y), _noop)
             return w_arg
         wa = w._array
         ln = _launcher(stream.device.index, name, wa.dtype)
         grid, block, rows, cols, tr, tc = _fast_geometry(wa.shape, _tile_of(w_arg))
         if y is None:
             args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, rows, cols, tr, tc)
-            reads = (x, w)
         else:
             args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, rows, cols, tr, tc)
         sptr = stream.native.ptr  # type: ignore[attr-defined]

@@ -56,7 +56,7 @@ class Launcher:
         device_index: the CUDA device the module was loaded on.
     """
 
-    __slots__ = ("_cache", "_fptr", "_types", "device_index", "name")
+    __slots__ = ("_cache", "_fptr", "_launch", "_types", "device_index", "name")
 
     def __init__(self, kernel: Any, codes: str, name: str, device_index: int) -> None:
         if any(c not in _CTYPES for c in codes):
@@ -64,6 +64,7 @@ class Launcher:
         self._fptr = int(kernel.kernel.ptr)
         self._types = tuple(_CTYPES[c] for c in codes)
         self._cache: dict[tuple[Any, ...], Any] = {}
+        self._launch = _driver_launch()
         self.name = name
         self.device_index = device_index
 
@@ -84,8 +85,8 @@ class Launcher:
         entry = self._cache.get(args)
         params = entry[0] if entry is not None else self._pack(args)
         try:
-            _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                             shared_mem, stream_ptr, params, 0)
+            self._launch(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                         shared_mem, stream_ptr, params, 0)
         except Exception as exc:
             self._retry_or_raise(exc, grid, block, params, stream_ptr, shared_mem)
 
