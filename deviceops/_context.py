@@ -14,7 +14,7 @@ with the first. The closure should *return* the op (``then``) instead.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._errors import NestedExecutionError
 
@@ -68,7 +68,9 @@ class ExecutionContext:
 
 
 class _Guard(threading.local):
-    active: str | None = None
+    # what is being enqueued on this thread: a description, or the op itself
+    # (described only if an error needs it: this is on every op's path)
+    active: Any = None
 
 
 guard = _Guard()
@@ -81,6 +83,8 @@ def refuse_nested(what: str) -> None:
     """Raise :class:`NestedExecutionError` if an op is being enqueued on this thread."""
     active = guard.active
     if active is not None:
+        if not isinstance(active, str):
+            active = active._describe()
         raise NestedExecutionError(
             f"{what} was called while {active} is being enqueued (inside a then/map/inspect "
             "closure or a graph capture). Blocking or re-entering execution there would "

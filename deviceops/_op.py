@@ -60,7 +60,7 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
         refuse_nested(f"{what} on {op._describe()}")
     ctx = ExecutionContext(stream, policy)
     with enqueue_lock:
-        guard.active = op._describe()
+        guard.active = op
         try:
             return op._exec(ctx)
         finally:

@@ -48,7 +48,7 @@ from ._module import load_module, read_source
 __all__ = ["add", "mul", "saxpy"]
 
 _CTYPE = {float32: "float", float16: "f16", bfloat16: "bf16", int32: "int", int64: "long long"}
-_KERNELS = ("saxpy", "add", "mul")
+_KERNELS = ("saxpy", "add", "mul", "saxpy_flat", "add_flat", "mul_flat")
 _funcs: dict[tuple[int, str, Any], Any] = {}
 _geom: dict[tuple[tuple[int, ...], tuple[int, ...] | None], tuple[Any, ...]] = {}
 
@@ -98,7 +98,11 @@ def _tile_of(arg: Any) -> tuple[int, ...] | None:
 # -- fast launch -------------------------------------------------------------
 _launchers: dict[tuple[int, str, Any], Launcher] = {}
 _fgeom: dict[tuple[tuple[int, ...], tuple[int, ...] | None], tuple[Any, ...]] = {}
-_CODES = {"saxpy": "pfpqqii", "add": "pppqqii", "mul": "pppqqii"}
+_CODES = {"saxpy": "pfpqqii", "add": "pppqqii", "mul": "pppqqii",
+          "saxpy_flat": "pfpq", "add_flat": "pppq", "mul_flat": "pppq"}
+_FLAT_NAMES = {"saxpy": "saxpy_flat", "add": "add_flat", "mul": "mul_flat"}
+_FLAT_BLOCK = 256
+_FLAT_MAX_BLOCKS = 132 * 32  # grid-stride beyond this
 
 
 def _launcher(device_index: int, kernel: str, dtype: np.dtype[Any]) -> Launcher:
@@ -111,12 +115,23 @@ def _launcher(device_index: int, kernel: str, dtype: np.dtype[Any]) -> Launcher:
 
 
 def _fast_geometry(shape: tuple[int, ...], tile: tuple[int, ...] | None) -> tuple[Any, ...]:
-    """``_geometry`` with plain ints and 3-d grid/block, for :class:`Launcher`."""
+    """(flat, grid, block, geometry args) for :class:`Launcher`.
+
+    Unpartitioned tensors use the flat kernels (one element per thread,
+    geometry args ``(n,)``); a Partition uses the tiled kernels, one block per
+    tile (geometry args ``(rows, cols, tr, tc)``).
+    """
     key = (shape, tile)
     g = _fgeom.get(key)
     if g is None:
-        (gx, gy), (threads,), rows, cols, tr, tc = _geometry(shape, tile)
-        g = _fgeom[key] = ((gx, gy, 1), (threads, 1, 1), int(rows), int(cols), int(tr), int(tc))
+        if tile is None:
+            n = math.prod(shape)
+            blocks = max(1, min(-(-n // _FLAT_BLOCK), _FLAT_MAX_BLOCKS))
+            g = (True, (blocks, 1, 1), (_FLAT_BLOCK, 1, 1), (n,))
+        else:
+            (gx, gy), (threads,), rows, cols, tr, tc = _geometry(shape, tile)
+            g = (False, (gx, gy, 1), (threads, 1, 1), (int(rows), int(cols), int(tr), int(tc)))
+        _fgeom[key] = g
     return g
 
 
@@ -178,14 +193,14 @@ class _ElementwiseOp(KernelOp):
             return self._launch_general(ctx, w_arg, w, x, y)
         # cuda, untraced: the launch primitive (deviceops._launch.launch) written out
         wa = w._array
-        ln = _launcher(stream.device.index, name, wa.dtype)
-        grid, block, rows, cols, tr, tc = _fast_geometry(wa.shape, _tile_of(w_arg))
+        flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
+        ln = _launcher(stream.device.index, _FLAT_NAMES[name] if flat else name, wa.dtype)
         ws = w._storage
         if y is None:
-            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, rows, cols, tr, tc)
+            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, *geo)
             rs: tuple[Storage, ...] = (x._storage, ws)
         else:
-            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, rows, cols, tr, tc)
+            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
             rs = (x._storage, y._storage)
         wl = (ws,)
         before_access(stream, rs, wl)
@@ -201,12 +216,12 @@ class _ElementwiseOp(KernelOp):
             launch(ctx, name, reads, (w,), _cpu_task(name, self._a, w, x, y), _noop)
             return w_arg
         wa = w._array
-        ln = _launcher(stream.device.index, name, wa.dtype)
-        grid, block, rows, cols, tr, tc = _fast_geometry(wa.shape, _tile_of(w_arg))
+        flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
+        ln = _launcher(stream.device.index, _FLAT_NAMES[name] if flat else name, wa.dtype)
         if y is None:
-            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, rows, cols, tr, tc)
+            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, *geo)
         else:
-            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, rows, cols, tr, tc)
+            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
         sptr = stream.native.ptr  # type: ignore[attr-defined]
         launch(ctx, name, reads, (w,), _noop, lambda _s: ln(grid, block, args, sptr))
         return w_arg

@@ -79,6 +79,27 @@ __global__ void mul(T* __restrict__ out, const T* __restrict__ x, const T* __res
     }
 }
 
+// Flat variants for unpartitioned tensors: one element per thread, grid-stride
+// (no per-element division), the common case of the eager and graph hot paths.
+#define FLAT_LOOP                                                                   \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;     \
+         i += (long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__global__ void saxpy_flat(T* __restrict__ z, float a, const T* __restrict__ x, long long n) {
+    FLAT_LOOP st(z[i], a * ld(x[i]) + ld(z[i]));
+}
+
+template <typename T>
+__global__ void add_flat(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ y, long long n) {
+    FLAT_LOOP out[i] = add_(x[i], y[i]);
+}
+
+template <typename T>
+__global__ void mul_flat(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ y, long long n) {
+    FLAT_LOOP out[i] = mul_(x[i], y[i]);
+}
+
 // Test helper: spin for `cycles` clock cycles, then dst = src (one block, byte copy).
 // Makes a long-running reader/writer to provoke cross-stream races on purpose.
 extern "C" __global__ void slow_copy(unsigned char* dst, const unsigned char* src,
