@@ -216,19 +216,22 @@ async def await_future(fut: DeviceFuture[T]) -> T:
     return await _await_future(fut, _library())
 
 
+def _poller() -> Any:
+    from ._completion import poller
+
+    return poller()
+
+
 async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
     ev = fut._event
     if fut._exc is not None or ev is None:
         return fut.result()
     if not ev.query():
-        if _spin_s > 0 and not ev.stream.device.is_cpu:
-            from ._completion import poller
-
-            if poller().pending() == 0:
-                deadline = time.perf_counter() + _spin_s
-                while time.perf_counter() < deadline:
-                    if ev.query():
-                        break
+        if _spin_s > 0 and not ev.stream.device.is_cpu and _poller().pending() == 0:
+            deadline = time.perf_counter() + _spin_s
+            while time.perf_counter() < deadline:
+                if ev.query():
+                    break
         if not ev.query():
             sl = _slice_for(lib)
             if lib == "asyncio":

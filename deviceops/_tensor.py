@@ -144,7 +144,7 @@ class Tensor:
         ((2, 3), 'float32')
     """
 
-    __slots__ = ("_array", "_contig", "_storage")
+    __slots__ = ("__weakref__", "_array", "_contig", "_storage")
 
     def __init__(self, array: Any, device: Device | None = None, *, _storage: Storage | None = None) -> None:
         if device is None:

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -149,19 +150,30 @@ class _ElementwiseOp(KernelOp):
     per-op host cost is what a chain of tiny ops measures.
     """
 
-    __slots__ = ("_a", "_deferred")
+    __slots__ = ("_a", "_deferred", "_plan")
 
-    def __init__(self, name: str, args: tuple[Any, ...], a: float, deferred: bool) -> None:
+    def __init__(self, name: str, args: tuple[Any, ...], a: float, deferred: bool,
+                 plan: tuple[Any, ...] | None = None) -> None:
         DeviceOp.__init__(self)
         self._name = name
         self._run = _noop
         self._a = a
         self._deferred = deferred
+        self._plan = plan
         if deferred:
             args = tuple(v._adopt() if isinstance(v, DeviceOp) else v for v in args)
         self._args = args
 
     def _execute(self, ctx: ExecutionContext) -> Any:
+        plan = self._plan
+        stream = ctx.stream
+        if plan is not None and plan[0] is stream.device and _trace.current is None:
+            # the launch plan of an identical earlier launch (see _memo)
+            _, pln, pgrid, pblock, pargs, prs, pwl = plan
+            before_access(stream, prs, pwl)
+            pln(pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
+            after_access(stream, stream.bump(), prs, pwl)
+            return self._args[0] if self._name == "saxpy" else self._args[2]
         name = self._name
         vals = [resolve(v, ctx) for v in self._args] if self._deferred else self._args
         stream = ctx.stream
@@ -206,6 +218,8 @@ class _ElementwiseOp(KernelOp):
         before_access(stream, rs, wl)
         ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
         after_access(stream, stream.bump(), rs, wl)
+        if not self._deferred and type(w_arg) is Tensor:
+            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl))
         return w_arg
 
     def _launch_general(self, ctx: ExecutionContext, w_arg: Any, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
@@ -254,6 +268,29 @@ def _noop(*_: Any) -> None:
     pass
 
 
+# -- launch-plan memo ----------------------------------------------------------
+# The last cuda launch of each kernel, keyed by the identity of its tensors
+# (held weakly) and its scalar. A loop that repeats the same launch -- the
+# common case for tiny ops -- skips validation, geometry and argument
+# packing: the plan is reused as is. Tensors never change their memory or
+# layout, so identity is enough.
+_memo: dict[str, tuple[Any, ...]] = {}
+
+
+def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: tuple[Any, ...]) -> None:
+    _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan)
+
+
+def _recall(name: str, w: Any, x: Any, y: Any, a: float) -> tuple[Any, ...] | None:
+    m = _memo.get(name)
+    if m is None or m[3] != a or m[0]() is not w or m[1]() is not x:
+        return None
+    yr = m[2]
+    if (yr() if yr is not None else None) is not y:
+        return None
+    return m[4]
+
+
 # -- saxpy ---------------------------------------------------------------------
 def _saxpy_check(z: Tensor, x: Tensor) -> None:
     _check_pair("saxpy", z, x, "z", "x")
@@ -269,10 +306,15 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
         a: scalar multiplier.
         x: Tensor or DeviceOp producing one, same shape and dtype as ``z``.
     """
+    a = float(a)
+    if type(z) is Tensor and type(x) is Tensor:
+        plan = _recall("saxpy", z, x, None, a)
+        if plan is not None:  # identical to the last launch: already validated
+            return _ElementwiseOp("saxpy", (z, x), a, False, plan)
     deferred = isinstance(z, DeviceOp) or isinstance(x, DeviceOp)
     if not deferred:
         _saxpy_check(_tensor_of(z, "saxpy", "z"), _tensor_of(x, "saxpy", "x"))
-    return _ElementwiseOp("saxpy", (z, x), float(a), deferred)
+    return _ElementwiseOp("saxpy", (z, x), a, deferred)
 
 
 # -- add / mul -----------------------------------------------------------------
@@ -286,6 +328,10 @@ def _binary_check(name: str, x: Tensor, y: Tensor, out: Tensor | None) -> None:
 
 
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
+    if type(out) is Tensor and type(x) is Tensor and type(y) is Tensor:
+        plan = _recall(name, out, x, y, 0.0)
+        if plan is not None:  # identical to the last launch: already validated
+            return _ElementwiseOp(name, (x, y, out), 0.0, False, plan)
     deferred = isinstance(x, DeviceOp) or isinstance(y, DeviceOp) or isinstance(out, DeviceOp)
     if not deferred:
         _binary_check(name, _tensor_of(x, name, "x"), _tensor_of(y, name, "y"),
