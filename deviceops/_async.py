@@ -19,10 +19,15 @@ await:
 **Fair enqueueing.** Enqueueing an op costs microseconds of host time. When
 thousands of tasks await at once they would all enqueue in one pass of the
 loop and starve its timers; so each loop gets a time slice (``slice_ms``,
-default 0.5 ms): once enqueueing has used it up within one pass, further
-awaiting tasks queue up (FIFO) and the end-of-pass reset admits a batch that
+default 0.5 ms) per 1 ms window: once enqueueing has used it up, further
+awaiting tasks queue up (FIFO) and an end-of-pass reset admits a batch that
 fits the next slice (sized from a running estimate of one enqueue's cost). A
-burst of N awaits thus costs O(N) in total, and timers run between batches.
+burst of N awaits thus costs O(N) in total, and timers run between batches;
+an await that finds no queue costs no loop callback at all.
+
+**Completion side.** The completion thread hands wake-ups to a per-loop
+queue and notifies the loop once; the loop resumes them in batches sized to
+keep each pass near 1 ms (halved after a slow pass, grown after a fast one).
 
 **Cancellation.** Cancelling an awaiting task (``task.cancel()``, anyio/trio
 cancel scopes, ``anyio.fail_after``) returns at once. The work already
@@ -101,10 +106,11 @@ class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
     __slots__ = ("batch", "cost", "last_drain", "lib", "lock", "loop", "notified", "open", "ready",
-                 "used", "waiters")
+                 "used", "waiters", "window")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
+        self.window = 0.0  # start of the current accounting window (perf_counter)
         self.open = False
         self.cost = 10e-6  # running estimate of one enqueue's host time
         self.waiters: deque[Callable[[], None]] = deque()
@@ -154,6 +160,7 @@ def _open(sl: _Slice) -> None:
 def _reset(sl: _Slice) -> None:
     """End of a pass: a fresh budget; admit as many queued tasks as it fits."""
     sl.used = 0.0
+    sl.window = time.perf_counter()
     sl.open = False
     if sl.waiters:
         n = min(len(sl.waiters), max(1, int(_slice_s / max(sl.cost, 1e-7))))
@@ -196,18 +203,21 @@ async def await_op(op: DeviceOp[T]) -> T:
         op._consume()  # the error is the report; no "never executed" warning on top
         raise
     sl = _slice_for(lib)
+    t0 = time.perf_counter()
+    if t0 - sl.window > _WINDOW_S:  # a new window: fresh budget (no per-await loop callback)
+        sl.window = t0
+        sl.used = 0.0
     if sl.waiters or sl.used >= _slice_s:
         try:
             await _admission(sl)
         except BaseException:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
-    t0 = time.perf_counter()
+        t0 = time.perf_counter()
     fut = op.schedule()
     dt = time.perf_counter() - t0
     sl.cost += 0.1 * (dt - sl.cost)
     sl.used += dt
-    _open(sl)
     return await _await_future(fut, lib)
 
 
@@ -286,6 +296,7 @@ def _drain(sl: _Slice, continued: bool) -> None:
 
 
 _PASS_S = 1e-3
+_WINDOW_S = 1e-3  # enqueue budget window when no task is queued for admission
 
 
 async def _park_asyncio(ev: Any, sl: _Slice) -> None:
