@@ -127,3 +127,22 @@ def test_wrong_device_is_refused() -> None:
     cpu_t = api.ones((4,)).sync_on(deviceops.device("cpu").new_stream())
     with pytest.raises(deviceops.DeviceError, match=r"api\.to_device"):
         kernels.add(cpu_t, cpu_t).sync_on(deviceops.device(0).new_stream())
+
+
+def test_repeated_launches_reuse_plan_and_stay_correct(stream: deviceops.Stream) -> None:
+    """The launch-plan memo: identical repeats are correct; new tensors never hit a stale plan."""
+    rng = np.random.default_rng()
+    for _ in range(3):
+        zh = rng.integers(-50, 50, 513).astype(np.float32)
+        xh = rng.integers(-3, 3, 513).astype(np.float32)
+        z = api.from_host(zh).sync_on(stream)
+        x = api.from_host(xh).sync_on(stream)
+        for _ in range(7):
+            kernels.saxpy(z, 2.0, x).async_on(stream)
+        kernels.saxpy(z, -1.0, x).async_on(stream)  # a different scalar: a different plan
+        np.testing.assert_array_equal(to_np(z), zh + 13.0 * xh)
+        out = api.empty((513,)).sync_on(stream)
+        for _ in range(2):
+            kernels.add(z, x, out=out).async_on(stream)
+        np.testing.assert_array_equal(to_np(out), zh + 14.0 * xh)
+        del z, x, out  # the next round's tensors may reuse these ids
