@@ -259,15 +259,26 @@ class _Then(DeviceOp[U]):
         self._next: DeviceOp[U] | None = None
 
     def _execute(self, ctx: ExecutionContext) -> U:
-        out = self._src._exec(ctx)
-        nxt = self._fn(out)
-        if not isinstance(nxt, DeviceOp):
-            raise TypeError(
-                f"then: closure {_fn_name(self._fn)} returned {type(nxt).__name__}, not a "
-                "DeviceOp; use .map() for a host-side transform"
-            )
-        self._next = nxt
-        return nxt._exec(ctx)
+        # a.then(f1).then(f2)...: nested through _src. Walk the chain instead of
+        # recursing through it, so its length is not bounded by Python's stack.
+        chain: list[_Then[Any]] = [self]
+        src = self._src
+        while type(src) is _Then and src._state == _OWNED:
+            src._state = _DONE
+            src._ran_on = ctx.stream.id
+            chain.append(src)
+            src = src._src
+        out: Any = src._exec(ctx)
+        for node in reversed(chain):
+            nxt = node._fn(out)
+            if not isinstance(nxt, DeviceOp):
+                raise TypeError(
+                    f"then: closure {_fn_name(node._fn)} returned {type(nxt).__name__}, not a "
+                    "DeviceOp; use .map() for a host-side transform"
+                )
+            node._next = nxt
+            out = nxt._exec(ctx)
+        return out
 
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return (self._src,) if self._next is None else (self._src, self._next)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 from typing import Any
 
@@ -241,3 +242,14 @@ def test_repr_states() -> None:
     assert "fresh" in repr(op)
     op.sync()
     assert "executed" in repr(op)
+
+
+def test_long_then_chain_does_not_hit_the_recursion_limit(stream: deviceops.Stream) -> None:
+    z = api.zeros((8,)).sync_on(stream)
+    x = api.ones((8,)).sync_on(stream)
+    op: deviceops.DeviceOp[Any] = kernels.saxpy(z, 1.0, x)
+    n = 3 * sys.getrecursionlimit()
+    for _ in range(n - 1):
+        op = op.then(lambda t: kernels.saxpy(t, 1.0, x))
+    assert op.sync_on(stream) is z
+    np.testing.assert_array_equal(to_np(z), float(n))
