@@ -209,7 +209,7 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
     dt = normalize_dtype(host.dtype if dtype is None else dtype, op="from_host")
 
     def run(ctx: ExecutionContext) -> Tensor:
-        snap = np.ascontiguousarray(host, dtype=dt).copy()
+        snap = np.array(host, dtype=dt, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray makes them 1-d)
         t = allocate(ctx.stream, snap.shape, dt, "from_host")
         a = t.array
 
@@ -410,7 +410,7 @@ def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
             import cupy
 
             if src.device.is_cpu:
-                oa.set(np.ascontiguousarray(sa), stream=native)
+                oa.set(sa if sa.flags.c_contiguous else np.ascontiguousarray(sa), stream=native)
             else:
                 c = sa if sa.flags.c_contiguous else None
                 if c is None:

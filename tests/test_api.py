@@ -164,3 +164,9 @@ def test_dlpack_roundtrip_torch(dev: deviceops.Device) -> None:
         torch.cuda.synchronize()
     back = deviceops.Tensor.from_dlpack(src)
     np.testing.assert_array_equal(to_np(back), [0, 1, 2, 3])
+
+
+def test_from_host_keeps_zero_dim_shape(stream: deviceops.Stream) -> None:
+    t = api.from_host(np.float32(3.5)).sync_on(stream)
+    assert t.shape == ()
+    assert float(to_np(t)) == 3.5
