@@ -372,17 +372,26 @@ class LoadCase:
 async def _load_asyncio(case: LoadCase, idle_s: float, timeout: float) -> tuple[float, float]:
     tick = asyncio.create_task(case.ticker(asyncio.sleep))
     await asyncio.sleep(idle_s)
+    all_done = asyncio.Event()
+
+    async def one(i: int) -> None:
+        await case.one(i)
+        if case.done == case.n:
+            all_done.set()
+
     t_open = perf()
     case.block_streams()
-    tasks = []
+    tasks = []  # kept only so the tasks are not garbage-collected; no gather over 10k tasks
     for i in range(case.n):  # spawned SPAWN_PER_PASS per loop pass, as a server would see them
-        tasks.append(asyncio.create_task(case.one(i)))
+        tasks.append(asyncio.create_task(one(i)))
         if i % SPAWN_PER_PASS == SPAWN_PER_PASS - 1:
             await asyncio.sleep(0)
     try:
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        await asyncio.wait_for(all_done.wait(), timeout)
     except TimeoutError:
         case.timed_out = True
+        for t in tasks:
+            t.cancel()
     t_done = perf()
     await asyncio.sleep(0.003)
     case.stop = True

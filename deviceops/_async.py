@@ -123,18 +123,49 @@ class _Slice:
         self.batch = 256  # wake-ups per pass, adapted to keep passes short
         self.last_drain = 0.0  # when the previous drain ran, if it rescheduled itself
 
+    def deliver(self, wakeups: list[Any]) -> None:
+        """Completion thread: hand over many :class:`_Wakeup` s at once."""
+        _deliver(self, [w.wake for w in wakeups])
+
 
 # id(loop) -> (weak or strong reference to the loop, its slice)
 _slices: dict[int, tuple[Callable[[], Any], _Slice]] = {}
 
 
-def _slice_for(lib: str) -> _Slice:
-    if lib == "asyncio":
+_last: tuple[Callable[[], Any], str, _Slice] | None = None  # the most recently used loop
+
+
+def _current() -> tuple[str, _Slice]:
+    """The running loop's library and slice (fast path: the same loop as last time)."""
+    global _last
+    try:
         loop: Any = asyncio.get_running_loop()
-    else:
+        lib = "asyncio"
+    except RuntimeError:
+        lib = _library()
         import trio
 
         loop = trio.lowlevel.current_trio_token()
+    last = _last
+    if last is not None and last[0]() is loop:
+        return lib, last[2]
+    sl = _slice_for(lib, loop)
+    try:
+        ref: Callable[[], Any] = weakref.ref(loop)
+    except TypeError:
+        ref = (lambda lp: lambda: lp)(loop)
+    _last = (ref, lib, sl)
+    return lib, sl
+
+
+def _slice_for(lib: str, loop: Any = None) -> _Slice:
+    if loop is None:
+        if lib == "asyncio":
+            loop = asyncio.get_running_loop()
+        else:
+            import trio
+
+            loop = trio.lowlevel.current_trio_token()
     entry = _slices.get(id(loop))
     if entry is None or entry[0]() is not loop:
         try:
@@ -198,11 +229,10 @@ async def await_op(op: DeviceOp[T]) -> T:
     """``await op``: schedule it on the default policy and await the future."""
     try:
         refuse_nested(f"await on {op._describe()}")
-        lib = _library()
+        lib, sl = _current()
     except BaseException:
         op._consume()  # the error is the report; no "never executed" warning on top
         raise
-    sl = _slice_for(lib)
     t0 = time.perf_counter()
     if t0 - sl.window > _WINDOW_S:  # a new window: fresh budget (no per-await loop callback)
         sl.window = t0
@@ -243,7 +273,7 @@ async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
                 if ev.query():
                     break
         if not ev.query():
-            sl = _slice_for(lib)
+            sl = _current()[1]
             if lib == "asyncio":
                 await _park_asyncio(ev, sl)
             else:
@@ -251,10 +281,27 @@ async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
     return fut.result()
 
 
-def _deliver(sl: _Slice, wake: Callable[[], None]) -> None:
-    """Completion thread: queue ``wake`` for the loop; notify it once per drain."""
+class _Wakeup:
+    """A completion callback that the completion thread can hand over in bulk.
+
+    Calling it delivers one wake-up; the poller instead groups callbacks by
+    ``group`` (the loop's slice) and calls ``group.deliver([...])`` once.
+    """
+
+    __slots__ = ("group", "wake")
+
+    def __init__(self, sl: _Slice, wake: Callable[[], None]) -> None:
+        self.group = sl
+        self.wake = wake
+
+    def __call__(self) -> None:
+        _deliver(self.group, (self.wake,))
+
+
+def _deliver(sl: _Slice, wakes: Any) -> None:
+    """Completion thread: queue ``wakes`` for the loop; notify it once per drain."""
     with sl.lock:
-        sl.ready.append(wake)
+        sl.ready.extend(wakes)
         if sl.notified:
             return
         sl.notified = True
@@ -306,7 +353,7 @@ async def _park_asyncio(ev: Any, sl: _Slice) -> None:
         if not waiter.done():
             waiter.set_result(None)
 
-    ev.when_complete(lambda: _deliver(sl, wake))
+    ev.when_complete(_Wakeup(sl, wake))
     await waiter
 
 
@@ -314,5 +361,5 @@ async def _park_trio(ev: Any, sl: _Slice) -> None:
     import trio
 
     done = trio.Event()
-    ev.when_complete(lambda: _deliver(sl, done.set))
+    ev.when_complete(_Wakeup(sl, done.set))
     await done.wait()

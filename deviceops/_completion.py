@@ -17,10 +17,11 @@ stream while it runs.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._stream import Event
@@ -82,15 +83,7 @@ class _Poller:
                         dq.popleft()
                         self._pending -= 1
                     fired.append(fn)
-            for i, fn in enumerate(fired):
-                try:
-                    fn()
-                except Exception:  # a callback must not kill the poller
-                    import logging
-
-                    logging.getLogger("deviceops").exception("completion callback failed")
-                if i % 256 == 255:
-                    time.sleep(0)  # let event-loop threads take the GIL between chunks
+            _fire(fired)
             if fired:
                 sleep = MIN_SLEEP
                 continue
@@ -99,6 +92,36 @@ class _Poller:
                 self._fresh = False
                 self._cond.wait(sleep)
                 sleep = MIN_SLEEP if self._fresh else min(sleep * 2, MAX_SLEEP)
+
+
+def _fire(fired: list[Callable[[], None]]) -> None:
+    """Run completion callbacks; batchable ones are handed over per group in one call.
+
+    A callback object with a ``group`` attribute is delivered through
+    ``group.deliver(callbacks)`` together with the others of its group (the
+    async bridge: one hand-over and one loop notification for thousands of
+    completions, instead of thousands of calls holding the GIL).
+    """
+    groups: dict[int, tuple[Any, list[Any]]] = {}
+    for i, fn in enumerate(fired):
+        group = getattr(fn, "group", None)
+        try:
+            if group is not None:
+                entry = groups.get(id(group))
+                if entry is None:
+                    entry = groups[id(group)] = (group, [])
+                entry[1].append(fn)
+            else:
+                fn()
+        except Exception:  # a callback must not kill the poller
+            logging.getLogger("deviceops").exception("completion callback failed")
+        if i % 1024 == 1023:
+            time.sleep(0)  # let event-loop threads take the GIL between chunks
+    for group, fns in groups.values():
+        try:
+            group.deliver(fns)
+        except Exception:
+            logging.getLogger("deviceops").exception("completion hand-over failed")
 
 
 def _done(ev: Event) -> bool:

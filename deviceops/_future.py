@@ -32,14 +32,13 @@ class DeviceFuture(Generic[T]):
         (4,)
     """
 
-    __slots__ = ("_event", "_exc", "_lock", "_out", "_stream", "stream")
+    __slots__ = ("_event", "_exc", "_out", "stream")
 
     def __init__(self) -> None:
         self._out: Any = None
         self._exc: BaseException | None = None
         self._event: Event | None = None
         self.stream: Stream | None = None
-        self._lock = threading.Lock()
 
     @classmethod
     def _pending(cls, out: T, stream: Stream, event: Event) -> DeviceFuture[T]:

@@ -53,6 +53,18 @@ def _current_policy() -> SchedulingPolicy:
     return current_policy()
 
 
+_DeviceFuture: Any = None
+
+
+def _future_cls() -> Any:
+    global _DeviceFuture
+    if _DeviceFuture is None:
+        from ._future import DeviceFuture
+
+        _DeviceFuture = DeviceFuture
+    return _DeviceFuture
+
+
 def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what: str) -> T:
     """Execute ``op`` as a top-level op on ``stream`` (the common path of every entry point)."""
     if guard.active is not None:
@@ -167,8 +179,6 @@ class DeviceOp(Generic[T]):
         Errors raised while enqueuing are stored in the future (``result()``
         and ``await`` raise them), as for :class:`concurrent.futures.Future`.
         """
-        from ._future import DeviceFuture
-
         if policy is None:
             policy = _current_policy()
         if guard.active is not None:
@@ -178,8 +188,8 @@ class DeviceOp(Generic[T]):
         try:
             out = _run(self, stream, policy, "schedule()")
         except Exception as exc:
-            return DeviceFuture._failed(exc, stream)
-        return DeviceFuture._pending(out, stream, stream.record_event())
+            return _future_cls()._failed(exc, stream)
+        return _future_cls()._pending(out, stream, stream.record_event())
 
     def __await__(self) -> Generator[Any, None, T]:
         from ._async import await_op

@@ -41,12 +41,10 @@ class StreamPoolRoundRobin(SchedulingPolicy):
             raise SchedulingError(f"StreamPoolRoundRobin: num_streams must be >= 1, got {num_streams}")
         self._device = default_device() if device is None else _device(device)
         self.streams: tuple[Stream, ...] = tuple(self._device.new_stream() for _ in range(num_streams))
-        self._next = itertools.cycle(self.streams).__next__
-        self._lock = threading.Lock()
+        self._next = itertools.cycle(self.streams).__next__  # atomic under the GIL: no lock
 
     def next_stream(self) -> Stream:
-        with self._lock:
-            return self._next()
+        return self._next()
 
     @property
     def device(self) -> Device:
