@@ -138,15 +138,23 @@ _last: tuple[Callable[[], Any], str, _Slice] | None = None  # the most recently 
 def _current() -> tuple[str, _Slice]:
     """The running loop's library and slice (fast path: the same loop as last time)."""
     global _last
-    try:
-        loop: Any = asyncio.get_running_loop()
-        lib = "asyncio"
-    except RuntimeError:
-        lib = _library()
-        import trio
-
-        loop = trio.lowlevel.current_trio_token()
     last = _last
+    loop: Any = None
+    lib = ""
+    if last is not None and last[1] == "trio":
+        trio = sys.modules["trio"]
+        try:  # noqa: SIM105 (hot path)
+            loop, lib = trio.lowlevel.current_trio_token(), "trio"
+        except RuntimeError:
+            pass
+    if loop is None:
+        try:
+            loop, lib = asyncio.get_running_loop(), "asyncio"
+        except RuntimeError:
+            lib = _library()
+            import trio
+
+            loop = trio.lowlevel.current_trio_token()
     if last is not None and last[0]() is loop:
         return lib, last[2]
     sl = _slice_for(lib, loop)

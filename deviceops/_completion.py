@@ -52,8 +52,13 @@ class _Poller:
                 dq = self._fifos[event.stream.id] = collections.deque()
             dq.append((event, fn))
             self._pending += 1
-            self._fresh = True
-            self._cond.notify()
+            if len(dq) == 1:
+                # A new head: wake the poller (cuts its back-off short). An event
+                # behind others on its stream cannot complete before them, and
+                # the poller is already watching that stream: no wake-up, which
+                # keeps thousands of registrations from waking it thousands of times.
+                self._fresh = True
+                self._cond.notify()
 
     def _run(self) -> None:
         sleep = MIN_SLEEP
@@ -64,34 +69,43 @@ class _Poller:
                 fifos = [dq for dq in self._fifos.values() if dq]
             fired: list[Callable[[], None]] = []
             for dq in fifos:
-                if not dq:
-                    continue
-                # Events of one stream complete in order: if the newest is done,
-                # so is every older one (one query instead of thousands).
-                if _done(dq[-1][0]):
+                k = _completed_prefix(dq)
+                if k:
                     with self._cond:
-                        n = len(dq)
-                        fired.extend(fn for _, fn in dq)
-                        dq.clear()
-                        self._pending -= n
-                    continue
-                while dq:
-                    ev, fn = dq[0]
-                    if not _done(ev):
-                        break
-                    with self._cond:
-                        dq.popleft()
-                        self._pending -= 1
-                    fired.append(fn)
+                        for _ in range(k):
+                            fired.append(dq.popleft()[1])
+                        self._pending -= k
             _fire(fired)
             if fired:
                 sleep = MIN_SLEEP
-                continue
             with self._cond:
                 # A new registration (notify) cuts the back-off short.
                 self._fresh = False
                 self._cond.wait(sleep)
                 sleep = MIN_SLEEP if self._fresh else min(sleep * 2, MAX_SLEEP)
+
+
+def _completed_prefix(dq: collections.deque[tuple[Event, Callable[[], None]]]) -> int:
+    """How many events at the head of one stream's FIFO are complete.
+
+    Events of a stream complete in order, so the completed ones form a prefix:
+    found by binary search (a few queries, not one per event). Only this
+    thread pops from the left; others append on the right, so the first
+    ``n`` entries are stable while it looks.
+    """
+    n = len(dq)
+    if n == 0 or not _done(dq[0][0]):
+        return 0
+    if _done(dq[n - 1][0]):
+        return n
+    lo, hi = 1, n - 1  # dq[lo - 1] is done, dq[hi] is not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _done(dq[mid][0]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _fire(fired: list[Callable[[], None]]) -> None:
