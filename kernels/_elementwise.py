@@ -42,7 +42,7 @@ from deviceops._tensor import (
     check_device,
 )
 
-from ._fastlaunch import Launcher
+from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
 from ._launch import KernelOp, as_tensor, contiguous, resolve
 from ._module import load_module, read_source
 
@@ -169,9 +169,12 @@ class _ElementwiseOp(KernelOp):
         stream = ctx.stream
         if plan is not None and plan[0] is stream.device and _trace.current is None:
             # the launch plan of an identical earlier launch (see _memo)
-            _, pln, pgrid, pblock, pargs, prs, pwl = plan
+            _, pln, pgrid, pblock, pargs, prs, pwl, pflat = plan
             before_access(stream, prs, pwl)
-            pln(pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
+            if stream.capture is not None and pflat and pdl_enabled(pln.device_index):
+                launch_pdl(pln, pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
+            else:
+                pln(pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
             after_access(stream, stream.bump(), prs, pwl)
             return self._args[0] if self._name == "saxpy" else self._args[2]
         name = self._name
@@ -216,10 +219,13 @@ class _ElementwiseOp(KernelOp):
             rs = (x._storage, y._storage)
         wl = (ws,)
         before_access(stream, rs, wl)
-        ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
+        if stream.capture is not None and flat and pdl_enabled(ln.device_index):
+            launch_pdl(ln, grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
+        else:
+            ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
         after_access(stream, stream.bump(), rs, wl)
         if not self._deferred and type(w_arg) is Tensor:
-            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl))
+            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl, flat))
         return w_arg
 
     def _launch_general(self, ctx: ExecutionContext, w_arg: Any, w: Tensor, x: Tensor, y: Tensor | None) -> Any:

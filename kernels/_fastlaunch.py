@@ -105,3 +105,68 @@ class Launcher:
                 exc = again
         raise DriverError(f"launching {self.name} (grid {grid}, block {block}) on cuda:{self.device_index} "
                           f"failed: {exc}", op=self.name, device=f"cuda:{self.device_index}") from exc
+
+
+# -- programmatic dependent launch (graph capture) -------------------------------
+# In a captured chain of tiny kernels the gap between dependent kernels
+# dominates. Launched with the "programmatic stream serialization" attribute, a
+# kernel may begin launching while its predecessor finishes; it waits for the
+# predecessor's results with ``griddepcontrol.wait`` (the elementwise kernels
+# do so first thing, sm_90+). Used only while capturing, where the ctypes call
+# costs nothing at replay time. ``DEVICEOPS_PDL=0`` turns it off.
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_cu_launch_ex: Any = None
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Whether captured elementwise launches use programmatic dependent launch here."""
+    ok = _pdl_devices.get(device_index)
+    if ok is None:
+        import os
+
+        import cupy
+
+        major = int(cupy.cuda.Device(device_index).compute_capability[:-1] or 0)
+        ok = _pdl_devices[device_index] = major >= 9 and os.environ.get("DEVICEOPS_PDL", "1") != "0"
+    return ok
+
+
+def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int],
+               args: tuple[Any, ...], stream_ptr: int) -> None:
+    """``ln(...)`` through ``cuLaunchKernelEx`` with programmatic stream serialization."""
+    global _cu_launch_ex
+    if _cu_launch_ex is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _cu_launch_ex = fn
+    entry = ln._cache.get(args)
+    params = entry[0] if entry is not None else ln._pack(args)
+    attr = _Attr()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmatic_stream_serialization_allowed = 1
+    cfg = _Config(grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream_ptr,
+                  ctypes.pointer(attr), 1)
+    rc = _cu_launch_ex(ctypes.byref(cfg), ln._fptr, params, None)
+    if rc:
+        raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
+                          f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
+                          "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")

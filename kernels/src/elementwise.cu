@@ -81,7 +81,18 @@ __global__ void mul(T* __restrict__ out, const T* __restrict__ x, const T* __res
 
 // Flat variants for unpartitioned tensors: one element per thread, grid-stride
 // (no per-element division), the common case of the eager and graph hot paths.
+// Programmatic dependent launch (sm_90+): wait for the previous kernel's
+// results, then let the next kernel begin launching. No-ops when launched
+// without the attribute.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_PROLOGUE asm volatile("griddepcontrol.wait;" ::: "memory"); \
+                     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+#define PDL_PROLOGUE
+#endif
+
 #define FLAT_LOOP                                                                   \
+    PDL_PROLOGUE                                                                    \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;     \
          i += (long long)gridDim.x * blockDim.x)
 
