@@ -74,7 +74,7 @@ LOAD_SIZE = 256
 A = 1.0
 A_LOAD = 3.0
 SPAWN_PER_PASS = 100  # load test: tasks created per event-loop pass
-BLOCK_S = 0.3  # load test: GPU time the policy streams are held busy while tasks are spawned
+BLOCK_S = 0.5  # load test: GPU time the policy streams are held busy while tasks are spawned
 BLOCK_S_SMOKE = 0.05
 perf = time.perf_counter
 
@@ -351,7 +351,10 @@ class LoadCase:
         ticks = np.asarray(self.ticks)
         gaps = np.diff(ticks)
         ends = ticks[1:]
-        in_load = gaps[(ends > t_open) & (ticks[:-1] < t_done)]
+        sel = (ends > t_open) & (ticks[:-1] < t_done)
+        in_load = gaps[sel]
+        starts = ticks[:-1][sel]
+        worst_at = [round((starts[k] - t_open) * 1e3, 1) for k in np.argsort(-in_load)[:3]] if in_load.size else []
         idle = gaps[ends <= t_open]
         lat_ms = np.asarray(self.lat) * 1e3
         lat_ms = lat_ms[~np.isnan(lat_ms)] if self.timed_out else lat_ms
@@ -366,7 +369,9 @@ class LoadCase:
                 "gap_idle_worst_ms": float(idle.max()) * 1e3 if idle.size else float("nan"),
                 "ticks_in_load": int(in_load.size), "idle_window_ms": idle_s * 1e3,
                 "completed": self.done, "timed_out": self.timed_out, "correct": not self.timed_out,
-                "peak_in_flight": self.peak}
+                "peak_in_flight": self.peak,
+                "worst_gaps_ms": [round(float(g) * 1e3, 2) for g in np.sort(in_load)[::-1][:3]],
+                "worst_gaps_start_ms": worst_at}
 
 
 async def _load_asyncio(case: LoadCase, idle_s: float, timeout: float) -> tuple[float, float]:
@@ -448,6 +453,7 @@ def load(b: Bench, n: int, idle_s: float, timeout: float) -> list[dict[str, Any]
 
 
 def main() -> int:
+    global SPAWN_PER_PASS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p)
     p.add_argument("--iters", type=int, default=None, help="latency samples per variant (2000; smoke 50)")
@@ -457,7 +463,10 @@ def main() -> int:
     p.add_argument("--spin-us", type=float, default=None,
                    help="deviceops.configure_await(spin_us=...) (default: DEVICEOPS_AWAIT_SPIN_US or 20)")
     p.add_argument("--slice-ms", type=float, default=None, help="deviceops.configure_await(slice_ms=...)")
+    p.add_argument("--spawn-per-pass", type=int, default=100,
+                   help="load test: tasks the harness creates per event-loop pass (its own work per pass)")
     args = p.parse_args()
+    SPAWN_PER_PASS = max(1, args.spawn_per_pass)
     b = setup(args)
     knobs = deviceops.configure_await(spin_us=args.spin_us, slice_ms=args.slice_ms)
     iters = args.iters or (50 if args.smoke else 2000)
@@ -478,6 +487,8 @@ def main() -> int:
     print()
     print(f"Load: {n_load} awaited ops from one loop (spawned {SPAWN_PER_PASS} per pass while the "
           f"policy streams are held busy, so all are in flight at once), 1 ms ticker")
+    for r in load_rows:
+        print(f"# {r['loop']}: worst gaps {r.get('worst_gaps_ms')} ms, starting at {r.get('worst_gaps_start_ms')} ms after the load opened")
     print(table(load_rows, [("loop", "loop", 0), ("ops", "ops", 0), ("peak_in_flight", "peak in flight", 0),
                             ("wall_ms", "wall ms", 1),
                             ("ops_per_s", "ops/s", 0), ("lat_p50_ms", "lat p50 ms", 2),
@@ -501,7 +512,8 @@ def main() -> int:
     print_bars(bars, b)
     write_json(args.json, "await_latency", b,
                {"size": SIZE, "load_size": LOAD_SIZE, "iters": iters, "load": n_load, "await_knobs": knobs,
-                "rounds": rounds, "warmup_per_block": warmup, "trio": trio is not None},
+                "rounds": rounds, "warmup_per_block": warmup, "trio": trio is not None,
+                "spawn_per_pass": SPAWN_PER_PASS, "block_s": BLOCK_S},
                lat_rows, bars, {"load_rows": load_rows})
     return 0
 
