@@ -26,8 +26,23 @@ burst of N awaits thus costs O(N) in total, and timers run between batches;
 an await that finds no queue costs no loop callback at all.
 
 **Completion side.** The completion thread hands wake-ups to a per-loop
-queue and notifies the loop once; the loop resumes them in batches sized to
-keep each pass near 1 ms (halved after a slow pass, grown after a fast one).
+queue and notifies the loop once; the loop resumes them in batches sized from
+a running estimate of what one resumed task costs the loop (the time of the
+pass that ran the previous batch, divided by its size), so that each pass
+spends about ``slice_ms`` resuming tasks.
+
+**Back-pressure.** The driver queues a bounded number of launches per stream
+(about 1,000 on an H100 with driver 580, measured: launch number 1,022 behind
+a long kernel blocks in ``cuLaunchKernel`` until the stream drains). A loop
+that enqueued more than that would freeze inside the driver. So each loop
+counts the awaited ops it has in flight per stream; when a stream reaches
+``max_in_flight`` (default 256 ops), new awaits in that loop wait in the
+admission queue (they still count as awaiting, and cancel promptly) until the
+stream is down to half of it. 10,000 concurrent awaits therefore cost the
+loop no blocking call, whatever the GPU's backlog. (This covers ``await op``,
+where the library does the enqueueing; ``op.schedule()`` enqueues at once in
+the caller, so ``await op.schedule(...)`` in a loop of thousands is the
+caller's to pace.)
 
 **Cancellation.** Cancelling an awaiting task (``task.cancel()``, anyio/trio
 cancel scopes, ``anyio.fail_after``) returns at once. The work already
@@ -36,7 +51,8 @@ stream's bookkeeping until then, so their memory is not reused early, and the
 stream stays usable.
 
 Knobs: :func:`configure_await` or the environment variables
-``DEVICEOPS_AWAIT_SPIN_US`` and ``DEVICEOPS_AWAIT_SLICE_MS``.
+``DEVICEOPS_AWAIT_SPIN_US``, ``DEVICEOPS_AWAIT_SLICE_MS`` and
+``DEVICEOPS_AWAIT_MAX_IN_FLIGHT``.
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import refuse_nested
@@ -63,18 +79,28 @@ T = TypeVar("T")
 
 _spin_s = float(os.environ.get("DEVICEOPS_AWAIT_SPIN_US", "20")) * 1e-6
 _slice_s = float(os.environ.get("DEVICEOPS_AWAIT_SLICE_MS", "0.5")) * 1e-3
+_max_in_flight = int(os.environ.get("DEVICEOPS_AWAIT_MAX_IN_FLIGHT", "256"))
 
 
-def configure_await(*, spin_us: float | None = None, slice_ms: float | None = None) -> dict[str, float]:
+def configure_await(
+    *, spin_us: float | None = None, slice_ms: float | None = None, max_in_flight: int | None = None
+) -> dict[str, float]:
     """Set the await knobs; return the values now in force.
 
     Args:
         spin_us: how long ``await`` polls the event before parking the task
             (cuda only; 0 disables spinning).
-        slice_ms: host time enqueueing may take per pass of the event loop
-            before awaiting tasks yield to it.
+        slice_ms: host time per pass of the event loop that enqueueing
+            awaited ops may take before further awaiting tasks queue up, and
+            that resuming completed awaits may take before the rest wait
+            for the next pass.
+        max_in_flight: awaited ops one loop may have in flight on one stream
+            before further awaits wait for it to drain to half (>= 2).
+
+    Example:
+        >>> knobs = deviceops.configure_await(spin_us=0)  # never spin, park at once
     """
-    global _spin_s, _slice_s
+    global _spin_s, _slice_s, _max_in_flight
     if spin_us is not None:
         if spin_us < 0:
             raise ValueError(f"configure_await: spin_us must be >= 0, got {spin_us}")
@@ -83,7 +109,11 @@ def configure_await(*, spin_us: float | None = None, slice_ms: float | None = No
         if slice_ms <= 0:
             raise ValueError(f"configure_await: slice_ms must be > 0, got {slice_ms}")
         _slice_s = slice_ms * 1e-3
-    return {"spin_us": _spin_s * 1e6, "slice_ms": _slice_s * 1e3}
+    if max_in_flight is not None:
+        if max_in_flight < 2:
+            raise ValueError(f"configure_await: max_in_flight must be >= 2, got {max_in_flight}")
+        _max_in_flight = int(max_in_flight)
+    return {"spin_us": _spin_s * 1e6, "slice_ms": _slice_s * 1e3, "max_in_flight": float(_max_in_flight)}
 
 
 def _library() -> str:
@@ -105,8 +135,8 @@ def _library() -> str:
 class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
-    __slots__ = ("batch", "cost", "last_drain", "lib", "lock", "loop", "notified", "open", "ready",
-                 "used", "waiters", "window")
+    __slots__ = ("cost", "depth", "last_drain", "last_n", "lib", "lock", "loop", "notified", "open",
+                 "pressured", "ready", "used", "waiters", "wake_cost", "window")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
@@ -120,8 +150,12 @@ class _Slice:
         self.ready: deque[Callable[[], None]] = deque()
         self.lock = threading.Lock()
         self.notified = False
-        self.batch = 256  # wake-ups per pass, adapted to keep passes short
-        self.last_drain = 0.0  # when the previous drain ran, if it rescheduled itself
+        self.wake_cost = 20e-6  # running estimate of one resumed task's host time
+        self.last_n = 0  # wake-ups the previous drain ran, if it rescheduled itself
+        self.last_drain = 0.0  # when that drain ended
+        # back-pressure: this loop's parked awaits per stream id, and the streams at the cap
+        self.depth: dict[int, int] = {}
+        self.pressured: set[int] = set()
 
     def deliver(self, wakeups: list[Any]) -> None:
         """Completion thread: hand over many :class:`_Wakeup` s at once."""
@@ -201,18 +235,20 @@ def _reset(sl: _Slice) -> None:
     sl.used = 0.0
     sl.window = time.perf_counter()
     sl.open = False
-    if sl.waiters:
+    if sl.waiters and not sl.pressured:
         n = min(len(sl.waiters), max(1, int(_slice_s / max(sl.cost, 1e-7))))
         for _ in range(n):
             sl.waiters.popleft()()
         _open(sl)  # keep admitting next pass even if every woken task was cancelled
 
 
-async def _admission(sl: _Slice) -> None:
+async def _admission(sl: _Slice, front: bool = False) -> None:
     """Wait in FIFO order until this loop's enqueue budget admits the task.
 
     Each pass admits a bounded batch, so a burst of N awaits costs O(N) in
-    total rather than every queued task re-checking on every pass.
+    total rather than every queued task re-checking on every pass. ``front``
+    re-queues an admitted task that found the loop under back-pressure ahead
+    of the tasks not admitted yet.
     """
     if sl.lib == "asyncio":
         fut: asyncio.Future[None] = sl.loop.create_future()
@@ -221,14 +257,20 @@ async def _admission(sl: _Slice) -> None:
             if not fut.done():
                 fut.set_result(None)
 
-        sl.waiters.append(wake)
+        if front:
+            sl.waiters.appendleft(wake)
+        else:
+            sl.waiters.append(wake)
         _open(sl)
         await fut
     else:
         import trio
 
         ev = trio.Event()
-        sl.waiters.append(ev.set)
+        if front:
+            sl.waiters.appendleft(ev.set)
+        else:
+            sl.waiters.append(ev.set)
         _open(sl)
         await ev.wait()
 
@@ -245,18 +287,30 @@ async def await_op(op: DeviceOp[T]) -> T:
     if t0 - sl.window > _WINDOW_S:  # a new window: fresh budget (no per-await loop callback)
         sl.window = t0
         sl.used = 0.0
-    if sl.waiters or sl.used >= _slice_s:
+    if sl.waiters or sl.used >= _slice_s or sl.pressured:
         try:
             await _admission(sl)
+            while sl.pressured:  # a stream filled up since this task was admitted
+                await _admission(sl, front=True)
         except BaseException:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
         t0 = time.perf_counter()
     fut = op.schedule()
+    ev = fut._event
+    if fut._exc is None and ev is not None and not _done_after_spin(ev):
+        parked = _park(ev, sl, lib)
+        _account(sl, t0)  # the enqueue and the registration: this task's share of the pass
+        await parked
+    else:
+        _account(sl, t0)
+    return fut.result()
+
+
+def _account(sl: _Slice, t0: float) -> None:
     dt = time.perf_counter() - t0
     sl.cost += 0.1 * (dt - sl.cost)
     sl.used += dt
-    return await _await_future(fut, lib)
 
 
 async def await_future(fut: DeviceFuture[T]) -> T:
@@ -272,21 +326,21 @@ def _poller() -> Any:
 
 async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
     ev = fut._event
-    if fut._exc is not None or ev is None:
-        return fut.result()
-    if not ev.query():
-        if _spin_s > 0 and not ev.stream.device.is_cpu and _poller().pending() == 0:
-            deadline = time.perf_counter() + _spin_s
-            while time.perf_counter() < deadline:
-                if ev.query():
-                    break
-        if not ev.query():
-            sl = _current()[1]
-            if lib == "asyncio":
-                await _park_asyncio(ev, sl)
-            else:
-                await _park_trio(ev, sl)
+    if fut._exc is None and ev is not None and not _done_after_spin(ev):
+        await _park(ev, _current()[1], lib)
     return fut.result()
+
+
+def _done_after_spin(ev: Any) -> bool:
+    """Whether ``ev`` is complete, polling it for up to ``spin_us`` first (cuda, no load)."""
+    if ev.query():
+        return True
+    if _spin_s > 0 and not ev.stream.device.is_cpu and _poller().pending() == 0:
+        deadline = time.perf_counter() + _spin_s
+        while time.perf_counter() < deadline:
+            if ev.query():
+                return True
+    return bool(ev.query())
 
 
 class _Wakeup:
@@ -327,22 +381,27 @@ def _drain(sl: _Slice, continued: bool) -> None:
 
     When thousands of ops complete together, resuming every awaiting task in
     one pass would stall timers for as long as their code takes; instead each
-    pass resumes ``batch`` of them, halving it when the previous pass took
-    longer than ``_PASS_S`` and growing it otherwise.
+    pass resumes about ``slice_ms`` worth of them. What one resumed task costs
+    is learned from the passes themselves: the time from the end of the
+    previous drain to this one, divided by the tasks it resumed (estimate
+    rises fast and falls slowly, so a pass that happens to run before the
+    tasks it woke -- trio's scheduler reverses batches at random -- does
+    not inflate the next batch).
     """
     now = time.perf_counter()
-    if continued:
-        if now - sl.last_drain > _PASS_S:
-            sl.batch = max(8, sl.batch // 2)
-        else:
-            sl.batch = min(8192, sl.batch + sl.batch // 4 + 1)
+    if continued and sl.last_n:
+        per = (now - sl.last_drain) / sl.last_n
+        sl.wake_cost += (0.5 if per > sl.wake_cost else 0.1) * (per - sl.wake_cost)
     ready = sl.ready
-    for _ in range(min(sl.batch, len(ready))):
+    n = min(len(ready), max(1, int(_slice_s / max(sl.wake_cost, 1e-7))))
+    for _ in range(n):
         ready.popleft()()
     with sl.lock:
         if not ready:
             sl.notified = False
+            sl.last_n = 0
             return
+    sl.last_n = n
     sl.last_drain = time.perf_counter()
     if sl.lib == "asyncio":
         sl.loop.call_soon(_drain, sl, True)
@@ -350,24 +409,52 @@ def _drain(sl: _Slice, continued: bool) -> None:
         sl.loop.run_sync_soon(_drain, sl, True)
 
 
-_PASS_S = 1e-3
 _WINDOW_S = 1e-3  # enqueue budget window when no task is queued for admission
 
 
-async def _park_asyncio(ev: Any, sl: _Slice) -> None:
-    waiter: asyncio.Future[None] = sl.loop.create_future()
-
-    def wake() -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    ev.when_complete(_Wakeup(sl, wake))
-    await waiter
+def _parked(sl: _Slice, sid: int) -> None:
+    """Loop thread: one more await of this loop in flight on stream ``sid``."""
+    d = sl.depth.get(sid, 0) + 1
+    sl.depth[sid] = d
+    if d >= _max_in_flight:
+        sl.pressured.add(sid)
 
 
-async def _park_trio(ev: Any, sl: _Slice) -> None:
+def _unparked(sl: _Slice, sid: int) -> None:
+    """Loop thread: an await on stream ``sid`` completed; lift back-pressure at half the cap."""
+    d = sl.depth[sid] - 1
+    if d:
+        sl.depth[sid] = d
+    else:
+        del sl.depth[sid]
+    if sid in sl.pressured and d <= _max_in_flight // 2:
+        sl.pressured.discard(sid)
+        if not sl.pressured and sl.waiters:
+            _open(sl)  # admit the queued awaits at the end of this pass
+
+
+def _park(ev: Any, sl: _Slice, lib: str) -> Awaitable[Any]:
+    """Register the wake-up for ``ev``; return what the task awaits until it fires."""
+    sid = ev.stream.id
+    if lib == "asyncio":
+        waiter: asyncio.Future[None] = sl.loop.create_future()
+
+        def wake() -> None:
+            _unparked(sl, sid)
+            if not waiter.done():
+                waiter.set_result(None)
+
+        _parked(sl, sid)
+        ev.when_complete(_Wakeup(sl, wake))
+        return waiter
     import trio
 
     done = trio.Event()
-    ev.when_complete(_Wakeup(sl, done.set))
-    await done.wait()
+
+    def wake_trio() -> None:
+        _unparked(sl, sid)
+        done.set()
+
+    _parked(sl, sid)
+    ev.when_complete(_Wakeup(sl, wake_trio))
+    return done.wait()

@@ -42,19 +42,37 @@ def raise_driver_error(exc: BaseException, op: str, device: str) -> None:
 
 
 _EVENT_POOL_MAX = 4096
-# recycled cupy events (timing disabled) per device; list.pop/append are atomic
-_event_pools: dict[int, list[Any]] = {}
+# Recycled raw CUDA event handles (timing disabled) per device; list.pop/append
+# are atomic. Raw handles, not ``cupy.cuda.Event`` objects: a CuPy event
+# destroys its handle in its finalizer, and when a CudaEvent and its CuPy event
+# die together in a reference cycle (an exception traceback holding the
+# awaiting frame), the garbage collector runs both finalizers, so a recycled
+# CuPy event could already be destroyed. An int has no finalizer: a handle is
+# destroyed exactly once, by us.
+_event_pools: dict[int, list[int]] = {}
+_DISABLE_TIMING = 2  # cudaEventDisableTiming
+_NOT_READY = 600  # cudaErrorNotReady
+_rt: Any = None  # cupy.cuda.runtime, bound on first use
 
 
-def _new_native_event(index: int) -> Any:
+def _runtime() -> Any:
+    global _rt
+    if _rt is None:
+        import cupy
+
+        _rt = cupy.cuda.runtime
+    return _rt
+
+
+def _new_native_event(index: int) -> int:
     import cupy
 
     with cupy.cuda.Device(index):
-        return cupy.cuda.Event(disable_timing=True)
+        return int(_runtime().eventCreateWithFlags(_DISABLE_TIMING))
 
 
 class CudaEvent(Event):
-    """An event of a :class:`CudaStream` (a CuPy event, timing disabled)."""
+    """An event of a :class:`CudaStream` (a raw CUDA event handle, timing disabled)."""
 
     __slots__ = ("native",)
 
@@ -63,30 +81,39 @@ class CudaEvent(Event):
         index = stream.device.index
         pool = _event_pools.get(index)
         native = pool.pop() if pool else _new_native_event(index)
-        native.record(stream.native)
+        try:
+            _runtime().eventRecord(native, stream.native.ptr)
+        except BaseException:
+            _destroy(native)
+            raise
         self.native = native
 
     def __del__(self) -> None:
         # Recycle the CUDA event: re-recording an abandoned event is legal, and
         # waits already enqueued on it captured its state at the time. Events
-        # recorded inside a graph capture are not recycled.
-        native = getattr(self, "native", None)
-        if native is None or self.capture is not None:
+        # recorded inside a graph capture are not recycled (destroyed instead).
+        native = getattr(self, "native", 0)
+        if not native:
             return
+        self.native = 0
         pool = _event_pools.setdefault(self.stream.device.index, [])
-        if len(pool) < _EVENT_POOL_MAX:
+        if self.capture is None and len(pool) < _EVENT_POOL_MAX:
             pool.append(native)
+        else:
+            _destroy(native)
 
     def query(self) -> bool:
-        try:
-            return bool(self.native.done)
-        except Exception as exc:
-            raise_driver_error(exc, "event query", str(self.stream.device))
-            raise
+        st = _runtime().eventQuery(self.native)
+        if st == 0:
+            return True
+        if st == _NOT_READY:
+            return False
+        _raise_status(st, "event query", str(self.stream.device))
+        return True  # unreachable
 
     def synchronize(self) -> None:
         try:
-            self.native.synchronize()
+            _runtime().eventSynchronize(self.native)
         except Exception as exc:
             raise_driver_error(exc, "event synchronize", str(self.stream.device))
             raise
@@ -123,7 +150,7 @@ class CudaStream(Stream):
     def _wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)
         with cuda_errors("wait_event", str(self.device)):
-            self.native.wait_event(event.native)
+            _runtime().streamWaitEvent(self.native.ptr, event.native, 0)
 
     def launch_host_func(self, fn: Callable[[], None]) -> None:
         def trampoline(_arg: object) -> None:
@@ -139,3 +166,19 @@ class CudaStream(Stream):
     def _synchronize(self) -> None:
         with cuda_errors("stream synchronize", str(self.device)):
             self.native.synchronize()
+
+
+def _destroy(handle: int) -> None:
+    """Destroy a raw event handle (quietly at interpreter shutdown)."""
+    with contextlib.suppress(Exception):  # the context may already be gone at exit
+        _runtime().eventDestroy(handle)
+
+
+def _raise_status(status: int, op: str, device: str) -> None:
+    """Raise :class:`DriverError` for a CUDA runtime status code."""
+    import cupy
+
+    try:
+        raise cupy.cuda.runtime.CUDARuntimeError(status)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.anyio
 
 
 def _delay(dev: deviceops.Device) -> float:
-    return 0.2 if dev.is_cpu else 0.05
+    # Long enough that a stray host pause (a full GC with torch and CuPy loaded
+    # takes tens of ms) cannot outlast the op the test means to interrupt.
+    return 0.2
 
 
 async def test_await_op_gives_output(dev: deviceops.Device) -> None:
@@ -228,6 +230,59 @@ async def test_many_concurrent_awaits_with_ticker(dev: deviceops.Device) -> None
     assert worst < 0.25, f"ticker worst gap {worst * 1e3:.1f} ms"
 
 
+async def test_back_pressure_caps_awaits_in_flight_per_stream(dev: deviceops.Device) -> None:
+    """With the stream held busy, at most ``max_in_flight`` awaited ops are enqueued on it.
+
+    The rest wait in the loop's admission queue (so the loop never blocks in a
+    full driver queue), all complete with correct results, and the cap lifts.
+    """
+    from deviceops import _async
+
+    cap, count = 8, 60
+    s = dev.new_stream()
+    pol = SingleStream(s)
+    src = api.full((256,), 1.0).sync_on(s)
+    dst = api.zeros((256,)).sync_on(s)
+    slow_copy(dst, src, 0.0).sync_on(s)  # compile outside the measured window
+    xs = [api.full((4,), float(i)).sync_on(s) for i in range(count)]
+    zs = [api.full((4,), 1.0).sync_on(s) for i in range(count)]
+    before = deviceops.configure_await()
+    deviceops.configure_await(max_in_flight=cap)
+    peak = 0
+    done = anyio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            sl = _async._current()[1]
+            peak = max(peak, sl.depth.get(s.id, 0))
+            await anyio.sleep(0)
+
+    outs: list[Any] = [None] * count
+
+    async def one(i: int) -> None:
+        with deviceops.scheduling.using(pol):  # `await op` enqueues on the current policy
+            outs[i] = await kernels.saxpy(zs[i], 2.0, xs[i])  # in place: no allocation
+
+    try:
+        slow_copy(dst, src, _delay(dev)).async_on(s)  # hold the stream busy
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(watch)
+            async with anyio.create_task_group() as tg:
+                for i in range(count):
+                    tg.start_soon(one, i)
+            done.set()
+        sl = _async._current()[1]
+        assert not sl.pressured and s.id not in sl.depth, "back-pressure did not lift"
+    finally:
+        deviceops.configure_await(**before)
+    # Exactly the cap: reached while the stream is held, never passed.
+    assert peak == cap, f"peak {peak} awaited ops in flight on one stream, cap {cap}"
+    for i, t in enumerate(outs):
+        assert t is zs[i]
+        np.testing.assert_array_equal(to_np_nosync(t), 1.0 + 2.0 * i)
+
+
 async def _spawn_all(ticker: Any, one: Any, count: int, done: anyio.Event) -> None:
     async with anyio.create_task_group() as outer:
         outer.start_soon(ticker)
@@ -308,5 +363,8 @@ def test_configure_await_validates() -> None:
             deviceops.configure_await(spin_us=-1)
         with pytest.raises(ValueError, match="slice_ms"):
             deviceops.configure_await(slice_ms=0)
+        with pytest.raises(ValueError, match="max_in_flight"):
+            deviceops.configure_await(max_in_flight=1)
+        assert deviceops.configure_await(max_in_flight=64)["max_in_flight"] == 64
     finally:
         deviceops.configure_await(**before)

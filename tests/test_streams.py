@@ -36,6 +36,32 @@ def test_event_completes_in_order(anydev: deviceops.Device) -> None:
     np.testing.assert_array_equal(to_np(dst), 1.0)
 
 
+def test_events_dropped_in_a_reference_cycle_stay_usable(anydev: deviceops.Device) -> None:
+    """Regression: an event freed by the cyclic GC is recycled intact.
+
+    An exception traceback holding the awaiting frame puts the event in a
+    reference cycle; on cuda the recycled handle used to be already destroyed
+    by the wrapped CuPy event's own finalizer, and the next ``record_event``
+    failed with "context is destroyed".
+    """
+    import gc
+
+    s = anydev.new_stream()
+    for _ in range(8):
+        ev = s.record_event()
+        holder: list[object] = [ev]
+        holder.append(holder)  # a cycle: only the cyclic collector frees it
+        del ev, holder
+    gc.collect()
+    other = anydev.new_stream()
+    x = api.full((64,), 2.0).sync_on(other)  # records events from the pool
+    y = kernels.add(x, x).sync_on(other)
+    ev = other.record_event()
+    ev.synchronize()
+    assert ev.query()
+    np.testing.assert_array_equal(to_np(y), 4.0)
+
+
 def test_record_event_is_reused_when_nothing_new(anydev: deviceops.Device) -> None:
     s = anydev.new_stream()
     api.ones((4,)).async_on(s)
