@@ -493,11 +493,15 @@ def main() -> int:
     if trio is None:
         print("# note: trio is not importable; trio rows and bars are skipped")
 
+    from deviceops import _async  # diagnostics only: how often an await missed the spin
+
     lat_rows, med = latency(b, iters, warmup, rounds)
+    lat_stats = _async.stats()
     load_rows = load(b, n_load, 0.02 if args.smoke else 0.05, args.load_timeout)
 
     print()
     print(f"Latency of one tiny op (us), {iters} samples each; await knobs {knobs}")
+    print(f"# latency part: {lat_stats['parked']} of {lat_stats['awaits']} awaits missed the spin and parked")
     print(table(lat_rows, [("variant", "variant", 0), ("median_us", "median", 1), ("p90_us", "p90", 1),
                            ("reference", "reference", 0), ("ref_median_us", "ref median", 1),
                            ("ref_p90_us", "ref p90", 1), ("ratio", "ratio", 2), ("vs_sync", "vs sync", 2)]))
@@ -533,7 +537,7 @@ def main() -> int:
     write_json(args.json, "await_latency", b,
                {"size": SIZE, "load_size": LOAD_SIZE, "iters": iters, "load": n_load, "await_knobs": knobs,
                 "rounds": rounds, "warmup_per_block": warmup, "trio": trio is not None,
-                "spawn_per_pass": SPAWN_PER_PASS, "block_s": BLOCK_S},
+                "spawn_per_pass": SPAWN_PER_PASS, "block_s": BLOCK_S, "latency_await_stats": lat_stats},
                lat_rows, bars, {"load_rows": load_rows})
     return 0
 

@@ -67,7 +67,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._context import refuse_nested
+from ._context import guard, refuse_nested
 
 if TYPE_CHECKING:
     from ._future import DeviceFuture
@@ -278,12 +278,13 @@ async def _admission(sl: _Slice, front: bool = False) -> None:
 async def await_op(op: DeviceOp[T]) -> T:
     """``await op``: schedule it on the default policy and await the future."""
     try:
-        refuse_nested(f"await on {op._describe()}")
+        if guard.active is not None:
+            refuse_nested(f"await on {op._describe()}")
         lib, sl = _current()
     except BaseException:
         op._consume()  # the error is the report; no "never executed" warning on top
         raise
-    t0 = time.perf_counter()
+    t0 = _perf()
     if t0 - sl.window > _WINDOW_S:  # a new window: fresh budget (no per-await loop callback)
         sl.window = t0
         sl.used = 0.0
@@ -295,22 +296,25 @@ async def await_op(op: DeviceOp[T]) -> T:
         except BaseException:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
-        t0 = time.perf_counter()
+        t0 = _perf()
     fut = op.schedule()
+    _stats[0] += 1
     ev = fut._event
-    if fut._exc is None and ev is not None and not _done_after_spin(ev):
+    if fut._exc is None and ev is not None and not ev.query() and not _spin(ev):
+        _stats[1] += 1
         parked = _park(ev, sl, lib)
-        _account(sl, t0)  # the enqueue and the registration: this task's share of the pass
+        dt = _perf() - t0  # the enqueue and the registration: this task's share of the pass
+        sl.cost += 0.1 * (dt - sl.cost)
+        sl.used += dt
         await parked
     else:
-        _account(sl, t0)
+        dt = _perf() - t0
+        sl.cost += 0.1 * (dt - sl.cost)
+        sl.used += dt
     return fut.result()
 
 
-def _account(sl: _Slice, t0: float) -> None:
-    dt = time.perf_counter() - t0
-    sl.cost += 0.1 * (dt - sl.cost)
-    sl.used += dt
+_perf = time.perf_counter
 
 
 async def await_future(fut: DeviceFuture[T]) -> T:
@@ -318,27 +322,45 @@ async def await_future(fut: DeviceFuture[T]) -> T:
     return await _await_future(fut, _library())
 
 
-def _poller() -> Any:
-    from ._completion import poller
+_the_poller: Any = None
 
-    return poller()
+
+def _poller() -> Any:
+    global _the_poller
+    if _the_poller is None:
+        from ._completion import poller
+
+        _the_poller = poller()
+    return _the_poller
+
+
+# [awaits, of which parked]: how often the spin missed (diagnostics, see stats())
+_stats = [0, 0]
+
+
+def stats() -> dict[str, int]:
+    """Counters of ``await op`` since start: how many, and how many had to park.
+
+    An await that parks pays a round trip through the completion thread and
+    the event loop; one that completes within the spin does not.
+    """
+    return {"awaits": _stats[0], "parked": _stats[1]}
 
 
 async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
     ev = fut._event
-    if fut._exc is None and ev is not None and not _done_after_spin(ev):
+    if fut._exc is None and ev is not None and not ev.query() and not _spin(ev):
         await _park(ev, _current()[1], lib)
     return fut.result()
 
 
-def _done_after_spin(ev: Any) -> bool:
-    """Whether ``ev`` is complete, polling it for up to ``spin_us`` first (cuda, no load)."""
-    if ev.query():
-        return True
+def _spin(ev: Any) -> bool:
+    """Poll a not-yet-complete ``ev`` for up to ``spin_us`` (cuda, no other awaits parked)."""
     if _spin_s > 0 and not ev.stream.device.is_cpu and _poller().pending() == 0:
-        deadline = time.perf_counter() + _spin_s
-        while time.perf_counter() < deadline:
-            if ev.query():
+        query = ev.query
+        deadline = _perf() + _spin_s
+        while _perf() < deadline:
+            if query():
                 return True
     return bool(ev.query())
 

@@ -74,10 +74,11 @@ def _new_native_event(index: int) -> int:
 class CudaEvent(Event):
     """An event of a :class:`CudaStream` (a raw CUDA event handle, timing disabled)."""
 
-    __slots__ = ("native",)
+    __slots__ = ("done", "native")
 
     def __init__(self, stream: CudaStream, seq: int, capture: CaptureState | None) -> None:
         super().__init__(stream, seq, capture)
+        self.done = False  # seen complete (final: a handle is re-recorded only after this dies)
         index = stream.device.index
         pool = _event_pools.get(index)
         native = pool.pop() if pool else _new_native_event(index)
@@ -103,8 +104,11 @@ class CudaEvent(Event):
             _destroy(native)
 
     def query(self) -> bool:
-        st = _runtime().eventQuery(self.native)
+        if self.done:
+            return True
+        st = (_rt or _runtime()).eventQuery(self.native)
         if st == 0:
+            self._completed()
             return True
         if st == _NOT_READY:
             return False
@@ -112,13 +116,20 @@ class CudaEvent(Event):
         return True  # unreachable
 
     def synchronize(self) -> None:
+        if self.done:
+            return
         try:
             _runtime().eventSynchronize(self.native)
         except Exception as exc:
             raise_driver_error(exc, "event synchronize", str(self.stream.device))
             raise
-        if self.capture is None and self.stream.done_seq < self.seq:
-            self.stream.done_seq = self.seq
+        self._completed()
+
+    def _completed(self) -> None:
+        if self.capture is None:  # a captured event's state is the graph's, not the stream's
+            self.done = True
+            if self.stream.done_seq < self.seq:
+                self.stream.done_seq = self.seq
 
     def when_complete(self, fn: Callable[[], None]) -> None:
         from ._completion import poller

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._async import await_op as _await_op
 from ._context import ExecutionContext, enqueue_lock, guard, refuse_nested
 from ._errors import SchedulingError
 
@@ -47,10 +48,16 @@ _FRESH, _OWNED, _DONE = 0, 1, 2
 _bzip = builtins.zip
 
 
-def _current_policy() -> SchedulingPolicy:
-    from .scheduling import current_policy
+_policy_fn: Any = None
 
-    return current_policy()
+
+def _current_policy() -> SchedulingPolicy:
+    global _policy_fn
+    if _policy_fn is None:  # bound on first use: scheduling imports this module
+        from .scheduling import current_policy
+
+        _policy_fn = current_policy
+    return _policy_fn()
 
 
 _DeviceFuture: Any = None
@@ -192,9 +199,7 @@ class DeviceOp(Generic[T]):
         return _future_cls()._pending(out, stream, stream.record_event())
 
     def __await__(self) -> Generator[Any, None, T]:
-        from ._async import await_op
-
-        return await_op(self).__await__()
+        return _await_op(self).__await__()
 
     def graph(self) -> CudaGraph[T]:
         """Capture this op into a CUDA graph on a stream of the default policy."""
