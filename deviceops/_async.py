@@ -147,7 +147,7 @@ class _Slice:
         self.lib = lib
         self.loop = loop
         # completion side: wake-ups handed over by the completion thread
-        self.ready: deque[Callable[[], None]] = deque()
+        self.ready: deque[tuple[Any, _Wakeup]] = deque()  # (event, wake-up) entries
         self.lock = threading.Lock()
         self.notified = False
         self.wake_cost = 20e-6  # running estimate of one resumed task's host time
@@ -157,9 +157,9 @@ class _Slice:
         self.depth: dict[int, int] = {}
         self.pressured: set[int] = set()
 
-    def deliver(self, wakeups: list[Any]) -> None:
-        """Completion thread: hand over many :class:`_Wakeup` s at once."""
-        _deliver(self, [w.wake for w in wakeups])
+    def deliver(self, entries: list[Any]) -> None:
+        """Completion thread: hand over many ``(event, _Wakeup)`` entries at once."""
+        _deliver(self, entries)
 
 
 # id(loop) -> (weak or strong reference to the loop, its slice)
@@ -379,13 +379,13 @@ class _Wakeup:
         self.wake = wake
 
     def __call__(self) -> None:
-        _deliver(self.group, (self.wake,))
+        _deliver(self.group, ((None, self),))
 
 
-def _deliver(sl: _Slice, wakes: Any) -> None:
-    """Completion thread: queue ``wakes`` for the loop; notify it once per drain."""
+def _deliver(sl: _Slice, entries: Any) -> None:
+    """Completion thread: queue ``(event, _Wakeup)`` entries for the loop; notify it once per drain."""
     with sl.lock:
-        sl.ready.extend(wakes)
+        sl.ready.extend(entries)
         if sl.notified:
             return
         sl.notified = True
@@ -417,7 +417,7 @@ def _drain(sl: _Slice, continued: bool) -> None:
     ready = sl.ready
     n = min(len(ready), max(1, int(_slice_s / max(sl.wake_cost, 1e-7))))
     for _ in range(n):
-        ready.popleft()()
+        ready.popleft()[1].wake()
     with sl.lock:
         if not ready:
             sl.notified = False
