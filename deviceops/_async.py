@@ -19,7 +19,7 @@ await:
 **Fair enqueueing.** Enqueueing an op costs microseconds of host time. When
 thousands of tasks await at once they would all enqueue in one pass of the
 loop and starve its timers; so each loop gets a time slice (``slice_ms``,
-default 0.5 ms) per 1 ms window: once enqueueing has used it up, further
+default 0.3 ms) per 1 ms window: once enqueueing has used it up, further
 awaiting tasks queue up (FIFO) and an end-of-pass reset admits a batch that
 fits the next slice (sized from a running estimate of one enqueue's cost). A
 burst of N awaits thus costs O(N) in total, and timers run between batches;
@@ -78,7 +78,7 @@ __all__ = ["configure_await"]
 T = TypeVar("T")
 
 _spin_s = float(os.environ.get("DEVICEOPS_AWAIT_SPIN_US", "20")) * 1e-6
-_slice_s = float(os.environ.get("DEVICEOPS_AWAIT_SLICE_MS", "0.5")) * 1e-3
+_slice_s = float(os.environ.get("DEVICEOPS_AWAIT_SLICE_MS", "0.3")) * 1e-3
 _max_in_flight = int(os.environ.get("DEVICEOPS_AWAIT_MAX_IN_FLIGHT", "256"))
 
 
@@ -136,7 +136,7 @@ class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
     __slots__ = ("cost", "depth", "last_drain", "last_n", "lib", "lock", "loop", "notified", "open",
-                 "pressured", "ready", "used", "waiters", "wake_cost", "window")
+                 "pressured", "ready", "retry", "used", "waiters", "wake_cost", "window")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
@@ -144,6 +144,7 @@ class _Slice:
         self.open = False
         self.cost = 10e-6  # running estimate of one enqueue's host time
         self.waiters: deque[Callable[[], None]] = deque()
+        self.retry: deque[Callable[[], None]] = deque()  # admitted, then found no budget left
         self.lib = lib
         self.loop = loop
         # completion side: wake-ups handed over by the completion thread
@@ -231,25 +232,38 @@ def _open(sl: _Slice) -> None:
 
 
 def _reset(sl: _Slice) -> None:
-    """End of a pass: a fresh budget; admit as many queued tasks as it fits."""
+    """End of a pass: a fresh budget; admit queued tasks for the next pass.
+
+    Admits about twice what the running cost estimate says fits: each
+    admitted task checks the budget itself before it enqueues and, once the
+    pass's budget is spent, goes to the retry queue, which the next reset
+    serves first (in order). The budget is thus kept exactly, whatever the
+    estimate's error.
+    """
     sl.used = 0.0
     sl.window = time.perf_counter()
     sl.open = False
-    if sl.waiters and not sl.pressured:
-        n = min(len(sl.waiters), max(1, int(_slice_s / max(sl.cost, 1e-7))))
-        for _ in range(n):
-            sl.waiters.popleft()()
+    if (sl.retry or sl.waiters) and not sl.pressured:
+        n = max(1, int(2 * _slice_s / max(sl.cost, 1e-7)))
+        retry, waiters = sl.retry, sl.waiters
+        while n and retry:
+            retry.popleft()()
+            n -= 1
+        while n and waiters:
+            waiters.popleft()()
+            n -= 1
         _open(sl)  # keep admitting next pass even if every woken task was cancelled
 
 
-async def _admission(sl: _Slice, front: bool = False) -> None:
+async def _admission(sl: _Slice, retry: bool = False) -> None:
     """Wait in FIFO order until this loop's enqueue budget admits the task.
 
     Each pass admits a bounded batch, so a burst of N awaits costs O(N) in
-    total rather than every queued task re-checking on every pass. ``front``
-    re-queues an admitted task that found the loop under back-pressure ahead
-    of the tasks not admitted yet.
+    total rather than every queued task re-checking on every pass. ``retry``
+    queues an admitted task that found the pass's budget spent, or the loop
+    under back-pressure, ahead of the tasks not admitted yet.
     """
+    queue = sl.retry if retry else sl.waiters
     if sl.lib == "asyncio":
         fut: asyncio.Future[None] = sl.loop.create_future()
 
@@ -257,20 +271,14 @@ async def _admission(sl: _Slice, front: bool = False) -> None:
             if not fut.done():
                 fut.set_result(None)
 
-        if front:
-            sl.waiters.appendleft(wake)
-        else:
-            sl.waiters.append(wake)
+        queue.append(wake)
         _open(sl)
         await fut
     else:
         import trio
 
         ev = trio.Event()
-        if front:
-            sl.waiters.appendleft(ev.set)
-        else:
-            sl.waiters.append(ev.set)
+        queue.append(ev.set)
         _open(sl)
         await ev.wait()
 
@@ -288,11 +296,11 @@ async def await_op(op: DeviceOp[T]) -> T:
     if t0 - sl.window > _WINDOW_S:  # a new window: fresh budget (no per-await loop callback)
         sl.window = t0
         sl.used = 0.0
-    if sl.waiters or sl.used >= _slice_s or sl.pressured:
+    if sl.waiters or sl.retry or sl.used >= _slice_s or sl.pressured:
         try:
             await _admission(sl)
-            while sl.pressured:  # a stream filled up since this task was admitted
-                await _admission(sl, front=True)
+            while sl.pressured or sl.used >= _slice_s:  # a stream filled up, or the budget is spent
+                await _admission(sl, retry=True)
         except BaseException:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
@@ -451,7 +459,7 @@ def _unparked(sl: _Slice, sid: int) -> None:
         del sl.depth[sid]
     if sid in sl.pressured and d <= _max_in_flight // 2:
         sl.pressured.discard(sid)
-        if not sl.pressured and sl.waiters:
+        if not sl.pressured and (sl.waiters or sl.retry):
             _open(sl)  # admit the queued awaits at the end of this pass
 
 
