@@ -64,11 +64,18 @@ def _runtime() -> Any:
     return _rt
 
 
+_EVENT_BATCH = 64
+
+
 def _new_native_event(index: int) -> int:
+    """A fresh event handle; refills the device's pool in a batch (one device switch)."""
     import cupy
 
+    rt = _runtime()
     with cupy.cuda.Device(index):
-        return int(_runtime().eventCreateWithFlags(_DISABLE_TIMING))
+        fresh = [int(rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in range(_EVENT_BATCH)]
+    _event_pools.setdefault(index, []).extend(fresh[1:])
+    return fresh[0]
 
 
 class CudaEvent(Event):
@@ -155,8 +162,11 @@ class CudaStream(Stream):
             fn()
 
     def _record(self) -> Event:
-        with cuda_errors("record_event", str(self.device)):
+        try:  # not the cuda_errors context manager: this is on every op's path
             return CudaEvent(self, self.seq, self.capture)
+        except Exception as exc:
+            raise_driver_error(exc, "record_event", str(self.device))
+            raise
 
     def _wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)

@@ -74,7 +74,9 @@ class Launcher:
         holders = tuple(t(v) for t, v in zip(self._types, args, strict=True))
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
         if len(self._cache) >= _CACHE_LIMIT:
-            self._cache.clear()
+            # evict the oldest entry (dicts keep insertion order): O(1) per launch,
+            # never a pause that frees thousands of packed argument blocks at once
+            del self._cache[next(iter(self._cache))]
         addr = ctypes.addressof(params)
         self._cache[args] = (addr, params, holders)
         return addr
