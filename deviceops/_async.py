@@ -308,17 +308,15 @@ async def await_op(op: DeviceOp[T]) -> T:
     fut = op.schedule()
     _stats[0] += 1
     ev = fut._event
+    parked = None
     if fut._exc is None and ev is not None and not ev.query() and not _spin(ev):
         _stats[1] += 1
         parked = _park(ev, sl, lib)
-        dt = _perf() - t0  # the enqueue and the registration: this task's share of the pass
-        sl.cost += 0.1 * (dt - sl.cost)
-        sl.used += dt
+    dt = _perf() - t0  # the enqueue (and registration): this task's share of the pass
+    sl.cost += 0.1 * (dt - sl.cost)
+    sl.used += dt
+    if parked is not None:
         await parked
-    else:
-        dt = _perf() - t0
-        sl.cost += 0.1 * (dt - sl.cost)
-        sl.used += dt
     return fut.result()
 
 

@@ -119,8 +119,8 @@ class CudaEvent(Event):
             return True
         if st == _NOT_READY:
             return False
-        _raise_status(st, "event query", str(self.stream.device))
-        return True  # unreachable
+        raise_driver_error(_runtime().CUDARuntimeError(st), "event query", str(self.stream.device))
+        return True  # unreachable: raise_driver_error raised
 
     def synchronize(self) -> None:
         if self.done:
@@ -193,13 +193,3 @@ def _destroy(handle: int) -> None:
     """Destroy a raw event handle (quietly at interpreter shutdown)."""
     with contextlib.suppress(Exception):  # the context may already be gone at exit
         _runtime().eventDestroy(handle)
-
-
-def _raise_status(status: int, op: str, device: str) -> None:
-    """Raise :class:`DriverError` for a CUDA runtime status code."""
-    import cupy
-
-    try:
-        raise cupy.cuda.runtime.CUDARuntimeError(status)
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc
