@@ -23,6 +23,7 @@ SCRIPTS = {
     "overhead.py": {"N", "variant", "ours_us", "reference", "ref_us", "ratio"},
     "await_latency.py": {"variant", "median_us", "p90_us", "reference", "ref_median_us", "ratio"},
     "graph_replay.py": {"variant", "ours_us", "reference", "ref_us", "ratio"},
+    "op_cost.py": {"op", "ours_wall_us", "reference", "ref_wall_us", "wall_ratio", "ours_dev_us"},
     "overlap.py": {"policy", "n", "elapsed_ms", "over_T", "efficiency", "ideal_ms", "vs_ideal"},
 }
 RECORD_KEYS = {"benchmark", "device", "env", "smoke", "config", "rows", "bars", "checks"}
