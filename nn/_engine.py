@@ -1,0 +1,609 @@
+"""Continuous batching: :class:`Engine` serves many generation requests on one model.
+
+Requests join and leave the running batch at every decode step. One engine *step* does:
+
+1. **admit**: queued requests take free KV-cache slots (rows of the model's cache,
+   :class:`~._kvpool.SlotPool`), at most ``max_batch`` running at once;
+2. **decode**: one token for every running request that has finished its prompt, as one
+   batched model step (the model replays a captured decode graph per batch-size bucket);
+3. **prefill**: up to ``prefill_chunk`` prompt tokens of newly admitted requests, a long
+   prompt in several chunks over several steps, so running streams keep a bounded
+   inter-token latency; the last chunk of a prompt samples its first new token.
+
+There is no background task: whichever consumer is waiting for a token while no step is
+running *drives* the next step (and hands the role to another waiting consumer when it has
+its token), so the engine works under asyncio and trio alike without a task group, and
+steps run exactly while someone is waiting for output. A step is shielded from
+cancellation (its KV writes and sampled tokens must be accounted for); the GPU work is
+awaited, so the event loop keeps running while a step is on the device, and the cpu
+backend executes it on its stream worker threads.
+
+The model side is the :class:`StepModel` protocol (prefill a prompt chunk into a slot,
+decode a set of slots, release a slot); :func:`~._engine_model.step_model` adapts a
+``CausalLM`` to it. Cancellation (``aclose()``, a cancelled consumer task, a dropped
+stream) frees the request's slot at once, or at the end of the step in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import anyio.lowlevel
+
+from ._kvpool import SlotPool
+
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineOverloaded",
+    "RequestStream",
+    "SamplingParams",
+    "StepModel",
+]
+
+
+class EngineOverloaded(RuntimeError):
+    """The admission queue is full (``max_queue`` requests waiting); retry later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed; it accepts no new requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling: ``temperature=0`` is greedy; ``top_k=0`` / ``top_p=1`` are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@runtime_checkable
+class StepModel(Protocol):
+    """What the engine needs from a model (cache slots are rows ``0 .. max_batch-1``).
+
+    ``prefill`` writes the KV of ``ids`` at positions ``start ..`` of ``slot`` and, when
+    ``last``, returns the token sampled from the last position's logits with ``params``
+    (the first call for a slot has ``start == 0`` and sets the slot's sampling state,
+    seed and counter, as ``CausalLM.generate`` would). ``decode`` feeds ``tokens[i]`` at
+    position ``positions[i]`` of ``slots[i]`` and returns one sampled token per row.
+    ``release`` forgets a slot. Both step methods await their device work.
+    """
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def max_seq(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    async def prefill(
+        self, slot: int, ids: Sequence[int], start: int, params: SamplingParams, *, last: bool
+    ) -> int | None: ...
+
+    async def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
+    ) -> list[int]: ...
+
+    def release(self, slot: int) -> None: ...
+
+
+_QUEUED, _PREFILL, _DECODE, _DONE = range(4)
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams
+    stop: frozenset[int]
+    state: int = _QUEUED
+    slot: int = -1
+    prefilled: int = 0
+    pos: int = 0  # position the next decode input token is written at
+    last: int = -1  # the token to feed at the next decode step
+    out: list[int] = field(default_factory=list)
+    buf: deque[int] = field(default_factory=deque)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    event: anyio.Event | None = None
+    t_submit: float = 0.0
+    t_first: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state == _DONE
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot: queue, running batch, KV slots and cumulative counters."""
+
+    queued: int
+    running: int
+    slots_in_use: int
+    kv_tokens_in_use: int
+    kv_blocks_in_use: int
+    max_batch: int
+    steps: int
+    decode_rows: int
+    prefill_tokens: int
+    generated_tokens: int
+    finished: int
+    cancelled: int
+
+
+class RequestStream:
+    """Async iterator of one request's new token ids (from :meth:`Engine.stream`).
+
+    The request is queued when the stream is created. Iterating drives the engine; it
+    ends after EOS, a stop id (both included), ``max_new_tokens`` or the end of the
+    context. ``aclose()`` (or ``async with``, or cancelling the consuming task) cancels
+    the request and frees its KV slot. After the end, ``finish_reason`` is ``"stop"``,
+    ``"length"`` or ``"cancelled"``; ``tokens`` holds everything generated.
+    """
+
+    def __init__(self, engine: Engine, req: _Request) -> None:
+        self._engine = engine
+        self._req = req
+
+    @property
+    def id(self) -> int:
+        """The engine-wide request id."""
+        return self._req.id
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self._req.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens generated so far."""
+        return list(self._req.out)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once finished, else None."""
+        req = self._req
+        if req.finish_reason is None and req.cancelled:
+            return "cancelled"  # its slot is freed at the end of the step in flight
+        return req.finish_reason
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> int:
+        req = self._req
+        try:
+            while True:
+                if req.buf:
+                    return req.buf.popleft()
+                if req.finished:
+                    if req.error is not None:
+                        raise req.error
+                    raise StopAsyncIteration
+                await self._engine._progress(req)
+        except (StopAsyncIteration, GeneratorExit):
+            raise
+        except BaseException:
+            self._engine._cancel(req)
+            raise
+
+    async def aclose(self) -> None:
+        """Cancel the request (no-op once finished) and free its slot."""
+        self._engine._cancel(self._req)
+
+    def cancel(self) -> None:
+        """Synchronous :meth:`aclose`."""
+        self._engine._cancel(self._req)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._engine._cancel(self._req)
+
+    def __del__(self) -> None:
+        req = self._req
+        if req.state != _DONE:
+            req.cancelled = True  # reaped by the next step (a GC thread must not touch state)
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(
+        prompt[0], int
+    )
+
+
+class Engine:
+    """Continuous-batching generation over one model's KV cache (module docstring).
+
+    Args:
+        model: a ``CausalLM`` (adapted with :func:`~._engine_model.step_model`) or any
+            :class:`StepModel`.
+        max_batch: running requests at most (KV slots); ``<=`` the model's cache rows.
+        max_seq: context length per request (prompt plus new tokens); ``<=`` the model's.
+        max_queue: requests waiting for a slot at most; beyond it :meth:`stream` raises
+            :class:`EngineOverloaded` (or waits, with :meth:`submit` ``wait=True``).
+            Default ``4 * max_batch``.
+        prefill_chunk: prompt tokens prefilled per step (long prompts take several steps).
+
+    Example:
+        >>> engine = Engine(deviceops.nn.smollm2(), max_batch=8)
+        >>> ids = await engine.generate("The capital of France is", 8)
+        >>> async for tok in engine.stream("Hello", 16, temperature=0.7, seed=1): ...
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int = 32,
+        max_seq: int = 2048,
+        max_queue: int | None = None,
+        prefill_chunk: int = 512,
+    ) -> None:
+        if isinstance(model, StepModel):
+            steps: StepModel = model
+        else:
+            from ._engine_model import step_model
+
+            steps = step_model(model, max_batch=max_batch, max_seq=max_seq)
+        if max_batch <= 0 or max_seq <= 1 or prefill_chunk <= 0:
+            raise ValueError(
+                f"Engine: max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) must be "
+                f"positive and max_seq ({max_seq}) at least 2"
+            )
+        if max_batch > steps.max_batch or max_seq > steps.max_seq:
+            raise ValueError(
+                f"Engine: max_batch={max_batch}, max_seq={max_seq} exceed the model's KV cache "
+                f"({steps.max_batch} rows of {steps.max_seq} positions); pass smaller values "
+                "or build the model with a larger cache"
+            )
+        self.model = model
+        self.steps = steps
+        self.max_batch = int(max_batch)
+        self.max_seq = int(max_seq)
+        self.max_queue = int(max_queue) if max_queue is not None else 4 * self.max_batch
+        self.prefill_chunk = int(prefill_chunk)
+        self.pool = SlotPool(self.max_batch, self.max_seq)
+        self._ids = itertools.count(1)
+        self._queue: deque[_Request] = deque()
+        self._active: list[_Request] = []  # hold slots: prefill or decode, admission order
+        self._waiting: set[_Request] = set()  # consumers parked on their event
+        self._space: list[anyio.Event] = []  # submitters waiting for queue space
+        self._driving = False
+        self._stepping = False
+        self._closed = False
+        self._steps = self._decode_rows = self._prefill_tokens = 0
+        self._generated = self._finished = self._cancelled = 0
+
+    # -- public -------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> RequestStream:
+        """Queue one request; return the async iterator of its new token ids.
+
+        Same arguments as ``CausalLM.generate`` (one prompt). Raises before queueing:
+        ``ValueError``/``TypeError`` for bad arguments (a prompt that does not leave room
+        for one new token in ``max_seq``), :class:`EngineOverloaded` when the admission
+        queue is full, :class:`EngineClosed` after :meth:`close`.
+        """
+        req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
+        if len(self._queue) >= self.max_queue:
+            raise EngineOverloaded(
+                f"Engine: admission queue full ({len(self._queue)} waiting, max_queue="
+                f"{self.max_queue}, {len(self._active)} running); retry later or raise max_queue"
+            )
+        self._enqueue(req)
+        return RequestStream(self, req)
+
+    async def submit(
+        self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, wait: bool = True,
+        **sampling: Any,
+    ) -> RequestStream:
+        """:meth:`stream`, but with ``wait=True`` waits for queue space instead of raising."""
+        while True:
+            try:
+                return self.stream(prompt, max_new_tokens, **sampling)
+            except EngineOverloaded:
+                if not wait:
+                    raise
+            ev = anyio.Event()
+            self._space.append(ev)
+            try:
+                await ev.wait()
+            finally:
+                if ev in self._space:
+                    self._space.remove(ev)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        **sampling: Any,
+    ) -> Any:
+        """Generate to the end; same arguments and result as ``CausalLM.generate``.
+
+        A list of prompts returns a list of results (all queued at once; they share
+        the running batch). Waits for queue space when the queue is full.
+        """
+        if _is_batch(prompt):
+            streams = [await self.submit(p, max_new_tokens, **sampling) for p in prompt]  # type: ignore[arg-type]
+            try:
+                return [[t async for t in s] for s in streams]
+            finally:
+                for s in streams:
+                    s.cancel()
+        s = await self.submit(prompt, max_new_tokens, **sampling)  # type: ignore[arg-type]
+        try:
+            return [t async for t in s]
+        finally:
+            s.cancel()
+
+    def stats(self) -> EngineStats:
+        """Queue, batch and KV occupancy now, and counters since construction."""
+        u = self.pool.usage()
+        return EngineStats(
+            queued=len(self._queue),
+            running=len(self._active),
+            slots_in_use=u.slots_in_use,
+            kv_tokens_in_use=u.tokens_in_use,
+            kv_blocks_in_use=u.blocks_in_use,
+            max_batch=self.max_batch,
+            steps=self._steps,
+            decode_rows=self._decode_rows,
+            prefill_tokens=self._prefill_tokens,
+            generated_tokens=self._generated,
+            finished=self._finished,
+            cancelled=self._cancelled,
+        )
+
+    def close(self) -> None:
+        """Refuse new requests and cancel every queued and running one (slots freed)."""
+        self._closed = True
+        for req in list(self._queue) + list(self._active):
+            self._cancel(req)
+        for ev in self._space:
+            ev.set()
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    # -- requests -----------------------------------------------------------------------
+    def _make(
+        self, prompt: Any, max_new_tokens: int, temperature: float, top_k: int | None,
+        top_p: float | None, stop: Sequence[int] | None, seed: int | None,
+    ) -> _Request:
+        if self._closed:
+            raise EngineClosed("Engine: closed; it accepts no new requests")
+        if isinstance(prompt, str):
+            ids = list(self.steps.encode(prompt))
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError(
+                f"Engine: prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        vocab = self.steps.vocab_size
+        if not ids:
+            raise ValueError("Engine: prompt is empty (it must have at least one token)")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Engine: prompt token ids {bad[:4]} outside [0, {vocab})")
+        if len(ids) >= self.max_seq:
+            raise ValueError(
+                f"Engine: prompt has {len(ids)} tokens; max_seq={self.max_seq} leaves no room "
+                "for a new token (shorten the prompt)"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"Engine: max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"Engine: max_new_tokens must be >= 1, got {max_new_tokens}")
+        t = float(temperature)
+        if not t >= 0.0 or t == float("inf"):
+            raise ValueError(f"Engine: temperature must be a finite number >= 0, got {temperature}")
+        k = 0 if top_k is None else int(top_k)
+        if k < 0:
+            raise ValueError(f"Engine: top_k must be >= 0 or None, got {top_k}")
+        p = 1.0 if top_p is None else float(top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"Engine: top_p must be in (0, 1], got {top_p}")
+        params = SamplingParams(t, k, p, 0 if seed is None else int(seed))
+        return _Request(
+            id=next(self._ids), prompt=ids, max_new=min(max_new_tokens, self.max_seq - len(ids)),
+            params=params, stop=frozenset(int(s) for s in (stop or ())),
+            t_submit=time.perf_counter(),
+        )
+
+    def _enqueue(self, req: _Request) -> None:
+        self._queue.append(req)
+        self._wake_driver()
+
+    def _cancel(self, req: _Request) -> None:
+        """Cancel ``req``: out of the queue at once; its slot freed now or after this step."""
+        if req.state == _DONE:
+            return
+        req.cancelled = True
+        if req.state == _QUEUED:
+            self._queue.remove(req)
+            self._finish(req, "cancelled")
+            self._space_freed()
+        elif not self._stepping:
+            self._finish(req, "cancelled")
+
+    def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
+        if req.state == _DONE:
+            return
+        if req.slot >= 0:
+            self.steps.release(req.slot)
+            self.pool.release(req.slot)
+            req.slot = -1
+            self._active.remove(req)
+        req.state = _DONE
+        req.finish_reason = reason
+        req.error = error
+        if reason == "cancelled":
+            self._cancelled += 1
+        else:
+            self._finished += 1
+        self._notify(req)
+
+    def _space_freed(self) -> None:
+        if self._space:
+            self._space.pop(0).set()
+
+    # -- driving ------------------------------------------------------------------------
+    def _notify(self, req: _Request) -> None:
+        ev = req.event
+        if ev is not None:
+            req.event = None
+            self._waiting.discard(req)
+            ev.set()
+
+    def _wake_driver(self) -> None:
+        """If nobody drives, wake one parked consumer that has no output to drive."""
+        if self._driving:
+            return
+        for req in self._waiting:
+            if not req.buf and not req.finished:
+                self._notify(req)
+                return
+
+    async def _progress(self, req: _Request) -> None:
+        """Return once ``req`` has output or finished, driving steps while nobody else does."""
+        if self._driving:
+            ev = req.event = anyio.Event()
+            self._waiting.add(req)
+            try:
+                await ev.wait()
+            except BaseException:
+                self._waiting.discard(req)
+                req.event = None
+                self._wake_driver()  # a consumer woken to drive but cancelled passes it on
+                raise
+            return
+        self._driving = True
+        try:
+            while not req.buf and not req.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._step()
+                if not self._active and not self._queue:
+                    break
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        finally:
+            self._driving = False
+            self._wake_driver()
+
+    async def _step(self) -> None:
+        """Admit, decode one token for the running batch, prefill one chunk budget."""
+        self._stepping = True
+        try:
+            for req in [r for r in self._active if r.cancelled]:
+                self._finish(req, "cancelled")
+            while self._queue and self.pool.free:
+                req = self._queue.popleft()
+                self._space_freed()
+                if req.cancelled:
+                    self._finish(req, "cancelled")
+                    continue
+                slot = self.pool.acquire()
+                assert slot is not None
+                req.slot, req.state = slot, _PREFILL
+                self._active.append(req)
+            if not self._active:
+                return
+            self._steps += 1
+            try:
+                await self._decode()
+                await self._prefill()
+            except Exception as exc:  # a failed step fails every request it touched
+                for req in list(self._active):
+                    self._finish(req, "error", exc)
+        finally:
+            self._stepping = False
+        for req in [r for r in self._active if r.cancelled]:
+            self._finish(req, "cancelled")
+
+    async def _decode(self) -> None:
+        rows = [r for r in self._active if r.state == _DECODE]
+        if not rows:
+            return
+        toks = await self.steps.decode(
+            [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
+        )
+        self._decode_rows += len(rows)
+        for req, tok in zip(rows, toks, strict=True):
+            req.pos += 1
+            self._deliver(req, int(tok))
+
+    async def _prefill(self) -> None:
+        budget = self.prefill_chunk
+        for req in [r for r in self._active if r.state == _PREFILL]:
+            if budget <= 0:
+                break
+            if req.cancelled:
+                continue
+            n = min(len(req.prompt) - req.prefilled, budget)
+            start = req.prefilled
+            last = start + n == len(req.prompt)
+            tok = await self.steps.prefill(
+                req.slot, req.prompt[start : start + n], start, req.params, last=last
+            )
+            req.prefilled += n
+            budget -= n
+            self._prefill_tokens += n
+            self.pool.set_length(req.slot, req.prefilled)
+            if last:
+                if tok is None:
+                    raise RuntimeError("StepModel.prefill(last=True) returned no token")
+                req.state, req.pos = _DECODE, len(req.prompt)
+                self._deliver(req, int(tok))
+
+    def _deliver(self, req: _Request, tok: int) -> None:
+        if req.cancelled:
+            return
+        now = time.perf_counter()
+        if req.t_first is None:
+            req.t_first = now
+        req.out.append(tok)
+        req.buf.append(tok)
+        req.last = tok
+        self._generated += 1
+        self.pool.set_length(req.slot, min(req.pos + 1, self.max_seq))
+        if tok in self.steps.eos_ids or tok in req.stop:
+            self._finish(req, "stop")
+        elif len(req.out) >= req.max_new or req.pos + 1 >= self.max_seq:
+            self._finish(req, "length")
+        else:
+            self._notify(req)
