@@ -11,15 +11,30 @@ Semantics (shared by the ``cpu`` reference and the CUDA kernels):
   decode with a KV cache). ``Lq > Lk`` is allowed; with ``causal=True`` the first
   ``Lq - Lk`` query rows see no key at all and their output is defined as **zeros** (no NaN).
   Without ``causal`` every query sees every key, whatever ``Lq`` and ``Lk`` are.
-* dtypes: float16 or bfloat16 (``ml_dtypes.bfloat16``), the same for q, k, v and out.
-  ``D`` must be a multiple of 8 and at most 256 (64 and 128 are the fast head dims).
+* ``kv_len`` (optional) int32 ``(B,)`` in device memory: the number of valid keys of batch
+  row ``b`` (values are clamped to ``[0, Lk]``); keys at or past it are ignored, and the
+  bottom-right alignment uses it in place of ``Lk``: with ``causal=True`` query ``i`` sees
+  keys ``j <= kv_len[b] - Lq + i``. The kernels read it on the device and bound their key
+  loops by it, so one captured graph serves every length of a growing KV cache and a cache
+  of ``S`` rows holding 10 valid keys costs what ``Lk = 10`` costs.
+* ``block_table`` (optional, paged KV cache; needs ``kv_len``): k/v are a block pool
+  ``(num_blocks, Hkv, block_size, D)`` and ``block_table`` int32 ``(B, max_blocks)`` maps
+  logical block ``n`` of row ``b`` (keys ``n*block_size .. (n+1)*block_size - 1``) to the
+  physical block ``block_table[b, n]`` of the pool; the logical length is
+  ``Lk = max_blocks * block_size``. Entries of blocks at or past ``kv_len[b]`` are never read.
+  An entry outside ``[0, num_blocks)`` that is read is an error: the ``cpu`` reference raises
+  ``IndexError``; the CUDA kernel clamps it into range (no out-of-bounds access).
+* dtypes: float32, float16 or bfloat16 (``ml_dtypes.bfloat16``), the same for q, k, v and
+  out. ``D`` must be a multiple of 8 and at most 256 (32, 64 and 128 are the model head dims).
 
 CUDA paths (chosen per call, no allocation, no synchronisation, launches only on ``stream``):
 
-* ``attn_fwd_sm90`` (sm_90a): wgmma tensor-core kernel, ``Lq > 8``.
+* ``attn_fwd_sm90`` (sm_90a): wgmma tensor-core kernel, 16-bit dtypes, ``Lq > 8``, unpaged.
 * ``attn_splitkv`` (+ ``attn_splitkv_combine``): split-KV "flash-decoding" on CUDA cores for
-  ``Lq <= 8`` (the KV length is split across blocks, partials merged by a second kernel);
-  also the portable fallback for every shape on GPUs other than sm_90.
+  ``Lq <= 8`` (the KV length is split across blocks, partials merged by a second kernel; the
+  split is recomputed on the device from ``kv_len``, and splits past it exit at once);
+  also the portable path for every other case: float32 (fp32 storage and math), paged KV
+  at any ``Lq``, and every shape on GPUs other than sm_90.
 
 CuPy is imported lazily: the module imports (and the reference runs) without it.
 """
@@ -50,6 +65,9 @@ DECODE_MAX_LQ = 8
 MAX_SPLITS = 64
 #: Keys per split are a multiple of this.
 SPLIT_GRANULE = 64
+#: The decode path splits the keys until about this many blocks per multiprocessor run
+#: (a row with fewer valid keys uses fewer splits; see attn_splitkv.cu).
+SPLIT_BLOCKS_PER_SM = 8
 #: Largest supported head dim.
 MAX_HEAD_DIM = 256
 
@@ -63,8 +81,9 @@ def _bf16_dtype() -> np.dtype | None:
 
 
 def _supported_dtypes() -> tuple[np.dtype, ...]:
+    base = (np.dtype(np.float32), np.dtype(np.float16))
     bf = _bf16_dtype()
-    return (np.dtype(np.float16),) if bf is None else (np.dtype(np.float16), bf)
+    return base if bf is None else (*base, bf)
 
 
 def _dtype_name(dt: Any) -> str:
@@ -84,19 +103,28 @@ def attention_check(
     *,
     out_shape: tuple[int, ...] | None = None,
     out_dtype: Any = None,
+    kv_len_shape: tuple[int, ...] | None = None,
+    kv_len_dtype: Any = None,
+    block_table_shape: tuple[int, ...] | None = None,
+    block_table_dtype: Any = None,
     op: str = "flash_attention",
 ) -> tuple[tuple[int, ...], np.dtype]:
     """Validate flash-attention arguments before anything is launched.
 
     Args:
         q_shape: ``(B, Hq, Lq, D)``.
-        q_dtype: dtype of q (float16 or bfloat16).
-        k_shape: ``(B, Hkv, Lk, D)``.
+        q_dtype: dtype of q (float32, float16 or bfloat16).
+        k_shape: ``(B, Hkv, Lk, D)``; with ``block_table``, the block pool
+            ``(num_blocks, Hkv, block_size, D)``.
         k_dtype: dtype of k (same as q).
         v_shape: same as ``k_shape``.
         v_dtype: dtype of v (same as q).
         out_shape: shape of a caller-provided output, if any (must equal ``q_shape``).
         out_dtype: dtype of a caller-provided output, if any (must equal q's).
+        kv_len_shape: shape of ``kv_len`` if given (must be ``(B,)``).
+        kv_len_dtype: dtype of ``kv_len`` if given (must be int32).
+        block_table_shape: shape of ``block_table`` if given (``(B, max_blocks)``).
+        block_table_dtype: dtype of ``block_table`` if given (must be int32).
         op: operation name used in error messages.
 
     Returns:
@@ -104,21 +132,26 @@ def attention_check(
 
     Raises:
         ShapeError: ranks, batch/head/length/head-dim mismatches, ``Hq % Hkv != 0``,
-            empty dims, head dim not a multiple of 8 or above 256, wrong ``out`` shape.
-        DTypeError: unsupported or mismatched dtypes.
+            empty dims, head dim not a multiple of 8 or above 256, wrong ``out``,
+            ``kv_len`` or ``block_table`` shape, ``block_table`` without ``kv_len``.
+        DTypeError: unsupported or mismatched dtypes (``kv_len``/``block_table``: int32).
     """
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    paged = block_table_shape is not None
     shapes = f"q {q_shape}, k {k_shape}, v {v_shape}"
+    if paged:
+        shapes += f", block_table {tuple(block_table_shape or ())}"
     for name, shp in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shp) != 4:
-            raise ShapeError(f"{op}: {name} must be 4-D (B, H, L, D); got {shapes}", op=op)
+            kind = "(num_blocks, Hkv, block_size, D)" if paged and name != "q" else "(B, H, L, D)"
+            raise ShapeError(f"{op}: {name} must be 4-D {kind}; got {shapes}", op=op)
         if any(int(s) < 1 for s in shp):
             raise ShapeError(f"{op}: every dimension must be >= 1; got {shapes}", op=op)
     b, hq, _lq, d = q_shape
     bk, hkv, _lk, dk = k_shape
     if k_shape != v_shape:
         raise ShapeError(f"{op}: k and v shapes must be equal; got {shapes}", op=op)
-    if b != bk:
+    if not paged and b != bk:
         raise ShapeError(f"{op}: batch sizes differ (q B={b}, k/v B={bk}); got {shapes}", op=op)
     if d != dk:
         raise ShapeError(f"{op}: head dims differ (q D={d}, k/v D={dk}); got {shapes}", op=op)
@@ -140,7 +173,7 @@ def attention_check(
     supported = _supported_dtypes()
     if ndts["q"] not in supported:
         raise DTypeError(
-            f"{op}: q dtype {ndts['q']} not supported (float16, bfloat16); "
+            f"{op}: q dtype {ndts['q']} not supported (float32, float16, bfloat16); "
             f"q {ndts['q']}, k {ndts['k']}, v {ndts['v']}",
             op=op,
         )
@@ -158,7 +191,83 @@ def attention_check(
             raise DTypeError(f"{op}: unknown out dtype {out_dtype!r}", op=op) from exc
         if odt != ndts["q"]:
             raise DTypeError(f"{op}: out dtype {odt} must equal q dtype {ndts['q']}", op=op)
+    _check_index_arg(op, "kv_len", kv_len_shape, kv_len_dtype, (b,), "(B,)", q_shape)
+    if paged:
+        if kv_len_shape is None:
+            raise ShapeError(
+                f"{op}: a paged KV cache (block_table {tuple(block_table_shape or ())}) needs "
+                "kv_len, the int32 (B,) number of valid keys of each row; pass kv_len=",
+                op=op,
+            )
+        bt = tuple(block_table_shape or ())
+        if len(bt) != 2 or bt[0] != b or bt[1] < 1:
+            raise ShapeError(
+                f"{op}: block_table must be (B, max_blocks) = ({b}, >= 1) for q {q_shape}; "
+                f"got {bt}",
+                op=op,
+            )
+        _check_index_arg(op, "block_table", bt, block_table_dtype, bt, "(B, max_blocks)", q_shape)
     return q_shape, ndts["q"]
+
+
+def _check_index_arg(
+    op: str,
+    name: str,
+    shape: tuple[int, ...] | None,
+    dtype: Any,
+    want: tuple[int, ...],
+    want_s: str,
+    q_shape: tuple[int, ...],
+) -> None:
+    if shape is None:
+        return
+    if tuple(shape) != want:
+        raise ShapeError(
+            f"{op}: {name} must have shape {want_s} = {want} for q {q_shape}; got {tuple(shape)}",
+            op=op,
+        )
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise DTypeError(f"{op}: unknown {name} dtype {dtype!r}; use int32", op=op) from exc
+    if dt != np.dtype(np.int32):
+        raise DTypeError(
+            f"{op}: {name} must be int32 (got {dt}, shape {tuple(shape)}); convert it with "
+            "api.convert(t, 'int32')",
+            op=op,
+        )
+
+
+def _logical_kv(
+    k: np.ndarray, v: np.ndarray, kv_len: np.ndarray | None, block_table: np.ndarray | None
+) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Per batch row: (k rows, v rows) of the valid keys ``(Hkv, n_b, D)`` and ``n_b``."""
+    if block_table is None:
+        b, _hkv, lk, _d = k.shape
+        lens = np.full(b, lk, np.int64) if kv_len is None else np.clip(kv_len, 0, lk)
+        ks = [k[bi, :, : int(lens[bi])] for bi in range(b)]
+        vs = [v[bi, :, : int(lens[bi])] for bi in range(b)]
+        return ks, vs, lens.astype(np.int64)
+    assert kv_len is not None
+    nb, hkv, bs, d = k.shape
+    b, mb = block_table.shape
+    lens = np.clip(kv_len.astype(np.int64), 0, mb * bs)
+    ks, vs = [], []
+    for bi in range(b):
+        n_blk = -(-int(lens[bi]) // bs)
+        ids = block_table[bi, :n_blk].astype(np.int64)
+        bad = (ids < 0) | (ids >= nb)
+        if bad.any():
+            raise IndexError(
+                f"flash_attention: block_table[{bi}] holds block {int(ids[bad][0])}, outside the "
+                f"pool of {nb} blocks (kv_len[{bi}] = {int(lens[bi])} reads its first {n_blk} "
+                "entries)"
+            )
+        kk = k[ids].transpose(1, 0, 2, 3).reshape(hkv, n_blk * bs, d)[:, : int(lens[bi])]
+        vv = v[ids].transpose(1, 0, 2, 3).reshape(hkv, n_blk * bs, d)[:, : int(lens[bi])]
+        ks.append(kk)
+        vs.append(vv)
+    return ks, vs, lens
 
 
 def attention_reference(
@@ -168,21 +277,29 @@ def attention_reference(
     *,
     causal: bool = False,
     scale: float | None = None,
+    kv_len: np.ndarray | None = None,
+    block_table: np.ndarray | None = None,
 ) -> np.ndarray:
     """NumPy flash-attention forward (float64 math), returned in ``q.dtype``.
 
     The ``cpu`` backend runs exactly this. Semantics are in the module docstring
-    (GQA, bottom-right causal mask, fully masked rows give zeros).
+    (GQA, bottom-right causal mask, fully masked rows give zeros, ``kv_len``, paged KV).
 
     Args:
         q: ``(B, Hq, Lq, D)``.
-        k: ``(B, Hkv, Lk, D)``.
-        v: ``(B, Hkv, Lk, D)``.
+        k: ``(B, Hkv, Lk, D)``, or the block pool ``(num_blocks, Hkv, block_size, D)``.
+        v: same shape as ``k``.
         causal: apply the bottom-right aligned causal mask.
         scale: softmax scale; ``1/sqrt(D)`` when None.
+        kv_len: optional integer ``(B,)``: valid keys per batch row (clamped to ``[0, Lk]``).
+        block_table: optional integer ``(B, max_blocks)`` (paged KV; needs ``kv_len``).
 
     Returns:
         ``(B, Hq, Lq, D)`` array of q's dtype.
+
+    Raises:
+        ShapeError: incompatible shapes.
+        IndexError: a ``block_table`` entry that is read lies outside the pool.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ShapeError(
@@ -190,25 +307,31 @@ def attention_reference(
             op="flash_attention",
         )
     b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hkv < 1 or hq % hkv:
+    hkv = k.shape[1]
+    bad_batch = block_table is None and k.shape[0] != b
+    if block_table is not None and (kv_len is None or block_table.shape[0] != b):
+        bad_batch = True
+    if k.shape != v.shape or bad_batch or k.shape[3] != d or hkv < 1 or hq % hkv:
         raise ShapeError(
-            f"flash_attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}",
+            f"flash_attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}"
+            + ("" if block_table is None else f", block_table {block_table.shape}"),
             op="flash_attention",
         )
     g = hq // hkv
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = np.zeros((b, hq, lq, d), dtype=np.float64)
-    if causal:
-        qi = np.arange(lq)[:, None]
-        kj = np.arange(lk)[None, :]
-        visible = kj <= qi + (lk - lq)  # (Lq, Lk)
+    ks, vs, lens = _logical_kv(k, v, kv_len, block_table)
+    qi = np.arange(lq)[:, None]
     for bi in range(b):
+        n = int(lens[bi])
+        if n == 0:
+            continue
+        visible = np.arange(n)[None, :] <= qi + (n - lq)  # (Lq, n)
         for hk in range(hkv):
-            kk = k[bi, hk].astype(np.float64)  # (Lk, D)
-            vv = v[bi, hk].astype(np.float64)  # (Lk, D)
+            kk = ks[bi][hk].astype(np.float64)  # (n, D)
+            vv = vs[bi][hk].astype(np.float64)  # (n, D)
             qq = q[bi, hk * g : (hk + 1) * g].astype(np.float64)  # (g, Lq, D)
-            s = (qq @ kk.T) * sc  # (g, Lq, Lk)
+            s = (qq @ kk.T) * sc  # (g, Lq, n)
             if causal:
                 s = np.where(visible[None], s, -np.inf)
             m = s.max(axis=-1, keepdims=True)
@@ -227,7 +350,11 @@ def _num_splits_upper(lk: int) -> int:
 
 
 def attention_workspace_nbytes(
-    q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: Any
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    block_table_shape: tuple[int, ...] | None = None,
 ) -> int:
     """Bytes of device workspace that lets ``flash_attention_cuda`` split the KV length.
 
@@ -237,20 +364,28 @@ def attention_workspace_nbytes(
 
     Args:
         q_shape: ``(B, Hq, Lq, D)``.
-        k_shape: ``(B, Hkv, Lk, D)``.
+        k_shape: ``(B, Hkv, Lk, D)`` (or the paged block pool).
         dtype: element dtype (does not change the size; partials are float32).
+        block_table_shape: ``(B, max_blocks)`` for a paged cache (logical
+            ``Lk = max_blocks * block_size``).
 
     Returns:
         Size in bytes (0 if the call needs none).
     """
     del dtype
     b, hq, lq, d = (int(x) for x in q_shape)
-    lk = int(k_shape[2])
+    lk = _logical_lk(k_shape, block_table_shape)
     if lq > DECODE_MAX_LQ:
         return 0
     rows = b * hq * lq
     ns = _num_splits_upper(lk)
     return _ws_layout(rows, ns, d)[2]
+
+
+def _logical_lk(k_shape: tuple[int, ...], block_table_shape: tuple[int, ...] | None) -> int:
+    if block_table_shape is None:
+        return int(k_shape[2])
+    return int(block_table_shape[1]) * int(k_shape[2])
 
 
 def _ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:
@@ -336,14 +471,19 @@ def _sm90_kernel(
     return fn
 
 
-def _splitkv_kernels(device_id: int, d: int, gt: int, bf16: bool) -> tuple[Any, Any]:
-    key = ("splitkv", device_id, d, gt, bf16, EXTRA_SPLITKV_DEFINES)
+def _splitkv_kernels(
+    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool
+) -> tuple[Any, Any]:
+    key = ("splitkv", device_id, d, gt, bf16, f32, paged, EXTRA_SPLITKV_DEFINES)
     fns = _kernels.get(key)
     if fns is None:
         opts = (
             f"-DATTN_D={d}",
             f"-DATTN_GT={gt}",
             f"-DATTN_BF16={int(bf16)}",
+            f"-DATTN_F32={int(f32)}",
+            f"-DATTN_PAGED={int(paged)}",
+            f"-DATTN_GRANULE={SPLIT_GRANULE}",
             *EXTRA_SPLITKV_DEFINES,
         )
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
@@ -387,6 +527,8 @@ def flash_attention_cuda(
     *,
     causal: bool = False,
     scale: float | None = None,
+    kv_len: Any = None,
+    block_table: Any = None,
     workspace: Any = None,
     stream: Any,
     _sm90_config: tuple[int, int, int] | None = None,
@@ -395,12 +537,17 @@ def flash_attention_cuda(
     """Enqueue flash attention on ``stream`` (CuPy arrays; no allocation, no sync).
 
     Args:
-        q: ``(B, Hq, Lq, D)`` cupy array, float16 or bfloat16, C-contiguous.
-        k: ``(B, Hkv, Lk, D)`` cupy array, same dtype.
-        v: ``(B, Hkv, Lk, D)`` cupy array, same dtype.
+        q: ``(B, Hq, Lq, D)`` cupy array, float32, float16 or bfloat16, C-contiguous.
+        k: ``(B, Hkv, Lk, D)`` cupy array, same dtype; with ``block_table``, the block pool
+            ``(num_blocks, Hkv, block_size, D)``.
+        v: same shape and dtype as ``k``.
         out: ``(B, Hq, Lq, D)`` cupy array to write, same dtype.
         causal: bottom-right aligned causal mask (see module docstring).
         scale: softmax scale, ``1/sqrt(D)`` when None.
+        kv_len: optional int32 ``(B,)`` cupy array: valid keys per batch row, read on the
+            device (never on the host).
+        block_table: optional int32 ``(B, max_blocks)`` cupy array (paged KV; needs
+            ``kv_len``).
         workspace: device buffer (cupy array) of at least
             :func:`attention_workspace_nbytes` bytes, or None (decode runs unsplit).
         stream: the ``cupy.cuda.Stream`` every launch goes to.
@@ -413,19 +560,31 @@ def flash_attention_cuda(
     attention_check(
         q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype,
         out_shape=out.shape, out_dtype=out.dtype,
+        kv_len_shape=None if kv_len is None else kv_len.shape,
+        kv_len_dtype=None if kv_len is None else kv_len.dtype,
+        block_table_shape=None if block_table is None else block_table.shape,
+        block_table_dtype=None if block_table is None else block_table.dtype,
     )  # fmt: skip
     device_id = q.device.id
-    for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
+    named = [("q", q), ("k", k), ("v", v), ("out", out)]
+    named += [] if kv_len is None else [("kv_len", kv_len)]
+    named += [] if block_table is None else [("block_table", block_table)]
+    for name, a in named:
         _check_array(name, a, device_id)
     b, hq, lq, d = (int(x) for x in q.shape)
-    hkv, lk = int(k.shape[1]), int(k.shape[2])
-    bf16 = np.dtype(q.dtype) != np.dtype(np.float16)
+    hkv = int(k.shape[1])
+    paged = block_table is not None
+    lk = _logical_lk(tuple(k.shape), None if block_table is None else tuple(block_table.shape))
+    dt = np.dtype(q.dtype)
+    f32 = dt == np.dtype(np.float32)
+    bf16 = not f32 and dt != np.dtype(np.float16)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     scale_log2 = np.float32(sc * math.log2(math.e))
     cc, n_sm = _device_info(device_id)
-    i32 = np.int32
+    i32, u64 = np.int32, np.uint64
+    kvl_ptr = u64(0) if kv_len is None else u64(kv_len.data.ptr)
 
-    if cc == 90 and lq > DECODE_MAX_LQ and not _force_splitkv:
+    if cc == 90 and lq > DECODE_MAX_LQ and not (_force_splitkv or f32 or paged):
         dp = -(-d // 64) * 64
         bn, nwg, nstage = _sm90_config or SM90_CONFIGS[dp]
         fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16, sc > 0)
@@ -439,13 +598,14 @@ def flash_attention_cuda(
             fn(
                 (b * hq, n_mblk, 1),
                 (128 * nwg, 1, 1),
-                (q, k, v, out, i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
+                (q, k, v, out, kvl_ptr, i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
                  i32(bool(causal)), i32(n_mblk)),
                 shared_mem=_sm90_smem_bytes(dp, bn, nwg, nstage),
             )  # fmt: skip
         return
 
-    # Split-KV path (decode, or the portable fallback).
+    # Split-KV path (decode, float32, paged, or the portable fallback). n_split is the most
+    # splits any row may use (the workspace stride); the kernel splits each row's kv_len.
     g = hq // hkv
     gt = 1
     while gt < min(g, 8):
@@ -455,34 +615,39 @@ def flash_attention_cuda(
     base_blocks = b * x_blocks
     n_split = 1
     if lq <= DECODE_MAX_LQ and workspace is not None:
-        want = max(1, -(-8 * n_sm // base_blocks))
+        want = max(1, -(-SPLIT_BLOCKS_PER_SM * n_sm // base_blocks))
         n_split = min(want, _num_splits_upper(lk))
-    chunk = -(-lk // n_split)
-    chunk = -(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE
-    n_split = -(-lk // chunk)
     rows = b * hq * lq
     ws_o_ptr = ws_ml_ptr = 0
     if n_split > 1:
         o_off, ml_off, need = _ws_layout(rows, n_split, d)
         if workspace.nbytes < need:
-            n_split, chunk = 1, lk
+            n_split = 1
         else:
             base_ptr = int(workspace.data.ptr)
             ws_o_ptr, ws_ml_ptr = base_ptr + o_off, base_ptr + ml_off
-    if n_split == 1:
-        chunk = lk
     if x_blocks > 2**31 - 1 or n_split > 65535 or b > 65535:
         raise ShapeError(
             f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention"
         )
-    fn, combine = _splitkv_kernels(device_id, d, gt, bf16)
-    u64 = np.uint64
+    if paged:
+        mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
+        bt_ptr = u64(block_table.data.ptr)
+    else:
+        mb, bs, nb, bt_ptr = 0, 0, 0, u64(0)
+    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged)
     with stream:
         fn(
             (x_blocks, n_split, b),
             (128, 1, 1),
-            (q, k, v, out, u64(ws_o_ptr), u64(ws_ml_ptr), i32(hq), i32(hkv), i32(lq), i32(lk),
-             scale_log2, i32(bool(causal)), i32(n_split), i32(chunk), i32(n_hchunk)),
+            (q, k, v, out, u64(ws_o_ptr), u64(ws_ml_ptr), kvl_ptr, bt_ptr, i32(hq), i32(hkv),
+             i32(lq), i32(lk), scale_log2, i32(bool(causal)), i32(n_split), i32(n_hchunk),
+             i32(mb), i32(bs), i32(nb)),
         )  # fmt: skip
         if n_split > 1:
-            combine((rows, 1, 1), (64, 1, 1), (u64(ws_o_ptr), u64(ws_ml_ptr), out, i32(n_split)))
+            combine(
+                (rows, 1, 1),
+                (64, 1, 1),
+                (u64(ws_o_ptr), u64(ws_ml_ptr), out, kvl_ptr, i32(n_split), i32(lk),
+                 i32(hq * lq)),
+            )  # fmt: skip

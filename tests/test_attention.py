@@ -3,7 +3,9 @@
 CPU tests (run everywhere) check ``attention_check`` and ``attention_reference`` against a
 straightforward float64 softmax(QK^T)V. GPU tests (``@pytest.mark.gpu``) run the kernels on
 fresh random inputs and odd shapes against the float64 reference, outputs poisoned with NaN
-first; tolerances on ||out - ref|| / ||ref||: float16 2e-3, bfloat16 1e-2 (METHOD.md).
+first; tolerances on ||out - ref|| / ||ref||: float32 1e-5, float16 2e-3, bfloat16 1e-2.
+The op-level tests (``kernels.flash_attention``) run on the default device: the cpu backend
+in CI, the CUDA kernels on a GPU machine (kv_len, paged KV, float32, graph replay).
 """
 
 from __future__ import annotations
@@ -15,27 +17,42 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import deviceops
+from deviceops import api, kernels
 from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import _attention as attn
 
+from .conftest import to_np
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
-TOL = {F16: 2e-3, BF16: 1e-2}
+F32 = np.dtype(np.float32)
+TOL = {F32: 1e-5, F16: 2e-3, BF16: 1e-2}
 
 
 def naive(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float | None
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    causal: bool,
+    scale: float | None,
+    kv_len: np.ndarray | None = None,
 ) -> np.ndarray:
-    """float64 softmax(scale q k^T) v, row by row (the definition, no tricks but the max)."""
+    """float64 softmax(scale q k^T) v, row by row (the definition, no tricks but the max).
+
+    With ``kv_len``, row ``b`` sees only its first ``min(kv_len[b], Lk)`` keys (as if the
+    cache were that long).
+    """
     b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     sc = 1 / math.sqrt(d) if scale is None else scale
     out = np.zeros((b, hq, lq, d))
     for bi in range(b):
+        lk = k.shape[2] if kv_len is None else max(0, min(int(kv_len[bi]), k.shape[2]))
         for h in range(hq):
             kh = h // (hq // hkv)
-            kk = k[bi, kh].astype(np.float64)
-            vv = v[bi, kh].astype(np.float64)
+            kk = k[bi, kh, :lk].astype(np.float64)
+            vv = v[bi, kh, :lk].astype(np.float64)
             for i in range(lq):
                 s = kk @ q[bi, h, i].astype(np.float64) * sc
                 n_vis = lk if not causal else min(lk, max(0, i + (lk - lq) + 1))
@@ -93,8 +110,9 @@ def test_check_shape_errors(
 
 def test_check_dtype_errors() -> None:
     s = (1, 2, 3, 64)
+    attn.attention_check(s, np.float32, s, np.float32, s, np.float32)  # float32 is supported
     with pytest.raises(DTypeError, match="not supported") as ei:
-        attn.attention_check(s, np.float32, s, np.float32, s, np.float32)
+        attn.attention_check(s, np.float64, s, np.float64, s, np.float64)
     assert isinstance(ei.value, TypeError)
     with pytest.raises(DTypeError, match="must match"):
         attn.attention_check(s, F16, s, BF16, s, F16)
@@ -351,3 +369,317 @@ def test_gpu_negative_scale(lq: int) -> None:
     ref = naive(q, k, v, True, -0.2)
     assert np.isfinite(out.astype(np.float32)).all()
     assert rel_err(out, ref) < TOL[F16]
+
+
+# ----------------------------------------------------------------------------- kv_len, paged KV
+
+
+def ref64(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    causal: bool,
+    scale: float | None = None,
+    kv_len: np.ndarray | None = None,
+    block_table: np.ndarray | None = None,
+) -> np.ndarray:
+    """The reference on float64 copies of the inputs (no rounding of the result)."""
+    f = np.float64
+    return attn.attention_reference(
+        q.astype(f), k.astype(f), v.astype(f), causal=causal, scale=scale, kv_len=kv_len,
+        block_table=block_table,
+    )  # fmt: skip
+
+
+def poison_tail(x: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+    """Copy of a (B, H, L, D) cache with NaN in every row at or past kv_len[b]."""
+    x = x.copy()
+    for b, n in enumerate(kv_len):
+        x[b, :, max(0, int(n)) :] = np.nan
+    return x
+
+
+def test_check_kv_len_and_block_table_errors() -> None:
+    q, kv = (2, 4, 1, 64), (2, 2, 9, 64)
+    i32 = np.int32
+    attn.attention_check(q, F16, kv, F16, kv, F16, kv_len_shape=(2,), kv_len_dtype=i32)
+    with pytest.raises(ShapeError, match=r"kv_len must have shape \(B,\) = \(2,\).*got \(3,\)"):
+        attn.attention_check(q, F16, kv, F16, kv, F16, kv_len_shape=(3,), kv_len_dtype=i32)
+    with pytest.raises(ShapeError, match="kv_len"):
+        attn.attention_check(q, F16, kv, F16, kv, F16, kv_len_shape=(2, 1), kv_len_dtype=i32)
+    with pytest.raises(DTypeError, match=r"kv_len must be int32 \(got int64"):
+        attn.attention_check(q, F16, kv, F16, kv, F16, kv_len_shape=(2,), kv_len_dtype=np.int64)
+    pool = (7, 2, 16, 64)  # (num_blocks, Hkv, block_size, D): its first dim is not B
+    attn.attention_check(q, F16, pool, F16, pool, F16, kv_len_shape=(2,), kv_len_dtype=i32,
+                         block_table_shape=(2, 3), block_table_dtype=i32)  # fmt: skip
+    with pytest.raises(ShapeError, match="needs kv_len"):
+        attn.attention_check(q, F16, pool, F16, pool, F16, block_table_shape=(2, 3),
+                             block_table_dtype=i32)  # fmt: skip
+    with pytest.raises(ShapeError, match="block_table must be"):
+        attn.attention_check(q, F16, pool, F16, pool, F16, kv_len_shape=(2,), kv_len_dtype=i32,
+                             block_table_shape=(3, 3), block_table_dtype=i32)  # fmt: skip
+    with pytest.raises(DTypeError, match="block_table must be int32"):
+        attn.attention_check(q, F16, pool, F16, pool, F16, kv_len_shape=(2,), kv_len_dtype=i32,
+                             block_table_shape=(2, 3), block_table_dtype=np.int64)  # fmt: skip
+    with pytest.raises(ShapeError, match="batch sizes differ"):  # unpaged: k's batch is B
+        attn.attention_check(q, F16, pool, F16, pool, F16, kv_len_shape=(2,), kv_len_dtype=i32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "lq", "lk", "d"), [(9, 3, 1, 37, 64), (4, 2, 5, 23, 32), (2, 1, 11, 30, 128)]
+)
+def test_reference_kv_len_matches_naive(
+    causal: bool, dtype: np.dtype, hq: int, hkv: int, lq: int, lk: int, d: int
+) -> None:
+    rng = np.random.default_rng()
+    b = 6
+    # 1 and Lk, random, 0 (no key: zeros), past Lk (clamped), below Lq (causal: empty rows)
+    kv_len = np.array([1, lk, int(rng.integers(1, lk)), 0, lk + 5, max(1, lq - 2)], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    out = attn.attention_reference(q, k, v, causal=causal, kv_len=kv_len)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert np.isfinite(out.astype(np.float64)).all()  # NaN past kv_len is never read
+    want = naive(q, k, v, causal, None, kv_len)
+    assert rel_err(out, want) < {F32: 1e-6, F16: 1e-3, BF16: 8e-3}[dtype]
+    assert (out[3].astype(np.float64) == 0).all()  # kv_len 0
+    if causal:  # row 5: kv_len = Lq - 2 (or 1): the first Lq - kv_len queries see nothing
+        n_empty = lq - int(kv_len[5])
+        assert (out[5, :, :n_empty].astype(np.float64) == 0).all()
+    # kv_len = Lk is the same as no kv_len
+    np.testing.assert_array_equal(
+        out[1:2], attn.attention_reference(q[1:2], k[1:2], v[1:2], causal=causal)
+    )
+
+
+def _paged(
+    rng: np.random.Generator, k: np.ndarray, v: np.ndarray, kv_len: np.ndarray, bs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scatter a (B, Hkv, S, D) cache into a shuffled block pool; (k_pool, v_pool, table)."""
+    b, hkv, s, d = k.shape
+    mb = -(-s // bs)
+    nb = b * mb + 3
+    perm = rng.permutation(nb)
+    table = np.full((b, mb), -1, np.int32)  # unused entries: never read
+    kp = np.full((nb, hkv, bs, d), np.nan, k.dtype)  # unused blocks / slots: NaN
+    vp = np.full((nb, hkv, bs, d), np.nan, v.dtype)
+    for bi in range(b):
+        for n in range(-(-int(min(kv_len[bi], s)) // bs)):
+            phys = int(perm[bi * mb + n])
+            table[bi, n] = phys
+            rows = min(bs, s - n * bs)
+            kp[phys, :, :rows] = k[bi, :, n * bs : n * bs + rows]
+            vp[phys, :, :rows] = v[bi, :, n * bs : n * bs + rows]
+    return kp, vp, table
+
+
+@pytest.mark.parametrize("bs", [1, 7, 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_paged_equals_contiguous(bs: int, causal: bool) -> None:
+    rng = np.random.default_rng()
+    b, hq, hkv, lq, s, d = 4, 6, 2, 3, 40, 32
+    kv_len = np.array([1, s, 17, 0], np.int32)
+    q = rand(rng, (b, hq, lq, d), F32)
+    k = poison_tail(rand(rng, (b, hkv, s, d), F32), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, s, d), F32), kv_len)
+    kp, vp, table = _paged(rng, k, v, kv_len, bs)
+    got = attn.attention_reference(q, kp, vp, causal=causal, kv_len=kv_len, block_table=table)
+    want = attn.attention_reference(q, k, v, causal=causal, kv_len=kv_len)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    bad = table.copy()
+    bad[2, 0] = kp.shape[0]  # a block that is read, outside the pool
+    with pytest.raises(IndexError, match=r"block_table\[2\] holds block"):
+        attn.attention_reference(q, kp, vp, causal=causal, kv_len=kv_len, block_table=bad)
+
+
+# -- the op on the default device (cpu backend in CI, CUDA kernels on a GPU) --
+
+
+def _dev(h: np.ndarray, stream: deviceops.Stream) -> deviceops.Tensor:
+    return api.from_host(h).sync_on(stream)
+
+
+def _poisoned(shape: tuple[int, ...], dtype: np.dtype, stream: deviceops.Stream) -> Any:
+    name = "bfloat16" if dtype == BF16 else str(dtype)
+    return api.full(shape, float("nan"), name).sync_on(stream)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize(("lq", "causal"), [(1, True), (4, True), (20, True), (20, False)])
+def test_op_kv_len(dtype: np.dtype, lq: int, causal: bool, stream: deviceops.Stream) -> None:
+    rng = np.random.default_rng()
+    b, hq, hkv, lk, d = 3, 9, 3, 150, 64
+    kv_len = np.array([lk, max(lq, 1 if not causal else lq), int(rng.integers(lq, lk))], np.int32)
+    qh = rand(rng, (b, hq, lq, d), dtype)
+    kh = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    vh = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    q, k, v = _dev(qh, stream), _dev(kh, stream), _dev(vh, stream)
+    out = _poisoned(qh.shape, dtype, stream)
+    lens = _dev(kv_len, stream)
+    got = kernels.flash_attention(q, k, v, causal=causal, out=out, kv_len=lens).sync_on(stream)
+    assert got is out
+    want = ref64(qh, kh, vh, causal, kv_len=kv_len)
+    assert rel_err(to_np(out), want) < TOL[dtype]
+    # kv_len as a DeviceOp, allocated output
+    got2 = kernels.flash_attention(q, k, v, causal=causal, kv_len=api.from_host(kv_len)).sync_on(
+        stream
+    )
+    assert rel_err(to_np(got2), want) < TOL[dtype]
+
+
+def test_op_argument_errors_before_launch(stream: deviceops.Stream) -> None:
+    q = api.zeros((2, 4, 1, 32), "float16").sync_on(stream)
+    kv = api.zeros((2, 2, 9, 32), "float16").sync_on(stream)
+    l64 = api.zeros((2,), "int64").sync_on(stream)
+    l3 = api.zeros((3,), "int32").sync_on(stream)
+    bt = api.zeros((2, 1), "int32").sync_on(stream)
+    seq = stream.seq
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        kernels.flash_attention(q, kv, kv, causal="no")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        kernels.flash_attention(q, kv, kv, causal=None)
+    with pytest.raises(DTypeError, match="kv_len must be int32"):
+        kernels.flash_attention(q, kv, kv, kv_len=l64)
+    with pytest.raises(ShapeError, match="kv_len must have shape"):
+        kernels.flash_attention(q, kv, kv, kv_len=l3)
+    with pytest.raises(ShapeError, match="needs kv_len"):
+        kernels.flash_attention(q, kv, kv, block_table=bt)
+    assert stream.seq == seq
+    # a DeviceOp kv_len is checked once it has executed, still before the kernel launch
+    with pytest.raises(DTypeError, match="kv_len must be int32"):
+        kernels.flash_attention(q, kv, kv, kv_len=api.zeros((2,), "int64")).sync_on(stream)
+    kernels.flash_attention(q, kv, kv, causal=np.bool_(True)).sync_on(stream)  # numpy bool ok
+
+
+def test_op_decode_graph_serves_every_length(stream: deviceops.Stream) -> None:
+    """One captured decode op, replayed with kv_len (and q) updated in device memory."""
+    rng = np.random.default_rng()
+    b, hq, hkv, s, d = 2, 8, 2, 700, 64
+    kh, vh = rand(rng, (b, hkv, s, d), F16), rand(rng, (b, hkv, s, d), F16)
+    k, v = _dev(kh, stream), _dev(vh, stream)
+    q = _dev(rand(rng, (b, hq, 1, d), F16), stream)
+    lens = _dev(np.array([1, 1], np.int32), stream)
+    out = _poisoned((b, hq, 1, d), F16, stream)
+    kernels.flash_attention(q, k, v, causal=True, out=out, kv_len=lens).sync_on(stream)  # warm-up
+    g = kernels.flash_attention(q, k, v, causal=True, out=out, kv_len=lens).graph_on(stream)
+    for n0, n1 in ((1, 700), (5, 64), (300, 129), (699, 0)):
+        kv_len = np.array([n0, n1], np.int32)
+        qh = rand(rng, (b, hq, 1, d), F16)
+        g.update(api.memcpy(q, _dev(qh, stream)))
+        g.update(api.memcpy(lens, _dev(kv_len, stream)))
+        g.launch()
+        g.synchronize()
+        assert rel_err(to_np(out), ref64(qh, kh, vh, True, kv_len=kv_len)) < TOL[F16], kv_len
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("lq", [1, 3, 12])
+def test_op_paged(dtype: np.dtype, lq: int, stream: deviceops.Stream) -> None:
+    rng = np.random.default_rng()
+    b, hq, hkv, s, d, bs = 3, 4, 2, 90, 64, 16
+    kv_len = np.array([s, lq, int(rng.integers(lq, s))], np.int32)
+    qh = rand(rng, (b, hq, lq, d), dtype)
+    kh, vh = rand(rng, (b, hkv, s, d), dtype), rand(rng, (b, hkv, s, d), dtype)
+    kp, vp, table = _paged(rng, kh, vh, kv_len, bs)
+    out = _poisoned(qh.shape, dtype, stream)
+    kernels.flash_attention(
+        _dev(qh, stream), _dev(kp, stream), _dev(vp, stream), causal=True, out=out,
+        kv_len=_dev(kv_len, stream), block_table=_dev(table, stream),
+    ).sync_on(stream)  # fmt: skip
+    assert rel_err(to_np(out), ref64(qh, kh, vh, True, kv_len=kv_len)) < TOL[dtype]
+
+
+# -- CUDA kernels directly --
+
+
+def _run_gpu_kv(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, kv_len: np.ndarray | None,
+    block_table: np.ndarray | None = None, *, workspace: bool = True,
+) -> np.ndarray:  # fmt: skip
+    cp = _cupy()
+    dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
+    out = cp.full(q.shape, cp.nan, dtype=cp.float32).astype(q.dtype)  # NaN poison
+    dl = None if kv_len is None else cp.asarray(kv_len)
+    dbt = None if block_table is None else cp.asarray(block_table)
+    bts = None if block_table is None else block_table.shape
+    nbytes = attn.attention_workspace_nbytes(q.shape, k.shape, q.dtype, block_table_shape=bts)
+    ws = cp.empty(max(nbytes, 1), dtype=cp.uint8) if workspace else None
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, kv_len=dl, block_table=dbt,
+                              workspace=ws, stream=stream)  # fmt: skip
+    stream.synchronize()
+    return cp.asnumpy(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (32, 8)])
+@pytest.mark.parametrize("lq", [1, 3, 8, 37])
+def test_gpu_kv_len(dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
+    """Decode (Lq <= 8, split and unsplit) and prefill (Lq > 8, causal, Lq <= kv_len <= Lk)."""
+    rng = np.random.default_rng()
+    b, lk = 4, 333
+    lo = 1 if lq <= attn.DECODE_MAX_LQ else lq
+    kv_len = np.array([lo, lk, int(rng.integers(lo, lk)), int(rng.integers(lo, lk))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    for causal in (True, False):
+        want = ref64(q, k, v, causal, kv_len=kv_len)
+        for ws in (True, False) if lq <= attn.DECODE_MAX_LQ else (False,):
+            out = _run_gpu_kv(q, k, v, causal, kv_len, workspace=ws)
+            assert np.isfinite(out.astype(np.float64)).all(), (causal, ws)
+            err = rel_err(out, want)
+            assert err < TOL[dtype], (causal, ws, kv_len, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+def test_gpu_kv_len_long_cache(dtype: np.dtype) -> None:
+    """A long cache with few valid keys (most splits exit at once) and a full one."""
+    rng = np.random.default_rng()
+    b, hq, hkv, s, d = 3, 32, 8, 8192, 128
+    kv_len = np.array([10, s, 4097], np.int32)
+    q = rand(rng, (b, hq, 1, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, s, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, s, d), dtype), kv_len)
+    out = _run_gpu_kv(q, k, v, True, kv_len)
+    assert rel_err(out, ref64(q, k, v, True, kv_len=kv_len)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("lq", [1, 5, 40])
+def test_gpu_float32_and_head_dims_without_kv_len(dtype: np.dtype, d: int, lq: int) -> None:
+    rng = np.random.default_rng()
+    q = rand(rng, (2, 9, lq, d), dtype)
+    k, v = rand(rng, (2, 3, 201, d), dtype), rand(rng, (2, 3, 201, d), dtype)
+    for causal in (True, False):
+        out = _run_gpu_kv(q, k, v, causal, None)
+        assert rel_err(out, ref64(q, k, v, causal)) < TOL[dtype], causal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [16, 7])
+@pytest.mark.parametrize("lq", [1, 4, 20])
+def test_gpu_paged(dtype: np.dtype, d: int, bs: int, lq: int) -> None:
+    rng = np.random.default_rng()
+    b, hq, hkv, s = 4, 32, 8, 300
+    kv_len = np.array([lq, s, int(rng.integers(lq, s)), int(rng.integers(lq, s))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k, v = rand(rng, (b, hkv, s, d), dtype), rand(rng, (b, hkv, s, d), dtype)
+    kp, vp, table = _paged(rng, k, v, kv_len, bs)
+    for causal in (True, False):
+        want = ref64(q, k, v, causal, kv_len=kv_len)
+        for ws in (True, False):
+            out = _run_gpu_kv(q, kp, vp, causal, kv_len, table, workspace=ws)
+            assert rel_err(out, want) < TOL[dtype], (causal, ws)

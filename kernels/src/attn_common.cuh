@@ -9,8 +9,17 @@ typedef unsigned long long u64;
 #define ATTN_BF16 0
 #endif
 
-// Element type of q/k/v/o: 16-bit storage (float16 or bfloat16).
+#ifndef ATTN_F32
+#define ATTN_F32 0
+#endif
+
+// Element type of q/k/v/o: 16-bit storage (float16 or bfloat16), or float32 (ATTN_F32=1,
+// split-KV kernel only; pack2/unpack2 below are the 16-bit helpers).
+#if ATTN_F32
+typedef float elem_t;
+#else
 typedef unsigned short elem_t;
+#endif
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 r;

@@ -17,7 +17,8 @@
 // lives at chunk (c ^ (r % 8)). Blocks start 1024-byte aligned so the XOR matches the
 // hardware's address-based swizzle. Head dims below DP are zero-padded in shared memory.
 //
-// Causal masking is bottom-right aligned: query i (0-based in Lq) sees keys j <= i + Lk - Lq.
+// Causal masking is bottom-right aligned: query i (0-based in Lq) sees keys j <= i + kvl - Lq,
+// where kvl = clamp(kv_len[b], 0, Lk) (Lk when kv_len is null); keys >= kvl are ignored.
 // Rows that see no key produce zeros.
 //
 // Compile-time parameters (NVRTC -D): ATTN_DP (padded head dim: 64/128/192/256),
@@ -183,6 +184,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
               const elem_t* __restrict__ K,  // (B, Hkv, Lk, D)
               const elem_t* __restrict__ V,  // (B, Hkv, Lk, D)
               elem_t* __restrict__ O,        // (B, Hq, Lq, D)
+              const int* __restrict__ kv_len,  // (B,) valid keys per batch row, or nullptr
               int Hq, int Hkv, int Lq, int Lk, int D, float scale_log2, int causal, int n_mblk) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -203,11 +205,14 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const elem_t* k = K + (size_t)(b * Hkv + hk) * Lk * D;
   const elem_t* v = V + (size_t)(b * Hkv + hk) * Lk * D;
   elem_t* o = O + (size_t)bh * Lq * D;
+  // Valid keys of this batch row (read on the device: one captured graph serves every length).
+  // Below, Lk is only the row stride of k/v; keys at or past kvl are never loaded (zero-filled).
+  const int kvl = kv_len == nullptr ? Lk : min(max(__ldg(kv_len + b), 0), Lk);
 
   const int m0 = mblk * BM;
-  const int off = Lk - Lq;  // bottom-right causal alignment
-  int n_end = Lk;
-  if (causal) n_end = min(Lk, m0 + BM + off);  // keys < m0 + BM + off can be visible
+  const int off = kvl - Lq;  // bottom-right causal alignment
+  int n_end = kvl;
+  if (causal) n_end = min(kvl, m0 + BM + off);  // keys < m0 + BM + off can be visible
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
   if (DP != D) {  // padded head dim: zero the whole buffer once so the pad columns stay 0
@@ -264,7 +269,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale_log2;
 #endif
-    const bool need_mask = (n0 + BN > Lk) || (causal && n0 + BN - 1 > m0 + off);
+    const bool need_mask = (n0 + BN > kvl) || (causal && n0 + BN - 1 > m0 + off);
     if (need_mask) {
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t)
@@ -274,7 +279,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
           for (int e = 0; e < 2; ++e) {
             const int col = n0 + 8 * t + c_base + e;
             const int row = r_base + 8 * h;
-            if (col >= Lk || (causal && col > row + off)) s[4 * t + 2 * h + e] = ATTN_NEG_INF;
+            if (col >= kvl || (causal && col > row + off)) s[4 * t + 2 * h + e] = ATTN_NEG_INF;
           }
     }
 #if ATTN_SCALE_POS  // scale > 0: max of raw logits, scale folded into the exponent's FFMA
@@ -334,8 +339,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   // v1: per tile, S -> wait -> softmax -> PV -> wait; loads one tile ahead.
   load_tile<BM>(sQ, q, m0, Lq, D);
   if (n_tiles > 0) {
-    load_tile<BN>(sK0, k, 0, Lk, D);
-    load_tile<BN>(sV0, v, 0, Lk, D);
+    load_tile<BN>(sK0, k, 0, kvl, D);
+    load_tile<BN>(sV0, v, 0, kvl, D);
   }
   cp_async_commit();
   for (int j = 0; j < n_tiles; ++j) {
@@ -344,8 +349,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     fence_proxy_async();
     __syncthreads();
     if (j + 1 < n_tiles) {
-      load_tile<BN>(sK0 + (buf ^ 1) * KV_BYTES, k, (j + 1) * BN, Lk, D);
-      load_tile<BN>(sV0 + (buf ^ 1) * KV_BYTES, v, (j + 1) * BN, Lk, D);
+      load_tile<BN>(sK0 + (buf ^ 1) * KV_BYTES, k, (j + 1) * BN, kvl, D);
+      load_tile<BN>(sV0 + (buf ^ 1) * KV_BYTES, v, (j + 1) * BN, kvl, D);
     }
     cp_async_commit();
     wgmma_fence();
@@ -386,13 +391,13 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #endif
   auto issue_group = [&](int g) {  // only for g < n_tiles
     if (g >= NSTAGE) mbar_wait(empty0 + 8 * (g % NSTAGE), ((g / NSTAGE) + 1) & 1);
-    if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, (g + 1) * BN, Lk, D);
-    load_tile<BN>(sV0 + (g % NSTAGE) * KV_BYTES, v, g * BN, Lk, D);
+    if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, (g + 1) * BN, kvl, D);
+    load_tile<BN>(sV0 + (g % NSTAGE) * KV_BYTES, v, g * BN, kvl, D);
     cp_async_commit();
     mbar_arrive_cp_async(full0 + 8 * (g % NSTAGE));
   };
   load_tile<BM>(sQ, q, m0, Lq, D);
-  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, Lk, D);
+  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, kvl, D);
   cp_async_commit();
 #pragma unroll
   for (int g = 0; g < PF; ++g) {
@@ -462,12 +467,12 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   // Copies run PF = NSTAGE-1 tiles ahead: copy group t = {K_{t+1}, V_t} (group -1 = {Q, K_0});
   // K_t lives in K buffer t % NSTAGE, V_t in V buffer t % NSTAGE.
   auto issue_group = [&](int t) {
-    if (t + 1 < n_tiles) load_tile<BN>(sK0 + ((t + 1) % NSTAGE) * KV_BYTES, k, (t + 1) * BN, Lk, D);
-    if (t < n_tiles) load_tile<BN>(sV0 + (t % NSTAGE) * KV_BYTES, v, t * BN, Lk, D);
+    if (t + 1 < n_tiles) load_tile<BN>(sK0 + ((t + 1) % NSTAGE) * KV_BYTES, k, (t + 1) * BN, kvl, D);
+    if (t < n_tiles) load_tile<BN>(sV0 + (t % NSTAGE) * KV_BYTES, v, t * BN, kvl, D);
     cp_async_commit();  // always, so group counting stays uniform
   };
   load_tile<BM>(sQ, q, m0, Lq, D);
-  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, Lk, D);
+  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, kvl, D);
   cp_async_commit();
 #pragma unroll
   for (int t = 0; t < PF; ++t) issue_group(t);

@@ -1,19 +1,30 @@
 // Split-KV flash attention on CUDA cores ("flash-decoding"): the fast path for few query rows
-// (decode, Lq = 1) and the portable fallback for any shape on any sm_80+ GPU.
+// (decode, Lq = 1..8) and the portable path for everything else the sm_90 kernel does not
+// take (float32, paged KV, GPUs other than sm_90).
 //
 // Grid: x = ((i * Hkv + hk) * n_hchunk + hc)  (query position i, kv head hk, head chunk hc),
-//       y = split (a contiguous range of `chunk` keys), z = batch.
+//       y = split (at most n_split), z = batch.
 // A block serves GT query heads that share kv head hk (GQA: heads hk*g .. hk*g+g-1), so each
 // K/V row is read from memory once for all of them. 4 warps; a warp covers KPW keys per step,
-// LPK lanes per key, each lane 8 head-dim elements (one 16-byte load of K and of V).
-// Each lane group keeps its own running max / sum / accumulator (fp32); they are merged
-// across the warp with shuffles and across warps in shared memory.
-//   n_split == 1: the block writes the normalised output o (B, Hq, Lq, D).
-//   n_split  > 1: it writes partials ws_o (B, Hq, Lq, n_split, D) and ws_ml (..., 2) = (m, l),
-//                 base-2 max and sum; attn_splitkv_combine merges them.
+// LPK lanes per key, each lane 8 head-dim elements (one 16-byte load of K and of V; two for
+// float32). Each lane group keeps its own running max / sum / accumulator (fp32); they are
+// merged across the warp with shuffles and across warps in shared memory.
+//
+// Valid keys: kvl = clamp(kv_len[b], 0, Lk) (kv_len == nullptr: kvl = Lk); query i sees keys
+// j < kvl, and with causal j <= kvl - Lq + i. The split of the keys is computed here from kvl
+// (split_geometry, shared with the combine kernel): n_act <= n_split splits of `chunk` keys;
+// blocks of splits >= n_act exit at once, so a long cache with few valid keys costs what a
+// short one costs. Key loops are bounded by kvl read on the device (graph-capturable).
+//   n_act == 1: the block writes the normalised output o (B, Hq, Lq, D).
+//   n_act  > 1: it writes partials ws_o (B, Hq, Lq, n_split, D) and ws_ml (..., 2) = (m, l),
+//               base-2 max and sum; attn_splitkv_combine merges the n_act valid ones.
+//
+// Paged KV (ATTN_PAGED=1): K/V are a block pool (num_blocks, Hkv, block_size, D) and key j of
+// row b lives in physical block clamp(block_table[b, j / block_size], 0, num_blocks - 1).
 //
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
-// block: 1/2/4/8), ATTN_BF16.
+// block: 1/2/4/8), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK (keys per lane group per step);
+// experiment switches ATTN_PREFETCH (register double buffer), ATTN_MINB (launch bounds).
 #include "attn_common.cuh"
 
 #ifndef ATTN_D
@@ -22,10 +33,22 @@
 #ifndef ATTN_GT
 #define ATTN_GT 4
 #endif
+#ifndef ATTN_PAGED
+#define ATTN_PAGED 0
+#endif
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 0
+#endif
+#ifndef ATTN_MINB  // minimum resident blocks per SM (__launch_bounds__), caps registers
+#define ATTN_MINB 1
+#endif
+#ifndef ATTN_GRANULE  // keys per split are a multiple of this (_attention.SPLIT_GRANULE)
+#define ATTN_GRANULE 64
+#endif
 
 #define DH ATTN_D
 #define GT ATTN_GT
-#define NCH (DH / 8)                                                       // 16-byte chunks per row
+#define NCH (DH / 8)                                                       // 8-element chunks per row
 #define LPK (NCH <= 1 ? 1 : NCH <= 2 ? 2 : NCH <= 4 ? 4 : NCH <= 8 ? 8 : NCH <= 16 ? 16 : 32)  // lanes per key
 #define KPW (32 / LPK)                                                     // keys per warp step
 #ifndef ATTN_UK
@@ -35,20 +58,96 @@
 #define NWARP 4
 
 __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
 }
 
-extern "C" __global__ void __launch_bounds__(NWARP * 32)
+// Eight consecutive elements of a row (16 bytes of 16-bit data, 32 bytes of float32).
+struct Row8 {
+  uint4 a;
+#if ATTN_F32
+  uint4 b;
+#endif
+};
+
+__device__ __forceinline__ void zero8(Row8& r) {
+  r.a = make_uint4(0, 0, 0, 0);
+#if ATTN_F32
+  r.b = make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void ld8(const elem_t* p, Row8& r) {
+  ld_global16(p, r.a);
+#if ATTN_F32
+  ld_global16(p + 4, r.b);
+#endif
+}
+
+__device__ __forceinline__ void cvt8(const Row8& r, float (&f)[8]) {
+#if ATTN_F32
+  f[0] = __uint_as_float(r.a.x);
+  f[1] = __uint_as_float(r.a.y);
+  f[2] = __uint_as_float(r.a.z);
+  f[3] = __uint_as_float(r.a.w);
+  f[4] = __uint_as_float(r.b.x);
+  f[5] = __uint_as_float(r.b.y);
+  f[6] = __uint_as_float(r.b.z);
+  f[7] = __uint_as_float(r.b.w);
+#else
+  unpack2(r.a.x, f[0], f[1]);
+  unpack2(r.a.y, f[2], f[3]);
+  unpack2(r.a.z, f[4], f[5]);
+  unpack2(r.a.w, f[6], f[7]);
+#endif
+}
+
+__device__ __forceinline__ void store1(elem_t* p, float x) {
+#if ATTN_F32
+  *p = x;
+#else
+  *p = (elem_t)(pack2(x, 0.f) & 0xffffu);
+#endif
+}
+
+__device__ __forceinline__ void store2(elem_t* p, float x0, float x1) {
+#if ATTN_F32
+  *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
+#else
+  *reinterpret_cast<u32*>(p) = pack2(x0, x1);
+#endif
+}
+
+// Valid keys of batch row b.
+__device__ __forceinline__ int valid_keys(const int* __restrict__ kv_len, int b, int Lk) {
+  return kv_len == nullptr ? Lk : min(max(__ldg(kv_len + b), 0), Lk);
+}
+
+// Split of kvl keys into n_act <= n_split chunks of `chunk` keys (a multiple of the granule).
+__device__ __forceinline__ void split_geometry(int kvl, int n_split, int& chunk, int& n_act) {
+  if (n_split <= 1) {
+    chunk = max(kvl, 1);
+    n_act = 1;
+    return;
+  }
+  int c = (kvl + n_split - 1) / n_split;
+  c = max(ATTN_GRANULE, (c + ATTN_GRANULE - 1) / ATTN_GRANULE * ATTN_GRANULE);
+  chunk = c;
+  n_act = max(1, (kvl + c - 1) / c);
+}
+
+extern "C" __global__ void __launch_bounds__(NWARP * 32, ATTN_MINB)
 attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
-             const elem_t* __restrict__ K,  // (B, Hkv, Lk, D)
-             const elem_t* __restrict__ V,  // (B, Hkv, Lk, D)
+             const elem_t* __restrict__ K,  // (B, Hkv, Lk, D) or pool (NB, Hkv, BS, D)
+             const elem_t* __restrict__ V,  // same as K
              elem_t* __restrict__ O,        // (B, Hq, Lq, D)
              float* __restrict__ ws_o,      // (B, Hq, Lq, n_split, D)
              float* __restrict__ ws_ml,     // (B, Hq, Lq, n_split, 2)
-             int Hq, int Hkv, int Lq, int Lk, float scale_log2, int causal, int n_split, int chunk,
-             int n_hchunk) {
+             const int* __restrict__ kv_len,       // (B,) or nullptr
+             const int* __restrict__ block_table,  // (B, max_blocks) (ATTN_PAGED)
+             int Hq, int Hkv, int Lq, int Lk, float scale_log2, int causal, int n_split,
+             int n_hchunk, int max_blocks, int block_size, int num_blocks) {
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
   __shared__ float sm_o[NWARP][GT][DH];
 
@@ -65,8 +164,12 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const int h0 = hk * g + hc * GT;                // first q head of this block
   const int ng = min(GT, g - hc * GT);            // heads served
 
-  const int off = Lk - Lq;
-  const int kend = causal ? min(Lk, i + off + 1) : Lk;
+  const int kvl = valid_keys(kv_len, b, Lk);
+  int chunk, n_act;
+  split_geometry(kvl, n_split, chunk, n_act);
+  if (split >= n_act) return;  // block-uniform, before any barrier
+  const int off = kvl - Lq;
+  const int kend = causal ? min(kvl, i + off + 1) : kvl;
   const int ks = split * chunk;
   const int ke = min(kend, ks + chunk);
 
@@ -75,12 +178,10 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
   for (int t = 0; t < GT; ++t) {
     const int hq = h0 + (t < ng ? t : 0);
-    uint4 r = make_uint4(0, 0, 0, 0);
-    if (lane_ok) ld_global16(Q + (((size_t)b * Hq + hq) * Lq + i) * DH + sl * 8, r);
-    unpack2(r.x, qf[t][0], qf[t][1]);
-    unpack2(r.y, qf[t][2], qf[t][3]);
-    unpack2(r.z, qf[t][4], qf[t][5]);
-    unpack2(r.w, qf[t][6], qf[t][7]);
+    Row8 r;
+    zero8(r);
+    if (lane_ok) ld8(Q + (((size_t)b * Hq + hq) * Lq + i) * DH + sl * 8, r);
+    cvt8(r, qf[t]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) qf[t][e] *= scale_log2;
   }
@@ -94,30 +195,58 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
   }
 
-  const elem_t* kb = K + ((size_t)b * Hkv + hk) * Lk * DH + sl * 8;
-  const elem_t* vb = V + ((size_t)b * Hkv + hk) * Lk * DH + sl * 8;
+#if ATTN_PAGED
+  const int* bt = block_table + (size_t)b * max_blocks;
+  const size_t head_off = (size_t)hk * block_size;  // row of (phys, hk, 0) = phys*Hkv*BS + hk*BS
+  const size_t blk_rows = (size_t)Hkv * block_size;
+#else
+  const size_t kv_row0 = ((size_t)b * Hkv + hk) * Lk;
+#endif
   constexpr int STEP = NWARP * KPW * UK;
+  // K/V rows of keys base .. base+UK-1 of this lane group (zeros past ke).
+  auto load_step = [&](int base, Row8 (&kr)[UK], Row8 (&vr)[UK]) {
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      zero8(kr[u]);
+      zero8(vr[u]);
+      const int j = base + u;
+      if (lane_ok && j < ke) {
+#if ATTN_PAGED
+        const int lb = j / block_size;
+        const int phys = min(max(__ldg(bt + lb), 0), num_blocks - 1);
+        const size_t row = (size_t)phys * blk_rows + head_off + (j - lb * block_size);
+#else
+        const size_t row = kv_row0 + j;
+#endif
+        ld8(K + row * DH + sl * 8, kr[u]);
+        ld8(V + row * DH + sl * 8, vr[u]);
+      }
+    }
+  };
+#if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
+  Row8 kr[UK], vr[UK];
+  load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
+#endif
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
   for (int wbase = ks + warp * KPW * UK; wbase < ke; wbase += STEP) {
     const int base = wbase + lg * UK;
-    uint4 kr[UK], vr[UK];
+#if ATTN_PREFETCH
+    Row8 kc[UK], vc[UK];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
-      kr[u] = make_uint4(0, 0, 0, 0);
-      vr[u] = make_uint4(0, 0, 0, 0);
-      if (lane_ok && base + u < ke) {
-        ld_global16(kb + (size_t)(base + u) * DH, kr[u]);
-        ld_global16(vb + (size_t)(base + u) * DH, vr[u]);
-      }
+      kc[u] = kr[u];
+      vc[u] = vr[u];
     }
+    load_step(base + STEP, kr, vr);
+#else
+    Row8 kc[UK], vc[UK];
+    load_step(base, kc, vc);
+#endif
     float sc[GT][UK];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       float kf[8];
-      unpack2(kr[u].x, kf[0], kf[1]);
-      unpack2(kr[u].y, kf[2], kf[3]);
-      unpack2(kr[u].z, kf[4], kf[5]);
-      unpack2(kr[u].w, kf[6], kf[7]);
+      cvt8(kc[u], kf);
 #pragma unroll
       for (int t = 0; t < GT; ++t) {
         float d = 0.f;
@@ -136,12 +265,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
     float vf[UK][8];
 #pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      unpack2(vr[u].x, vf[u][0], vf[u][1]);
-      unpack2(vr[u].y, vf[u][2], vf[u][3]);
-      unpack2(vr[u].z, vf[u][4], vf[u][5]);
-      unpack2(vr[u].w, vf[u][6], vf[u][7]);
-    }
+    for (int u = 0; u < UK; ++u) cvt8(vc[u], vf[u]);
 #pragma unroll
     for (int t = 0; t < GT; ++t) {
       float mx = m[t];
@@ -212,10 +336,8 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       ot += sm_o[w][t][d] * a;
     }
     const size_t row = ((size_t)b * Hq + h0 + t) * Lq + i;
-    if (n_split == 1) {
-      const float r = lt > 0.f ? ot / lt : 0.f;
-      u32 pk = pack2(r, 0.f);
-      O[row * DH + d] = (elem_t)(pk & 0xffffu);
+    if (n_act == 1) {
+      store1(O + row * DH + d, lt > 0.f ? ot / lt : 0.f);
     } else {
       const size_t prow = row * n_split + split;
       ws_o[prow * DH + d] = ot;
@@ -227,26 +349,56 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   }
 }
 
-// Merge n_split partials per output row. Grid x = B * Hq * Lq rows; 64 threads.
-extern "C" __global__ void __launch_bounds__(64)
+#define CNT 64  // combine threads; n_split <= CNT (_attention.MAX_SPLITS)
+
+// Merge the n_act partials of each output row (nothing to do when n_act == 1: the split
+// kernel wrote the row). Grid x = B * Hq * Lq rows; CNT threads; rows_per_b = Hq * Lq.
+extern "C" __global__ void __launch_bounds__(CNT)
 attn_splitkv_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                     elem_t* __restrict__ O, int n_split) {
+                     elem_t* __restrict__ O, const int* __restrict__ kv_len, int n_split, int Lk,
+                     int rows_per_b) {
+  __shared__ float sm_w[CNT];
+  __shared__ float sm_red[CNT / 32];
   const size_t row = blockIdx.x;
-  float mx = ATTN_NEG_INF;
-  for (int s = 0; s < n_split; ++s) mx = fmaxf(mx, ws_ml[(row * n_split + s) * 2]);
+  const int b = (int)(row / rows_per_b);
+  int chunk, n_act;
+  split_geometry(valid_keys(kv_len, b, Lk), n_split, chunk, n_act);
+  if (n_act <= 1) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* ml = ws_ml + row * n_split * 2;
+  const float ms = tid < n_act ? ml[2 * tid] : ATTN_NEG_INF;
+  const float ls = tid < n_act ? ml[2 * tid + 1] : 0.f;
+  float mx = ms;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) sm_red[warp] = mx;
+  __syncthreads();
+  mx = sm_red[0];
+#pragma unroll
+  for (int w = 1; w < CNT / 32; ++w) mx = fmaxf(mx, sm_red[w]);
   const float mu = mx == ATTN_NEG_INF ? 0.f : mx;
-  float lt = 0.f;
-  for (int s = 0; s < n_split; ++s)
-    lt += ws_ml[(row * n_split + s) * 2 + 1] * fast_exp2(ws_ml[(row * n_split + s) * 2] - mu);
+  const float a = tid < n_act ? fast_exp2(ms - mu) : 0.f;
+  float lt = ls * a;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffffu, lt, o);
+  __syncthreads();  // every thread has read sm_red
+  if (lane == 0) sm_red[warp] = lt;
+  __syncthreads();
+  lt = 0.f;
+#pragma unroll
+  for (int w = 0; w < CNT / 32; ++w) lt += sm_red[w];
   const float inv = lt > 0.f ? 1.f / lt : 0.f;
-  for (int d = threadIdx.x * 2; d < DH; d += 128) {
+  sm_w[tid] = a * inv;
+  __syncthreads();
+  const float* po = ws_o + row * n_split * DH;
+  for (int d = tid * 2; d < DH; d += 2 * CNT) {
     float o0 = 0.f, o1 = 0.f;
-    for (int s = 0; s < n_split; ++s) {
-      const float a = fast_exp2(ws_ml[(row * n_split + s) * 2] - mu);
-      const float* p = ws_o + (row * n_split + s) * DH + d;
-      o0 = fmaf(a, p[0], o0);
-      o1 = fmaf(a, p[1], o1);
+#pragma unroll 8
+    for (int s = 0; s < n_act; ++s) {
+      const float2 p = *reinterpret_cast<const float2*>(po + (size_t)s * DH + d);
+      o0 = fmaf(sm_w[s], p.x, o0);
+      o1 = fmaf(sm_w[s], p.y, o1);
     }
-    *reinterpret_cast<u32*>(O + row * DH + d) = pack2(o0 * inv, o1 * inv);
+    store2(O + row * DH + d, o0, o1);
   }
 }
