@@ -73,7 +73,7 @@ class StepModel(Protocol):
     ``prefill`` writes the KV of ``ids`` at positions ``start ..`` of ``slot`` and, when
     ``last``, returns the token sampled from the last position's logits with ``params``
     (the first call for a slot has ``start == 0`` and sets the slot's sampling state,
-    seed and counter, as ``CausalLM.generate`` would). ``decode`` feeds ``tokens[i]`` at
+    seed and counter, as ``CausalLM.generate`` would). ``decode_step`` feeds ``tokens[i]`` at
     position ``positions[i]`` of ``slots[i]`` and returns one sampled token per row.
     ``release`` forgets a slot. Both step methods await their device work.
     """
@@ -96,7 +96,7 @@ class StepModel(Protocol):
         self, slot: int, ids: Sequence[int], start: int, params: SamplingParams, *, last: bool
     ) -> int | None: ...
 
-    async def decode(
+    async def decode_step(
         self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
     ) -> list[int]: ...
 
@@ -559,7 +559,7 @@ class Engine:
         rows = [r for r in self._active if r.state == _DECODE]
         if not rows:
             return
-        toks = await self.steps.decode(
+        toks = await self.steps.decode_step(
             [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
         )
         self._decode_rows += len(rows)

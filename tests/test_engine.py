@@ -84,7 +84,7 @@ class Toy:
             raise RuntimeError("toy failure")
         return self._sample(slot) if last else None
 
-    async def decode(self, slots: Sequence[int], tokens: Sequence[int],
+    async def decode_step(self, slots: Sequence[int], tokens: Sequence[int],
                      positions: Sequence[int]) -> list[int]:
         assert len(slots) == len(set(slots)) <= self._max_batch
         out = []
