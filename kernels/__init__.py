@@ -12,11 +12,14 @@ from ._elementwise import add, mul, saxpy
 from ._launch import KernelOp
 from ._linear import gemm, matmul, reserve_workspace
 from ._nn_ops import argmax, embedding, gelu, layer_norm, rms_norm, silu, softmax
+from ._sampling import sample
 from ._testing import slow_copy
+from ._transformer import add_rms_norm, merge_heads, rope, rope_kv_write, swiglu
 
 __all__ = [
     "KernelOp",
     "add",
+    "add_rms_norm",
     "argmax",
     "embedding",
     "flash_attention",
@@ -24,11 +27,16 @@ __all__ = [
     "gemm",
     "layer_norm",
     "matmul",
+    "merge_heads",
     "mul",
     "reserve_workspace",
     "rms_norm",
+    "rope",
+    "rope_kv_write",
+    "sample",
     "saxpy",
     "silu",
     "slow_copy",
     "softmax",
+    "swiglu",
 ]

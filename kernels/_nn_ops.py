@@ -39,6 +39,7 @@ from ._gemm import _act_np
 from ._launch import KernelOp
 from ._linear import Check, build_op, check_out, noop
 from ._module import load_module, read_source
+from ._norms import norm_cuda
 
 __all__ = ["argmax", "embedding", "gelu", "layer_norm", "rms_norm", "silu", "softmax"]
 
@@ -241,7 +242,8 @@ def rms_norm(x: Any, weight: Any, *, eps: float = 1e-6, out: Any = None) -> Kern
         def cpu() -> None:
             oa[...] = rms_norm_reference(xa, wa, e)
 
-        cuda = _row_launch(ctx, name, o, x, (wa,), (np.float32(e),)) if not ctx.device.is_cpu else noop
+        # cuda: the one-block-per-row kernel shared with add_rms_norm (kernels/_norms.py)
+        cuda = norm_cuda(ctx.device.index, oa, xa, wa, e) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x, w), (o,), cpu, cuda)
 
     return build_op(name, {"x": x, "weight": weight, "out": out}, check, body)

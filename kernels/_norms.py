@@ -1,0 +1,119 @@
+"""The CUDA half of ``rms_norm`` and ``add_rms_norm``: one kernel, one block per row.
+
+CUDA source: ``src/transformer.cu``. A row is held in registers between the reduction and the
+store (``NV`` vectors of ``VEC`` elements per thread; 16-byte loads where the row length
+and the pointers allow), so the input is read once and the output written once. The
+launch geometry is chosen from the row length (:func:`norm_geometry`): a single short row
+(decode, ``(1, 768)``) gets one block whose threads each load one vector, so the kernel's
+latency is one load, one block reduction and one store.
+
+``add_rms_norm`` is the same kernel with a residual: ``s = x + residual`` is rounded to the
+dtype, stored to ``residual_out`` and normalised (so the result equals an unfused ``add``
+followed by ``rms_norm``). Without a residual it is ``rms_norm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from deviceops._dtypes import bfloat16, float16, float32
+
+from ._module import load_module, read_source
+
+__all__ = ["CTYPE", "MOVE_TYPES", "norm_cuda", "norm_geometry", "tk_function", "vec_width"]
+
+_CTYPE = {float32: "float", float16: "f16", bfloat16: "bf16"}
+_NVS = (0, 1, 2, 4, 8)  # vectors held per thread; 0 = row too long to hold: two passes
+_MAX_THREADS = 1024
+_MAX_BLOCKS = 1 << 20
+# Many rows: smaller blocks (several resident per SM, cheaper block reductions).
+_MANY_ROWS = 256
+
+
+def _names() -> tuple[str, ...]:
+    """Every instantiation in ``src/transformer.cu`` (one module for the transformer kernels)."""
+    out = []
+    for c in _CTYPE.values():
+        vecs = (1, 16 // (4 if c == "float" else 2))
+        out += [f"add_rms_norm<{c}, {v}, {nv}>" for v in vecs for nv in _NVS]
+        out += [f"{k}<{c}, {v}>" for k in ("rope", "rope_kv_write", "swiglu") for v in vecs]
+        out.append(f"sample<{c}>")
+    out += [f"merge_heads<{e}>" for e in MOVE_TYPES.values()]
+    return tuple(out)
+
+
+# bytes moved per access -> the CUDA type (merge_heads copies bits)
+MOVE_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+CTYPE = _CTYPE
+
+_funcs: dict[tuple[int, str], Any] = {}
+
+
+def tk_function(device_index: int, expr: str) -> Any:
+    """The compiled kernel ``expr`` (e.g. ``"rope<f16, 8>"``) of ``src/transformer.cu``."""
+    key = (device_index, expr)
+    fn = _funcs.get(key)
+    if fn is None:
+        mod = load_module(read_source("transformer.cu"), device_id=device_index,
+                          name_expressions=_names())
+        fn = _funcs[key] = mod.get_function(expr)
+    return fn
+
+
+def norm_geometry(rows: int, cols: int, vec: int) -> tuple[int, int, int]:
+    """``(blocks, threads, nv)`` for ``rows`` rows of ``cols`` elements loaded ``vec`` at a time.
+
+    ``nv`` is the number of vectors each thread holds (0: the row does not fit in
+    registers, the kernel streams it twice). Pure logic, tested on the cpu backend.
+    """
+    nvec = -(-cols // vec)
+    cap = 256 if rows >= _MANY_ROWS else _MAX_THREADS
+    for nv in _NVS[1:]:
+        if nvec <= cap * nv:
+            break
+    else:
+        nv = 0 if nvec > _MAX_THREADS * _NVS[-1] else _NVS[-1]
+    if nv == 0:
+        threads = _MAX_THREADS
+    else:
+        per = -(-nvec // nv)
+        threads = max(32, min(_MAX_THREADS, (per + 31) // 32 * 32))
+    return min(max(rows, 1), _MAX_BLOCKS), threads, nv
+
+
+def vec_width(dtype: np.dtype[Any], cols: int, arrays: tuple[Any, ...]) -> int:
+    """Elements per 16-byte access if ``cols`` is a multiple of it and every array is aligned, else 1."""
+    vec = 16 // dtype.itemsize
+    if cols % vec or any(a.data.ptr % 16 for a in arrays):
+        return 1
+    return vec
+
+
+def norm_cuda(device_index: int, out: Any, x: Any, weight: Any, eps: float,
+              residual: Any = None, residual_out: Any = None) -> Any:
+    """A ``cuda(native_stream)`` launch function for (add_)rms_norm over the last dim.
+
+    Args:
+        device_index: the CUDA device.
+        out, x, weight: CuPy arrays (out and x of one shape, weight ``(D,)``).
+        eps: added to the mean square.
+        residual, residual_out: CuPy arrays of x's shape, or both ``None`` (plain rms_norm).
+    """
+    cols = int(x.shape[-1])
+    rows = int(x.size // cols) if cols else 0
+    arrays = tuple(a for a in (out, x, weight, residual, residual_out) if a is not None)
+    vec = vec_width(x.dtype, cols, arrays)
+    blocks, threads, nv = norm_geometry(rows, cols, vec)
+    fn = tk_function(device_index, f"add_rms_norm<{_CTYPE[x.dtype]}, {vec}, {nv}>")
+    null = np.uint64(0)  # a null pointer: no residual
+    res = null if residual is None else residual
+    res_out = null if residual_out is None else residual_out
+    args = (out, res_out, x, res, weight, np.int64(rows), np.int32(cols), np.float32(eps))
+
+    def cuda(native: Any) -> None:
+        if rows > 0:
+            fn((blocks,), (threads,), args, stream=native)
+
+    return cuda
