@@ -16,6 +16,20 @@ Decode point: Lq = 1, Lk = 4096, B = 8, Hq = 32, Hkv = 8, D = 128; 20 calls rota
 read once and o written once, and is compared with a 1 GiB device-to-device copy timed in the
 same run (bytes read + written).
 
+Decode tables (``--decode-tables``, issue 13): GQA 32/8 heads of 128 at B 1/8/32 and
+Lk 1k/4k/32k, SmolLM2's 9/3 heads of 64 at B 1/8/32 and Lk 128..2048, Lq = 1, float16.
+Device time with the host hidden: a ``torch.cuda._sleep`` spin is queued first on the same
+stream, then CUDA events around ONE call; median of ``--reps`` calls rotating over enough
+input sets that the set exceeds the 50 MiB L2. Beside it, in the same run and on the same
+inputs: torch SDPA (``enable_gqa=True``) with its default backend choice and with each of
+the FLASH / EFFICIENT / CUDNN backends that accept the call; "ratio" = best SDPA time /
+ours (>= 1.0 means ours is faster). "ours kv_len" is the same call with an int32 kv_len
+tensor (= Lk) as a captured decode graph uses; "floor" = KV bytes / copy bandwidth measured
+in the same run. ``--decode-sweep`` times split-KV build variants (NVRTC defines) and
+split targets at a few of these points. ``--check`` runs kv_len / float32 / paged cases
+against the float64 reference (the compute-sanitizer driver: ``compute-sanitizer --tool
+memcheck python3 benchmarks/attention.py --check``).
+
 ``--smoke`` runs the NumPy reference on tiny shapes through the same code (no timings).
 """
 
@@ -63,6 +77,21 @@ def smoke() -> dict[str, Any]:
             )
             print(f"smoke {dt!s:9} Lq={lq:3} Lk={lk:3} D={d:3} causal={causal!s:5} finite={ok}")
             assert ok
+    # kv_len, float32 and a paged cache through the reference, as the decode tables use them
+    q = rng.standard_normal((2, 9, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 40, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 40, 64)).astype(np.float32)
+    kv_len = np.array([7, 40], np.int32)
+    o = attn.attention_reference(q, k, v, causal=True, kv_len=kv_len)
+    o7 = attn.attention_reference(q[:1], k[:1, :, :7], v[:1, :, :7], causal=True)
+    assert np.allclose(o[:1], o7, rtol=1e-6, atol=1e-7)
+    table = np.arange(10, dtype=np.int32).reshape(2, 5)  # 2 rows x 5 blocks of 8 keys
+    pool_k = k.reshape(2, 3, 5, 8, 64).transpose(0, 2, 1, 3, 4).reshape(10, 3, 8, 64)
+    pool_v = v.reshape(2, 3, 5, 8, 64).transpose(0, 2, 1, 3, 4).reshape(10, 3, 8, 64)
+    op = attn.attention_reference(q, pool_k, pool_v, causal=True, kv_len=kv_len, block_table=table)
+    assert np.allclose(op, o, rtol=1e-6, atol=1e-7)
+    print("smoke float32 kv_len and paged KV: reference consistent")
+    rows.append({"dtype": "float32", "kv_len": [7, 40], "paged": True, "finite": True})
     return {"mode": "smoke", "rows": rows}
 
 
@@ -264,6 +293,314 @@ def bench_decode(dtypes: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+# -- decode tables (issue 13) -----------------------------------------------------------------
+
+#: (label, Hq, Hkv, D, batches, key lengths)
+DECODE_TABLES = [
+    ("GQA 32/8 D128", 32, 8, 128, (1, 8, 32), (1024, 4096, 32768)),
+    ("SmolLM2 9/3 D64", 9, 3, 64, (1, 8, 32), (128, 256, 512, 1024, 2048)),
+]
+L2_BYTES = 50 << 20
+
+
+class _Timer:
+    """Device time of one call with the host hidden behind a spin queued first."""
+
+    def __init__(self) -> None:
+        import cupy
+        import torch
+
+        self.torch = torch
+        self.ts = torch.cuda.current_stream()
+        self.stream = cupy.cuda.ExternalStream(self.ts.cuda_stream)
+        self.clock_hz = cupy.cuda.Device().attributes["ClockRate"] * 1e3
+
+    def median_us(self, calls: list[Any], reps: int, spin_us: float = 250.0) -> float:
+        torch = self.torch
+        for fn in calls[:3]:  # warm-up (compiles)
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for r in range(reps):
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
+            a.record(self.ts)
+            calls[r % len(calls)]()
+            b.record(self.ts)
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+
+def _decode_sets(b: int, hq: int, hkv: int, lk: int, d: int, tdt: Any) -> list[tuple[Any, ...]]:
+    import torch
+
+    kv_bytes = 2 * b * hkv * lk * d * 2
+    n = max(1, min(64, -(-2 * L2_BYTES // kv_bytes)))
+    sets = []
+    for _ in range(n):
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=tdt)
+        k = torch.randn(b, hkv, lk, d, device="cuda", dtype=tdt)
+        v = torch.randn(b, hkv, lk, d, device="cuda", dtype=tdt)
+        sets.append((q, k, v, torch.empty_like(q)))
+    return sets
+
+
+def _sdpa_calls(sets: list[tuple[Any, ...]]) -> dict[str, list[Any]]:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    out: dict[str, list[Any]] = {}
+    backends = [
+        ("sdpa", None),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ]
+    for name, be in backends:
+
+        def mk(s: tuple[Any, ...], be: Any = be) -> Any:
+            q, k, v, _ = s
+            if be is None:
+                return lambda: sdpa(q, k, v, enable_gqa=True)
+
+            def call() -> Any:
+                with sdpa_kernel(be):
+                    return sdpa(q, k, v, enable_gqa=True)
+
+            return call
+
+        calls = [mk(s) for s in sets]
+        try:
+            ref = calls[0]()
+            torch.cuda.synchronize()
+            del ref
+        except Exception as exc:  # backend refuses the shape / GQA
+            print(f"    {name}: not available ({str(exc).splitlines()[0][:80]})")
+            continue
+        out[name] = calls
+    return out
+
+
+def _ours_calls(sets: list[tuple[Any, ...]], stream: Any, ws: Any, kv_len: Any = None) -> list[Any]:
+    calls = []
+    for q, k, v, o in sets:
+        cq, ck, cv, co = (_to_cupy(t) for t in (q, k, v, o))
+
+        def call(cq: Any = cq, ck: Any = ck, cv: Any = cv, co: Any = co) -> None:
+            attn.flash_attention_cuda(cq, ck, cv, co, kv_len=kv_len, workspace=ws, stream=stream)
+
+        calls.append(call)
+    return calls
+
+
+def bench_decode_tables(reps: int, only: str = "") -> list[dict[str, Any]]:
+    """The issue-13 decode tables: ours beside torch SDPA, float16, Lq = 1."""
+    import cupy
+    import torch
+
+    timer = _Timer()
+    copy_gbs = _copy_gbs(timer.stream)
+    rows = []
+    for label, hq, hkv, d, batches, lks in DECODE_TABLES:
+        if only and only not in label:
+            continue
+        for b in batches:
+            for lk in lks:
+                torch.manual_seed(b * 100000 + lk)
+                sets = _decode_sets(b, hq, hkv, lk, d, torch.float16)
+                nbytes = attn.attention_workspace_nbytes((b, hq, 1, d), (b, hkv, lk, d), None)
+                ws = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+                lens = cupy.full((b,), lk, dtype=cupy.int32)
+                row: dict[str, Any] = {"table": label, "B": b, "Lk": lk, "sets": len(sets)}
+                row["ours_us"] = timer.median_us(_ours_calls(sets, timer.stream, ws), reps)
+                row["ours_kvlen_us"] = timer.median_us(
+                    _ours_calls(sets, timer.stream, ws, lens), reps
+                )
+                for name, calls in _sdpa_calls(sets).items():
+                    row[name + "_us"] = timer.median_us(calls, reps)
+                best = min(
+                    row.get(n + "_us", float("inf"))
+                    for n in ("sdpa", "flash", "efficient", "cudnn")
+                )
+                row["best_sdpa_us"] = best
+                row["ratio"] = round(best / row["ours_us"], 3)
+                row["ratio_kvlen"] = round(best / row["ours_kvlen_us"], 3)
+                kv_bytes = 2 * b * hkv * lk * d * 2
+                row["floor_us"] = round(kv_bytes / (copy_gbs * 1e3), 2)
+                # correctness of ours on set 0 against fp32 torch
+                q, k, v, o = sets[0]
+                _ours_calls(sets[:1], timer.stream, ws, lens)[0]()
+                torch.cuda.synchronize()
+                g = hq // hkv
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+                )
+                err = torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)
+                row["rel_err_vs_fp32"] = float(f"{err.item():.2e}")
+                for key in list(row):
+                    if key.endswith("_us") and isinstance(row[key], float):
+                        row[key] = round(row[key], 2)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                del sets
+                torch.cuda.empty_cache()
+    # a long cache holding few valid keys costs what a short one costs
+    for s_len, n_valid in ((8192, 10), (32768, 1000)):
+        b, hq, hkv, d = 8, 32, 8, 128
+        sets = _decode_sets(b, hq, hkv, s_len, d, torch.float16)[:2]
+        short = [(q, k[:, :, :n_valid].contiguous(), v[:, :, :n_valid].contiguous(), o)
+                 for q, k, v, o in sets]  # fmt: skip
+        nbytes = attn.attention_workspace_nbytes((b, hq, 1, d), (b, hkv, s_len, d), None)
+        ws = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+        lens = cupy.full((b,), n_valid, dtype=cupy.int32)
+        row = {
+            "table": "kv_len bound", "B": b, "S": s_len, "kv_len": n_valid,
+            "cache_S_kvlen_us": round(timer.median_us(
+                _ours_calls(sets, timer.stream, ws, lens), reps), 2),
+            "Lk_eq_kvlen_us": round(timer.median_us(
+                _ours_calls(short, timer.stream, ws), reps), 2),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del sets, short
+        torch.cuda.empty_cache()
+    for r in rows:
+        r["copy_gbs"] = round(copy_gbs, 1)
+    return rows
+
+
+#: (label, Hq, Hkv, D, B, Lk) points of the variant sweep
+SWEEP_POINTS = [
+    ("GQA", 32, 8, 128, 1, 4096),
+    ("GQA", 32, 8, 128, 8, 4096),
+    ("GQA", 32, 8, 128, 32, 1024),
+    ("GQA", 32, 8, 128, 1, 32768),
+    ("SmolLM2", 9, 3, 64, 1, 512),
+    ("SmolLM2", 9, 3, 64, 8, 1024),
+    ("SmolLM2", 9, 3, 64, 32, 2048),
+]
+
+
+def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dict[str, Any]]:
+    """Time split-KV build variants x split targets (blocks per SM) at SWEEP_POINTS."""
+    import cupy
+    import torch
+
+    timer = _Timer()
+    rows = []
+    saved = (attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM)
+    try:
+        for label, hq, hkv, d, b, lk in SWEEP_POINTS:
+            sets = _decode_sets(b, hq, hkv, lk, d, torch.float16)
+            nbytes = attn.attention_workspace_nbytes((b, hq, 1, d), (b, hkv, lk, d), None)
+            ws = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+            q, k, v, o = sets[0]
+            g = hq // hkv
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+            )
+            row: dict[str, Any] = {"point": f"{label} B{b} Lk{lk}"}
+            for var in variants:
+                for tgt in targets:
+                    attn.EXTRA_SPLITKV_DEFINES = tuple(var.split())
+                    attn.SPLIT_BLOCKS_PER_SM = tgt
+                    calls = _ours_calls(sets, timer.stream, ws)
+                    us = timer.median_us(calls, reps)
+                    o.fill_(float("nan"))
+                    calls[0]()
+                    torch.cuda.synchronize()
+                    err = torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)
+                    key = f"{var or 'default'}|{tgt}"
+                    row[key] = round(us, 2)
+                    if not err.item() < 2e-3:
+                        row[key + "|BAD_ERR"] = err.item()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del sets
+            torch.cuda.empty_cache()
+    finally:
+        attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM = saved
+    return rows
+
+
+def check_cases() -> int:
+    """kv_len / float32 / paged / head-dim cases vs the float64 reference (sanitizer driver)."""
+    import cupy as cp
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    stream = cp.cuda.Stream(non_blocking=True)
+    bad = 0
+    cases = [
+        # (b, hq, hkv, lq, lk, d, causal, dtype, ws, paged_bs)
+        (3, 9, 3, 1, 300, 64, True, "f16", True, 0),
+        (3, 9, 3, 1, 300, 64, True, "f16", False, 0),
+        (3, 32, 8, 4, 700, 128, True, "bf16", True, 0),
+        (2, 8, 2, 1, 200, 32, False, "f32", True, 0),
+        (2, 4, 2, 40, 130, 128, True, "f16", False, 0),  # prefill (sm90) with kv_len
+        (2, 4, 2, 40, 130, 32, True, "bf16", False, 0),
+        (2, 4, 2, 20, 90, 64, True, "f32", False, 0),  # float32 prefill (split-KV kernel)
+        (3, 8, 2, 1, 100, 64, True, "f16", True, 16),  # paged
+        (2, 8, 2, 3, 100, 128, True, "f32", True, 7),
+        (2, 8, 2, 12, 60, 64, True, "bf16", False, 16),
+    ]
+    for b, hq, hkv, lq, lk, d, causal, dn, use_ws, bs in cases:
+        dt = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16),
+              "f32": np.dtype(np.float32)}[dn]  # fmt: skip
+        lo = 1 if lq <= attn.DECODE_MAX_LQ else lq
+        kv_len = np.array([lo] + [int(x) for x in rng.integers(lo, lk + 1, b - 1)], np.int32)
+        q = rng.standard_normal((b, hq, lq, d)).astype(dt)
+        k = rng.standard_normal((b, hkv, lk, d)).astype(dt)
+        v = rng.standard_normal((b, hkv, lk, d)).astype(dt)
+        for bi, n in enumerate(kv_len):
+            k[bi, :, n:] = np.nan
+            v[bi, :, n:] = np.nan
+        table = None
+        kk, vv = k, v
+        if bs:
+            mb = -(-lk // bs)
+            perm = rng.permutation(b * mb).astype(np.int32)
+            table = perm.reshape(b, mb)
+            pad = mb * bs - lk
+            kpad = np.concatenate([k, np.full((b, hkv, pad, d), np.nan, dt)], axis=2)
+            vpad = np.concatenate([v, np.full((b, hkv, pad, d), np.nan, dt)], axis=2)
+            kk = np.empty((b * mb, hkv, bs, d), dt)
+            vv = np.empty((b * mb, hkv, bs, d), dt)
+            for bi in range(b):
+                for n in range(mb):
+                    kk[table[bi, n]] = kpad[bi, :, n * bs : (n + 1) * bs]
+                    vv[table[bi, n]] = vpad[bi, :, n * bs : (n + 1) * bs]
+        dq, dk, dv = cp.asarray(q), cp.asarray(kk), cp.asarray(vv)
+        dl = cp.asarray(kv_len)
+        dbt = None if table is None else cp.asarray(table)
+        out = cp.full(q.shape, cp.nan, dtype=cp.float32).astype(dt)
+        ws = None
+        if use_ws:
+            nb = attn.attention_workspace_nbytes(
+                q.shape, kk.shape, dt, block_table_shape=None if table is None else table.shape
+            )
+            ws = cp.empty(max(nb, 1), dtype=cp.uint8)
+        cp.cuda.Device().synchronize()
+        attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, kv_len=dl, block_table=dbt,
+                                  workspace=ws, stream=stream)  # fmt: skip
+        stream.synchronize()
+        o = cp.asnumpy(out).astype(np.float64)
+        f = np.float64
+        ref = attn.attention_reference(q.astype(f), k.astype(f), v.astype(f), causal=causal,
+                                       kv_len=kv_len)  # fmt: skip
+        err = float(np.linalg.norm(o - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+        n_nan = int(np.isnan(o).sum())
+        tol = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}[dn]
+        ok = n_nan == 0 and err < tol
+        bad += not ok
+        print(f"check {(b, hq, hkv, lq, lk, d, causal, dn, use_ws, bs)} kv_len={kv_len.tolist()}: "
+              f"err={err:.2e} nan={n_nan} {'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    return bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
@@ -277,10 +614,36 @@ def main() -> None:
     ap.add_argument("--no-ref", action="store_true", help="skip the torch SDPA timings")
     ap.add_argument("--decode-defines", default="", help="extra split-KV defines, e.g. -DATTN_UK=8")
     ap.add_argument("--defines", default="", help="extra sm90 NVRTC defines, e.g. -DATTN_PIPE=0")
+    ap.add_argument("--decode-tables", action="store_true", help="issue-13 decode tables only")
+    ap.add_argument("--only", default="", help="decode table label filter, e.g. SmolLM2")
+    ap.add_argument("--reps", type=int, default=50, help="timed calls per decode point")
+    ap.add_argument("--decode-sweep", default="", help="split-KV variants 'DEFS;DEFS;...'")
+    ap.add_argument("--sweep-targets", default="8", help="split targets (blocks/SM), e.g. 4,8")
+    ap.add_argument("--check", action="store_true", help="kv_len/f32/paged correctness cases")
     args = ap.parse_args()
     t0 = time.time()
     if args.smoke:
         result = smoke()
+    elif args.check:
+        sys.exit(1 if check_cases() else 0)
+    elif args.decode_tables or args.decode_sweep:
+        import cupy
+        import torch
+
+        attn.EXTRA_SPLITKV_DEFINES = tuple(args.decode_defines.split())
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cupy": cupy.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        if args.decode_sweep:
+            variants = [v.strip() for v in args.decode_sweep.split(";")]
+            targets = [int(t) for t in args.sweep_targets.split(",")]
+            result["sweep"] = sweep_decode(args.reps, variants, targets)
+        if args.decode_tables:
+            result["decode_tables"] = bench_decode_tables(args.reps, args.only)
+            print_decode_tables(result["decode_tables"])
     else:
         import cupy
         import torch
@@ -328,6 +691,25 @@ def print_table(result: dict[str, Any]) -> None:
         for r in result["decode"]:
             print(f"| {r['dtype']} | B{r['B']} Hq{r['Hq']} Hkv{r['Hkv']} Lk{r['Lk']} D{r['D']} | {r['us']} | "
                   f"{r['gbs']} | {r['copy_gbs']} | {r['ratio_copy']} | {r['rel_err_vs_fp32']} |")  # fmt: skip
+
+
+def print_decode_tables(rows: list[dict[str, Any]]) -> None:
+    """Markdown of the issue-13 decode tables."""
+    print("\n| shape | B | Lk | ours us | ours kv_len us | SDPA default | flash | efficient | "
+          "cuDNN | best SDPA / ours | floor us | rel err |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["table"] == "kv_len bound":
+            continue
+        print(f"| {r['table']} | {r['B']} | {r['Lk']} | {r['ours_us']} | {r['ours_kvlen_us']} | "
+              f"{r.get('sdpa_us')} | {r.get('flash_us')} | {r.get('efficient_us')} | "
+              f"{r.get('cudnn_us')} | {r['ratio']} | {r['floor_us']} | {r['rel_err_vs_fp32']} |")  # fmt: skip
+    for r in rows:
+        if r["table"] == "kv_len bound":
+            print(
+                f"kv_len bound: B{r['B']} cache S={r['S']} kv_len={r['kv_len']}: "
+                f"{r['cache_S_kvlen_us']} us; Lk={r['kv_len']} cache: {r['Lk_eq_kvlen_us']} us"
+            )
 
 
 if __name__ == "__main__":
