@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deviceops.kernels import _gemm
+from deviceops.kernels import _gemm, _gemm_cuda
 
 VARIANTS = [
     ("gemm_sm90.cu", f"BN={bn} NCW={ncw} STAGES={st} GEMM_BF16=1") for bn, ncw, st in _gemm.SM90_CONFIGS.values()
@@ -33,7 +33,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     for file, defs in VARIANTS:
         src = tmp / file
-        src.write_text(_gemm.expanded_source(file))
+        src.write_text(_gemm_cuda.expanded_source(file))
         cubin = tmp / "k.cubin"
         flags = [f"-D{d}" for d in defs.split()]
         r = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17", "-o", str(cubin),

@@ -2,8 +2,8 @@
 
 | launcher                                                       | computes                                   |
 |----------------------------------------------------------------|--------------------------------------------|
-| ``gemm(a, b, out=None, *, bias, activation, alpha, beta, tf32)`` | ``out = act(alpha a @ b + beta out + bias)`` |
-| ``matmul(a, b, out=None)``                                     | ``out = a @ b``                            |
+| ``gemm(a, b, out=None, *, bias, activation, alpha, beta, tf32, trans_b)`` | ``out = act(alpha a @ b + beta out + bias)`` |
+| ``matmul(a, b, out=None, *, trans_b)``                         | ``out = a @ b``                            |
 
 Shapes, dtypes and the epilogue follow :mod:`._gemm` (``a`` ``(*batch, M, K)``, ``b``
 ``(K, N)`` or ``(*batch, K, N)``, float32/float16/bfloat16, float32 accumulation). The
@@ -192,11 +192,11 @@ def noop(*_: Any) -> None:
 
 
 def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | None,
-             alpha: float, beta: float, tf32: bool) -> KernelOp:
+             alpha: float, beta: float, tf32: bool, trans_b: bool = False) -> KernelOp:
     if activation not in ACTIVATIONS:
         known = ", ".join(repr(k) for k in ACTIVATIONS)
         raise ValueError(f"{name}: unknown activation {activation!r}; use one of {known}")
-    alpha, beta, tf32 = float(alpha), float(beta), bool(tf32)
+    alpha, beta, tf32, trans_b = float(alpha), float(beta), bool(tf32), bool(trans_b)
     if not (math.isfinite(alpha) and math.isfinite(beta)):
         raise ValueError(f"{name}: alpha {alpha} and beta {beta} must be finite")
     if beta != 0.0 and out is None:
@@ -211,7 +211,7 @@ def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | N
             out_dtype=None if ot is None else ot.dtype,
             bias_shape=None if bias_t is None else bias_t.shape,
             bias_dtype=None if bias_t is None else bias_t.dtype,
-            activation=activation, op=name,
+            activation=activation, op=name, trans_b=trans_b,
         )  # fmt: skip
         if ot is not None:
             for k, t in (("a", at), ("b", bt), ("bias", bias_t)):
@@ -224,7 +224,7 @@ def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | N
         at, bt, ot = ts["a"], ts["b"], ts["out"]
         bias_t = ts.get("bias")
         stream = ctx.stream
-        ws = workspace_for(stream, gemm_workspace_nbytes(at.shape, bt.shape, at.dtype), name)
+        ws = workspace_for(stream, gemm_workspace_nbytes(at.shape, bt.shape, at.dtype, trans_b), name)
         reads = [at, bt] + ([bias_t] if bias_t is not None else []) + ([ot] if beta != 0.0 else [])
         writes = [ot] + ([ws] if ws is not None else [])
         aa, ba, oa = at.array, bt.array, ot.array
@@ -232,11 +232,13 @@ def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | N
 
         def cpu() -> None:
             oa[...] = gemm_reference(aa, ba, bias=biasa, activation=activation, alpha=alpha,
-                                     beta=beta, c=oa if beta != 0.0 else None, tf32=tf32)
+                                     beta=beta, c=oa if beta != 0.0 else None, tf32=tf32,
+                                     trans_b=trans_b)
 
         def cuda(native: Any) -> None:
             gemm_cuda(aa, ba, oa, bias=biasa, activation=activation, alpha=alpha, beta=beta,
-                      tf32=tf32, workspace=None if ws is None else ws.array, stream=native)
+                      tf32=tf32, trans_b=trans_b, workspace=None if ws is None else ws.array,
+                      stream=native)
 
         launch(ctx, name, reads, writes, cpu, cuda)
 
@@ -253,13 +255,15 @@ def gemm(
     alpha: float = 1.0,
     beta: float = 0.0,
     tf32: bool = False,
+    trans_b: bool = False,
 ) -> KernelOp:
     """``out = act(alpha * a @ b + beta * out + bias)``; produces ``out`` in the form given.
 
     Args:
         a: ``(*batch, M, K)`` Tensor, Partition, or DeviceOp producing one; float32,
             float16 or bfloat16, C-contiguous.
-        b: ``(K, N)`` (shared by every batch entry) or ``(*batch, K, N)``, same dtype.
+        b: ``(K, N)`` (shared by every batch entry) or ``(*batch, K, N)``, same dtype;
+            with ``trans_b=True``, ``(N, K)`` or ``(*batch, N, K)``.
         out: optional ``(*batch, M, N)`` output of the same dtype (Tensor or Partition;
             a Partition is returned as a Partition, its tiling does not change the GEMM's
             own). Allocated when ``None`` (not allowed inside graph capture). Must not
@@ -269,6 +273,8 @@ def gemm(
         alpha: scale of ``a @ b``.
         beta: scale of the previous ``out`` (read only when ``beta != 0``; needs ``out``).
         tf32: float32 inputs on tensor cores with operands rounded to tf32.
+        trans_b: ``b`` is given as ``(N, K)`` (how checkpoints store a Linear weight) and
+            read as its transpose without a copy, on every path.
 
     Returns:
         A :class:`KernelOp` producing ``out``.
@@ -283,20 +289,22 @@ def gemm(
     Example:
         >>> y = kernels.gemm(x, w, bias=b, activation="gelu").sync()
     """
-    return _gemm_op("gemm", a, b, out, bias, activation, alpha, beta, tf32)
+    return _gemm_op("gemm", a, b, out, bias, activation, alpha, beta, tf32, trans_b)
 
 
-def matmul(a: Any, b: Any, out: Any = None) -> KernelOp:
+def matmul(a: Any, b: Any, out: Any = None, *, trans_b: bool = False) -> KernelOp:
     """``out = a @ b`` (float32 accumulation); produces ``out`` in the form given.
 
     Same shapes, dtypes and argument forms as :func:`gemm` without the epilogue.
 
     Args:
         a: ``(*batch, M, K)`` Tensor, Partition, or DeviceOp producing one.
-        b: ``(K, N)`` or ``(*batch, K, N)``, same dtype.
+        b: ``(K, N)`` or ``(*batch, K, N)``, same dtype; ``(N, K)`` / ``(*batch, N, K)``
+            with ``trans_b=True`` (read as its transpose, no copy).
         out: optional ``(*batch, M, N)`` output; allocated when ``None``.
+        trans_b: ``b`` is given transposed (a Linear weight as stored).
 
     Returns:
         A :class:`KernelOp` producing ``out``.
     """
-    return _gemm_op("matmul", a, b, out, None, None, 1.0, 0.0, False)
+    return _gemm_op("matmul", a, b, out, None, None, 1.0, 0.0, False, trans_b)

@@ -10,8 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import deviceops
+from deviceops import api, kernels
 from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import _gemm
+
+from .conftest import to_np
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -145,6 +149,107 @@ def test_workspace_nbytes() -> None:
     assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16) == 0
     ws = _gemm.gemm_workspace_nbytes((64, 768), (768, 768), BF16)
     assert ws > 0 and ws % (768 * 4) == 0
+
+
+# --------------------------------------------------------------------------- CPU: trans_b
+
+
+def test_check_trans_b_shapes_and_messages() -> None:
+    assert _gemm.gemm_check((3, 5), F16, (7, 5), F16, trans_b=True) == ((3, 7), F16)
+    assert _gemm.gemm_check((2, 3, 5), BF16, (2, 7, 5), BF16, trans_b=True) == ((2, 3, 7), BF16)
+    with pytest.raises(ShapeError) as ei:  # a (K, N) weight with trans_b=True
+        _gemm.gemm_check((3, 5), F32, (5, 7), F32, trans_b=True)
+    msg = str(ei.value)
+    assert "(3, 5)" in msg and "(5, 7)" in msg and "trans_b=True" in msg and "pass trans_b=False" in msg
+    with pytest.raises(ShapeError) as ei:  # an (N, K) weight without the flag
+        _gemm.gemm_check((3, 5), F32, (7, 5), F32)
+    msg = str(ei.value)
+    assert "(7, 5)" in msg and "trans_b=False" in msg and "pass trans_b=True" in msg
+    with pytest.raises(ShapeError, match="leading dims"):
+        _gemm.gemm_check((2, 3, 5), F32, (3, 7, 5), F32, trans_b=True)
+    with pytest.raises(ShapeError, match=r"\(3, 8\)"):
+        _gemm.gemm_check((3, 5), F32, (7, 5), F32, out_shape=(3, 8), trans_b=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_reference_trans_b_is_the_transpose(dtype: np.dtype[Any]) -> None:
+    rng = np.random.default_rng()
+    for ashape, wshape in [((7, 13), (5, 13)), ((2, 3, 9), (2, 4, 9)), ((1, 64), (33, 64))]:
+        a, w = _rand(rng, ashape, dtype), _rand(rng, wshape, dtype)
+        bias = _rand(rng, (wshape[-2],), dtype)
+        got = _gemm.gemm_reference(a, w, bias=bias, activation="silu", trans_b=True)
+        want = _gemm.gemm_reference(a, np.swapaxes(w, -1, -2).copy(), bias=bias, activation="silu")
+        assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_plan_paths_for_inference_shapes() -> None:
+    plan = _gemm._plan
+    for m in (1, 8, 17, 32, 64):
+        assert plan(1, m, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "skinny"
+    assert plan(1, 65, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "sm90"
+    assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"  # (K, N) b
+    assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, True, False)[0] == "sm90"  # misaligned
+    assert plan(1, 8, 4096, 4096, F32, False, True, 132, True, True, True)[0] == "simt"
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 32, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (14336, 4096), (4096, 14336), (1728, 576), (576, 1536),
+                                      (49152, 576), (8, 8), (24, 40)])
+def test_skinny_config_covers_k_and_fits_registers(m: int, n: int, k: int) -> None:
+    mf, tr, u, ks, kcw = _gemm.skinny_config(1, m, n, k)
+    chunks = -(-k // 32)
+    assert 8 * mf >= m > 8 * (mf - 1)
+    assert 1 <= ks <= 8 and ks * kcw >= chunks and (ks - 1) * kcw < chunks  # every chunk, no idle warp
+    assert u * (8 * tr + 4 * mf) <= 64 or u == 1
+    assert ks * tr * mf * 512 <= 64 * 1024  # reduction buffer (dynamic shared memory)
+    assert _gemm.skinny_config(1, m, n, k, ks=3)[3] <= 3
+
+
+def test_workspace_nbytes_trans_b() -> None:
+    assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16, True) == 0
+    assert _gemm.gemm_workspace_nbytes((8, 4096), (1024, 4096), BF16, True) == _gemm.gemm_workspace_nbytes(
+        (8, 4096), (4096, 1024), BF16)
+    assert _gemm.gemm_workspace_nbytes((64, 768), (768, 768), BF16, True) == _gemm.gemm_workspace_nbytes(
+        (64, 768), (768, 768), BF16)
+
+
+def _weight_case(rng: np.random.Generator, dtype: np.dtype[Any], m: int, n: int, k: int,
+                 batch: tuple[int, ...] = (), b_batched: bool = False) -> tuple[np.ndarray, ...]:
+    a = _rand(rng, (*batch, m, k), dtype)
+    w = _rand(rng, ((*batch, n, k) if b_batched else (n, k)), dtype, 1 / math.sqrt(k))
+    bias = _rand(rng, (n,), dtype)
+    return a, w, bias
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_kernel_op_trans_b_matches_float64(dtype: np.dtype[Any], stream: deviceops.Stream) -> None:
+    """``kernels.gemm/matmul(..., trans_b=True)`` on the default device (cpu in CI), poisoned out."""
+    rng = np.random.default_rng()
+    for m, n, k, batch, bb, act in [(1, 24, 40, (), False, "silu"), (7, 33, 64, (), False, None),
+                                    (5, 1000, 72, (2,), False, "gelu"), (3, 24, 16, (2,), True, "relu"),
+                                    (33, 57, 128, (), False, None)]:  # fmt: skip
+        a, w, bias = _weight_case(rng, dtype, m, n, k, batch, bb)
+        ta, tw, tbias = (api.from_host(x).sync_on(stream) for x in (a, w, bias))
+        out = api.full((*batch, m, n), float("nan"), dtype.name if dtype != BF16 else "bfloat16").sync_on(stream)
+        got = kernels.gemm(ta, tw, out, bias=tbias, activation=act, trans_b=True).sync_on(stream)
+        assert got is out
+        ref64, pre64 = _ref64(a, np.swapaxes(w, -1, -2), bias, {"alpha": 1.0, "beta": 0.0, "act": act}, a, False)
+        err = _rel(to_np(out), ref64, pre64)
+        assert err < TOL[dtype.name], (m, n, k, batch, bb, act, err)
+        mm = kernels.matmul(ta, tw, trans_b=True).sync_on(stream)
+        ref_mm = np.matmul(a.astype(np.float64), np.swapaxes(w, -1, -2).astype(np.float64))
+        assert _rel(to_np(mm), ref_mm) < TOL[dtype.name]
+
+
+def test_kernel_op_trans_b_errors_before_launch(stream: deviceops.Stream) -> None:
+    a = api.zeros((3, 5)).sync_on(stream)
+    w_kn = api.zeros((5, 7)).sync_on(stream)
+    seq = stream.seq
+    with pytest.raises(ShapeError, match=r"gemm: .*\(3, 5\).*\(5, 7\).*trans_b=True"):
+        kernels.gemm(a, w_kn, trans_b=True).sync_on(stream)
+    with pytest.raises(ShapeError, match=r"matmul: .*trans_b=True"):
+        kernels.matmul(a, w_kn, trans_b=True).sync_on(stream)
+    assert stream.seq == seq  # nothing enqueued
 
 
 # --------------------------------------------------------------------------- GPU

@@ -1,7 +1,8 @@
 // float32 SGEMM on CUDA cores (any sm): register tiling, double-buffered shared memory.
 //
 //   out[b, m, n] = act(alpha * sum_k a[b, m, k] * B[k, n] + beta * out_prev + bias[n])
-//   a: (batch, M, K) row-major; B: (K, N) or (batch, K, N) row-major (b_bstride = 0 for 2-D).
+//   a: (batch, M, K) row-major; B: (K, N) or (batch, K, N) row-major (b_bstride = 0 for 2-D),
+//   or with GEMM_TRANS_B (N, K) / (batch, N, K).
 //
 // Block tile 128 x 128 x 8, 256 threads as 16 x 16; thread (ty, tx) owns the 8 x 8
 // outputs rows {4ty + i, 64 + 4ty + i}, cols {4tx + j, 64 + 4tx + j} (i, j < 4), so
@@ -10,7 +11,13 @@
 // The next k-tile is loaded to registers while the current one is multiplied.
 // vec = 1: rows 16-byte aligned (K % 4 == 0, N % 4 == 0, aligned pointers) -> float4
 // global loads; otherwise guarded scalar loads. Split-K as in gemm_sm80.cu.
+// GEMM_TRANS_B = 1: B given as (N, K) / (batch, N, K): loaded like A (4 consecutive k of
+// one n per thread) and stored transposed into Bs (k-major), so the inner loop is the same.
 #include "gemm_common.cuh"
+
+#ifndef GEMM_TRANS_B
+#define GEMM_TRANS_B 0
+#endif
 
 #define SBM 128
 #define SBN 128
@@ -23,7 +30,11 @@ extern "C" __global__ void __launch_bounds__(256, 2)
               long long b_bstride, int splits, int kps, int vec, float alpha, float beta, int act,
               int has_bias, int has_beta) {
   __shared__ __align__(16) float As[2][SBK][APADR];
+#if GEMM_TRANS_B
+  __shared__ __align__(16) float Bs[2][SBK][APADR];
+#else
   __shared__ __align__(16) float Bs[2][SBK][SBN];
+#endif
   const int tid = threadIdx.x;
   const int tx = tid & 15, ty = tid >> 4;
   const int tn = blockIdx.x, tm = blockIdx.y;
@@ -35,7 +46,9 @@ extern "C" __global__ void __launch_bounds__(256, 2)
   const int m0 = tm * SBM, n0 = tn * SBN;
   // loader coordinates: A row ar, k offset ak (4 consecutive k); B row bk, col bn (4 consecutive n)
   const int ar = tid >> 1, ak = (tid & 1) * 4;
+#if !GEMM_TRANS_B
   const int bk = tid >> 5, bn = (tid & 31) * 4;
+#endif
 
   float ra[4], rb[4];
   auto gload = [&](int kt) {
@@ -49,6 +62,17 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 #pragma unroll
       for (int i = 0; i < 4; ++i) ra[i] = (gr < M && gk + i < K) ? Ab[(size_t)gr * K + gk + i] : 0.f;
     }
+#if GEMM_TRANS_B
+    const int gn = n0 + ar, gkb = k0 + ak;  // thread loads B[gn][gkb .. gkb + 3]
+    if (vec) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (gn < N && gkb < K) v = *reinterpret_cast<const float4*>(Bb + (size_t)gn * K + gkb);
+      rb[0] = v.x; rb[1] = v.y; rb[2] = v.z; rb[3] = v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rb[i] = (gn < N && gkb + i < K) ? Bb[(size_t)gn * K + gkb + i] : 0.f;
+    }
+#else
     const int gkb = k0 + bk, gn = n0 + bn;
     if (vec) {
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -58,11 +82,17 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 #pragma unroll
       for (int i = 0; i < 4; ++i) rb[i] = (gkb < K && gn + i < N) ? Bb[(size_t)gkb * N + gn + i] : 0.f;
     }
+#endif
   };
   auto sstore = [&](int buf) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) As[buf][ak + i][ar] = ra[i];
+#if GEMM_TRANS_B
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Bs[buf][ak + i][ar] = rb[i];
+#else
     *reinterpret_cast<float4*>(&Bs[buf][bk][bn]) = make_float4(rb[0], rb[1], rb[2], rb[3]);
+#endif
   };
 
   float acc[8][8];

@@ -1,7 +1,10 @@
 // Portable tensor-core GEMM (sm_80+): cp.async multistage pipeline, ldmatrix, mma.sync.
 //
 //   out[b, m, n] = act(alpha * sum_k a[b, m, k] * B[k, n] + beta * out_prev + bias[n])
-//   a: (batch, M, K) row-major; B: (K, N) or (batch, K, N) row-major (b_bstride = 0 for 2-D).
+//   a: (batch, M, K) row-major; B: (K, N) or (batch, K, N) row-major (b_bstride = 0 for 2-D);
+//   GEMM_TRANS_B = 1: B given as (N, K) / (batch, N, K) and read as its transpose: its smem
+//   tile is [BN][BK + pad] (k contiguous, like A) and fragments come from ldmatrix without
+//   .trans (f16/bf16) or from the k-contiguous rows (tf32).
 //
 // GEMM_TF32 = 0: a, b, out 16-bit (f16 / bf16 per GEMM_BF16), mma m16n8k16, BK = 32.
 // GEMM_TF32 = 1: a, b, out float32, operands rounded to tf32 (cvt.rna), mma m16n8k8, BK = 16.
@@ -17,6 +20,9 @@
 #endif
 #ifndef WARPS_M
 #define WARPS_M 2
+#endif
+#ifndef GEMM_TRANS_B
+#define GEMM_TRANS_B 0
 #endif
 #define BM (64 * WARPS_M)
 #define BN 128
@@ -39,9 +45,14 @@ typedef u16 out_t;
 #define EPC 8
 #endif
 #define AROW (BK + APAD)
-#define BROW (BN + BPAD)
 #define A_ELEMS (BM * AROW)
+#if GEMM_TRANS_B
+#define BROW (BK + APAD)
+#define B_ELEMS (BN * BROW)
+#else
+#define BROW (BN + BPAD)
 #define B_ELEMS (BK * BROW)
+#endif
 
 __device__ __forceinline__ float out_to_f(out_t x) {
 #if GEMM_TF32
@@ -61,14 +72,14 @@ __device__ __forceinline__ elem_t zero_elem() { return (elem_t)0; }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     gemm_sm80(const elem_t* __restrict__ A,  // (batch, M, K)
-              const elem_t* __restrict__ B,  // (K, N) or (batch, K, N)
+              const elem_t* __restrict__ B,  // (K, N) or (batch, K, N); trans: (N, K) or (batch, N, K)
               out_t* __restrict__ out,       // (batch, M, N)
               const out_t* __restrict__ bias, float* __restrict__ ws, int M, int N, int K, int batch,
               long long b_bstride, int splits, int kps, int vec, float alpha, float beta, int act,
               int has_bias, int has_beta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   elem_t* sA = reinterpret_cast<elem_t*>(smem_raw);         // [STAGES][BM][AROW]
-  elem_t* sB = sA + STAGES * A_ELEMS;                        // [STAGES][BK][BROW]
+  elem_t* sB = sA + STAGES * A_ELEMS;                        // [STAGES][BK][BROW] or [STAGES][BN][BROW]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / 4, wn = warp % 4;
   const int tn = blockIdx.x, tm = blockIdx.y;
@@ -100,6 +111,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
           dst[e] = (gr < M && gk + e < K) ? Ab[(size_t)gr * K + gk + e] : zero_elem();
       }
     }
+#if GEMM_TRANS_B
+    // B (N, K): BN rows x (BK / EPC) chunks, like A
+#pragma unroll
+    for (int i = 0; i < (BN * BK / EPC) / NTHREADS; ++i) {
+      const int ch = tid + i * NTHREADS;
+      const int r = ch / (BK / EPC), cc = (ch % (BK / EPC)) * EPC;
+      const int gn = n0 + r, gk = k0 + cc;
+      elem_t* dst = b_s + r * BROW + cc;
+      if (vec) {
+        const bool ok = gn < N && gk < K;
+        cp_async16(smem_u32(dst), ok ? (const void*)(Bb + (size_t)gn * K + gk) : (const void*)B, ok);
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPC; ++e)
+          dst[e] = (gn < N && gk + e < K) ? Bb[(size_t)gn * K + gk + e] : zero_elem();
+      }
+    }
+#else
     // B: BK rows x (BN / EPC) chunks
 #pragma unroll
     for (int i = 0; i < (BK * BN / EPC) / NTHREADS; ++i) {
@@ -116,6 +145,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
           dst[e] = (gk < K && gn + e < N) ? Bb[(size_t)gk * N + gn + e] : zero_elem();
       }
     }
+#endif
   };
 
   float acc[4][4][4];  // [m-frag][n-frag][c0..c3]
@@ -153,9 +183,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
       }
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
+#if GEMM_TRANS_B
+        const float* p = b_s + (wn * 32 + ni * 8 + g) * BROW + kk * 8 + t;  // B[k][n] at [n][k]
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bfr[ni][0]) : "f"(p[0]));
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bfr[ni][1]) : "f"(p[4]));
+#else
         const float* p = b_s + (kk * 8 + t) * BROW + wn * 32 + ni * 8 + g;
         asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bfr[ni][0]) : "f"(p[0]));
         asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bfr[ni][1]) : "f"(p[4 * BROW]));
+#endif
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
@@ -181,6 +217,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
       }
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
+#if GEMM_TRANS_B
+        // [n][k] tile: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+        const int nr = wn * 32 + np * 16 + (lane >> 4) * 8 + (lane & 7);
+        const int kc = kk * 16 + ((lane >> 3) & 1) * 8;
+        const u32 taddr = smem_u32(b_s + nr * BROW + kc);
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(bfr[2 * np][0]), "=r"(bfr[2 * np][1]), "=r"(bfr[2 * np + 1][0]), "=r"(bfr[2 * np + 1][1])
+                     : "r"(taddr));
+        continue;
+#endif
         const int kr = kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
         const int nc = wn * 32 + np * 16 + (lane >> 4) * 8;
         const u32 addr = smem_u32(b_s + kr * BROW + nc);

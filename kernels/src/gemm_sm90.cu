@@ -1,7 +1,8 @@
 // Hopper (sm_90a) GEMM: TMA + mbarrier pipeline, warp-specialized, persistent.
 //
 //   out[b, m, n] = act(alpha * sum_k a[b, m, k] * B[k, n] + beta * out_prev + bias[n])
-//   a: (batch, M, K) row-major, B: (K, N) or (batch, K, N) row-major, 16-bit (f16 / bf16),
+//   a: (batch, M, K) row-major, B: (K, N) or (batch, K, N) row-major (GEMM_TRANS_B = 1:
+//   (N, K) or (batch, N, K), read as its transpose), 16-bit (f16 / bf16),
 //   float32 accumulation in registers (wgmma), output 16-bit, or float32 split-K partials.
 //
 // Block = 1 producer warpgroup (one thread issues TMA) + NCW consumer warpgroups.
@@ -38,6 +39,16 @@
 #endif
 #define BM (64 * NCW)
 #define BK 64
+#ifndef GEMM_TRANS_B
+#define GEMM_TRANS_B 0
+#endif
+// B descriptor of k16 step kk: MN-major [BN/64][64 k][64 n], or (GEMM_TRANS_B, b given
+// (N, K)) K-major [BN][64 k] with one 128-byte swizzled row per n, exactly like A.
+#if GEMM_TRANS_B
+#define B_DESC(sb, kk) make_desc((sb) + (kk) * 32, 16, 1024)
+#else
+#define B_DESC(sb, kk) make_desc((sb) + (kk) * (16 * 128), BK * 128, 1024)
+#endif
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BK * BN * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
@@ -101,7 +112,7 @@ __device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     gemm_sm90(const __grid_constant__ TmaDesc tmA,  // a as (K, M, batch) [inner first]
-              const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b)
+              const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b); trans: (K, N, batch_b)
               u16* __restrict__ out,                // (batch, M, N)
               const u16* __restrict__ bias,         // (N,) or null
               float* __restrict__ ws,               // (splits, batch, M, N) float32 when splits > 1
@@ -147,8 +158,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           const u32 sa = base + st * STAGE_BYTES;
           const u32 sb = sa + A_BYTES;
           tma_load3(sa, &tmA, full + 8 * st, kt * BK, tm * BM, bz);
+#if GEMM_TRANS_B
+          tma_load3(sb, &tmB, full + 8 * st, kt * BK, tn * BN, bzb);  // [BN][64 k], like A
+#else
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) tma_load3(sb + j * (BK * 128), &tmB, full + 8 * st, tn * BN + 64 * j, kt * BK, bzb);
+#endif
         }
       }
     }
@@ -179,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          WGMMA(d, make_desc(sa + kk * 32, 16, 1024), make_desc(sb + kk * (16 * 128), BK * 128, 1024));
+          WGMMA(d, make_desc(sa + kk * 32, 16, 1024), B_DESC(sb, kk));
         }
         wgmma_commit();
         wgmma_wait<1>();

@@ -7,7 +7,8 @@
 // epilogue overlaps the other's mainloop and the tensor cores stay busy. The producer
 // fills the ring in tile order; a consumer skips the k-tiles of the other's tiles.
 //
-//   a: (batch, M, K) row-major, B: (K, N) or (batch, K, N) row-major, 16-bit (f16 / bf16).
+//   a: (batch, M, K) row-major, B: (K, N) or (batch, K, N) row-major (GEMM_TRANS_B = 1:
+//   (N, K) or (batch, N, K), read as its transpose), 16-bit (f16 / bf16).
 //   stage s: A tile [128][64] (K-major, 128B swizzle), B tile [BN/64][64 k][64 n] (MN-major).
 // TMA needs K % 8 == 0 and N % 8 == 0 (host checks); tails zero-filled / masked.
 #include "gemm_common.cuh"
@@ -32,6 +33,16 @@
 #endif
 #define BM 128  // rows of one consumer's tile
 #define BK 64
+#ifndef GEMM_TRANS_B
+#define GEMM_TRANS_B 0
+#endif
+// B descriptor of k16 step kk: MN-major [BN/64][64 k][64 n], or (GEMM_TRANS_B, b given
+// (N, K)) K-major [BN][64 k] with one 128-byte swizzled row per n, exactly like A.
+#if GEMM_TRANS_B
+#define B_DESC(sb, kk) make_desc((sb) + (kk) * 32, 16, 1024)
+#else
+#define B_DESC(sb, kk) make_desc((sb) + (kk) * (16 * 128), BK * 128, 1024)
+#endif
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BK * BN * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
@@ -95,7 +106,7 @@ __device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     gemm_sm90_pp(const __grid_constant__ TmaDesc tmA,  // a as (K, M, batch) [inner first]
-              const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b)
+              const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b); trans: (K, N, batch_b)
               u16* __restrict__ out,                // (batch, M, N)
               const u16* __restrict__ bias,         // (N,) or null
               float* __restrict__ ws,               // (splits, batch, M, N) float32 when splits > 1
@@ -144,8 +155,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           const u32 sa = base + st * STAGE_BYTES;
           const u32 sb = sa + A_BYTES;
           tma_load3(sa, &tmA, full + 8 * st, kt * BK, tm * BM, bz);
+#if GEMM_TRANS_B
+          tma_load3(sb, &tmB, full + 8 * st, kt * BK, tn * BN, bzb);  // [BN][64 k], like A
+#else
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) tma_load3(sb + j * (BK * 128), &tmB, full + 8 * st, tn * BN + 64 * j, kt * BK, bzb);
+#endif
         }
       }
     }
@@ -188,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          const u64 db = make_desc(sb + kk * (16 * 128), BK * 128, 1024);
+          const u64 db = B_DESC(sb, kk);
           WGMMA(d[0], make_desc(sa + kk * 32, 16, 1024), db);
           WGMMA(d[1], make_desc(sa + 64 * 128 + kk * 32, 16, 1024), db);
         }

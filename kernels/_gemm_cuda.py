@@ -1,0 +1,442 @@
+"""GEMM on CUDA: kernel loading, TMA descriptors, cached launch plans and :func:`gemm_cuda`.
+
+The semantics, checks, NumPy reference and path planning live in :mod:`._gemm`; this module
+turns a plan into driver launches. A **launch plan** is computed once per problem key
+(shapes, strides, dtypes, devices, 16-byte alignment of each pointer, bias/epilogue,
+``tf32``, ``trans_b``, workspace size) and cached: the checks, the path, tiles, grid, block,
+shared memory (the kernel's attribute set once), the split-K decision and the kernel handle.
+A call then only looks up the key, and enqueues through the driver with typed, cached
+arguments (:class:`._fastlaunch.Launcher`; the sm_90 kernel's two ``CUtensorMap``
+arguments go through :class:`_TmaLaunch`, which caches the packed arguments per pointer set,
+so a decode loop re-encodes no descriptor). No allocation and no synchronisation happen
+here: every launch goes to the stream handed in (graph-capture safe).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from deviceops._errors import DriverError, ShapeError
+
+from . import _gemm as G
+from ._fastlaunch import Launcher
+from ._module import load_module, read_source, set_max_dynamic_smem
+
+__all__ = ["expanded_source", "gemm_cuda"]
+
+# --------------------------------------------------------------------------- modules
+
+_INCLUDE = re.compile(r'^\s*#include\s+"(gemm_[A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
+_kcache: dict[tuple[Any, ...], Any] = {}
+_lcache: dict[tuple[Any, ...], Launcher] = {}
+_dev_info: dict[int, tuple[int, int]] = {}
+_lock = threading.Lock()
+
+
+def expanded_source(name: str) -> str:
+    """Kernel source ``name`` with its ``#include "gemm_*.cuh"`` lines inlined (once each)."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def rep(mt: re.Match[str]) -> str:
+            inc = mt.group(1)
+            if inc in seen:
+                return ""
+            seen.add(inc)
+            return expand(read_source(inc))
+
+        return _INCLUDE.sub(rep, text)
+
+    return expand(read_source(name))
+
+
+def _device_info(device_id: int) -> tuple[int, int]:
+    info = _dev_info.get(device_id)
+    if info is None:
+        import cupy
+
+        dev = cupy.cuda.Device(device_id)
+        cc = int(dev.compute_capability)
+        n_sm = int(dev.attributes["MultiProcessorCount"])
+        info = _dev_info[device_id] = (cc, n_sm)
+    return info
+
+
+def _kernel(device_id: int, file: str, func: str, defines: tuple[str, ...], arch_suffix: str = "") -> Any:
+    key = (device_id, file, func, defines, arch_suffix)
+    fn = _kcache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _kcache.get(key)
+            if fn is None:
+                mod = load_module(
+                    expanded_source(file),
+                    options=tuple(f"-D{d}" for d in defines),
+                    device_id=device_id,
+                    arch_suffix=arch_suffix,
+                )
+                fn = _kcache[key] = mod.get_function(func)
+    return fn
+
+
+def _launcher(device_id: int, file: str, func: str, defines: tuple[str, ...], codes: str, smem: int = 0) -> Launcher:
+    """A cached driver launcher of ``func`` (dynamic shared memory limit raised to ``smem``)."""
+    key = (device_id, file, func, defines, codes)
+    ln = _lcache.get(key)
+    fn = _kernel(device_id, file, func, defines)
+    if smem > 48 * 1024:
+        set_max_dynamic_smem(fn, smem)
+    if ln is None:
+        ln = _lcache[key] = Launcher(fn, codes, func, device_id)
+    return ln
+
+
+def _sm90_smem(bn: int, ncw: int, stages: int) -> int:
+    return stages * (64 * ncw * 64 * 2 + 64 * bn * 2) + 2 * 8 * stages + 16 + 1024
+
+
+def _sm80_smem(wm: int, tf32: bool, trans_b: bool) -> int:
+    bm = 64 * wm
+    if tf32:
+        return 3 * (bm * (16 + 4) + (128 * (16 + 4) if trans_b else 16 * (128 + 8))) * 4
+    return 3 * (bm * (32 + 8) + (128 * (32 + 8) if trans_b else 32 * (128 + 8))) * 2
+
+
+# --------------------------------------------------------------------------- TMA maps
+
+
+class _TmaMap(ctypes.Structure):
+    """A ``CUtensorMap`` (128 bytes, 64-byte aligned), passed to the kernel by value."""
+
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
+_tma_cache: OrderedDict[tuple[int, ...], _TmaMap] = OrderedDict()
+_libcuda: Any = None
+_tma_lock = threading.Lock()
+
+
+def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> _TmaMap:
+    """A 3-D ``CUtensorMap`` (16-bit elements, 128B swizzle), cached per (pointer, geometry)."""
+    global _libcuda
+    key = (ptr, *dims, *strides, *box)
+    with _tma_lock:
+        hit = _tma_cache.get(key)
+        if hit is not None:
+            _tma_cache.move_to_end(key)
+            return hit
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    tm = _TmaMap()
+    g_dim = (ctypes.c_uint64 * 3)(*dims)
+    g_str = (ctypes.c_uint64 * 2)(*strides)
+    b_dim = (ctypes.c_uint32 * 3)(*box)
+    e_str = (ctypes.c_uint32 * 3)(1, 1, 1)
+    res = _libcuda.cuTensorMapEncodeTiled(
+        ctypes.byref(tm),
+        ctypes.c_int(1),  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (raw 16-bit elements)
+        ctypes.c_uint32(3),
+        ctypes.c_void_p(ptr),
+        g_dim, g_str, b_dim, e_str,
+        ctypes.c_int(0),  # interleave none
+        ctypes.c_int(3),  # swizzle 128B
+        ctypes.c_int(2),  # L2 promotion 128B
+        ctypes.c_int(0),  # OOB fill zeros
+    )  # fmt: skip
+    if res != 0:
+        raise ShapeError(
+            f"gemm: cuTensorMapEncodeTiled failed (CUresult {res}) for dims {dims} strides {strides} box {box}",
+            op="gemm",
+        )
+    with _tma_lock:
+        _tma_cache[key] = tm
+        if len(_tma_cache) > 512:
+            _tma_cache.popitem(last=False)
+    return tm
+
+
+class _TmaLaunch:
+    """Driver launch of the sm_90 kernel: two tensor maps, three pointers, fixed scalars.
+
+    The packed ``kernelParams`` block is cached per (a, b, out, bias, workspace) pointers.
+    """
+
+    __slots__ = ("_cache", "_fptr", "block", "box_a", "box_b", "dev", "dims_a", "dims_b", "grid", "smem",
+                 "str_a", "str_b", "tail")
+
+    def __init__(self, fn: Any, dev: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                 geo_a: tuple[Any, ...], geo_b: tuple[Any, ...], tail: tuple[Any, ...]) -> None:
+        self._fptr = int(fn.kernel.ptr)
+        self.dev, self.grid, self.block, self.smem = dev, grid, block, smem
+        self.dims_a, self.str_a, self.box_a = geo_a
+        self.dims_b, self.str_b, self.box_b = geo_b
+        self.tail = tail  # ((ctype, value), ...) after the pointers
+        self._cache: dict[tuple[int, ...], tuple[int, Any, Any]] = {}
+
+    def _pack(self, key: tuple[int, int, int, int, int]) -> int:
+        ap, bp, op, biasp, wsp = key
+        holders: list[Any] = [
+            _encode_tiled(ap, self.dims_a, self.str_a, self.box_a),
+            _encode_tiled(bp, self.dims_b, self.str_b, self.box_b),
+            ctypes.c_void_p(op), ctypes.c_void_p(biasp), ctypes.c_void_p(wsp),
+            *(t(v) for t, v in self.tail),
+        ]  # fmt: skip
+        params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
+        if len(self._cache) >= 1024:
+            del self._cache[next(iter(self._cache))]
+        addr = ctypes.addressof(params)
+        self._cache[key] = (addr, params, holders)
+        return addr
+
+    def __call__(self, key: tuple[int, int, int, int, int], stream_ptr: int) -> None:
+        import cupy
+
+        entry = self._cache.get(key)
+        params = entry[0] if entry is not None else self._pack(key)
+        g, b = self.grid, self.block
+        try:
+            cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
+                                          params, 0)  # fmt: skip
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
+                raise DriverError(f"launching gemm_sm90 (grid {g}) on cuda:{self.dev} failed: {exc}",
+                                  op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
+            cupy.cuda.runtime.setDevice(self.dev)
+            cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
+                                          params, 0)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- plans
+
+# run(a_ptr, b_ptr, out_ptr, bias_ptr, ws_ptr, stream_ptr)
+_Run = Callable[[int, int, int, int, int, int], None]
+_plans: dict[tuple[Any, ...], _Run] = {}
+_PLANS_MAX = 4096
+
+
+def _check_arrays(arrs: tuple[tuple[str, Any], ...]) -> int:
+    dev = -1
+    for name, arr in arrs:
+        if arr is None:
+            continue
+        G._check_layout(name, tuple(arr.shape), tuple(arr.strides), bool(arr.flags.c_contiguous), "gemm")
+        if dev < 0:
+            dev = int(arr.device.id)
+        elif int(arr.device.id) != dev:
+            raise ShapeError(f"gemm: {name} is on device {arr.device.id}, a on device {dev}", op="gemm")
+    return dev
+
+
+def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
+           trans_b: bool, ws_nbytes: int, force: str | None) -> _Run:
+    """Check the arguments and compute the launch plan of one problem (see the module doc)."""
+    _, odt = G.gemm_check(
+        tuple(a.shape), a.dtype, tuple(b.shape), b.dtype, out_shape=tuple(out.shape), out_dtype=out.dtype,
+        bias_shape=None if bias is None else tuple(bias.shape),
+        bias_dtype=None if bias is None else bias.dtype,
+        activation=activation, op="gemm", trans_b=trans_b,
+    )  # fmt: skip
+    dev = _check_arrays((("a", a), ("b", b), ("out", out), ("bias", bias)))
+    batch, m, n, k, b_batched = G._dims(tuple(a.shape), tuple(b.shape), trans_b)
+    cc, n_sm = _device_info(dev)
+    act, has_bias, has_beta = G.ACTIVATIONS[activation], int(bias is not None), int(float(beta) != 0.0)
+    alpha, beta = float(alpha), float(beta)
+    is16 = odt != np.float32
+    bf16 = int(is16 and odt == G._bf16())
+    tb = int(trans_b)
+    a16, b16 = int(a.data.ptr) % 16 == 0, int(b.data.ptr) % 16 == 0
+    ptrs16 = a16 and b16 and int(out.data.ptr) % 16 == 0
+    tma_ok = is16 and cc == 90 and k % 8 == 0 and n % 8 == 0 and ptrs16
+
+    force_cfg, force_s = force, 0
+    if force and ":" in force:
+        force_cfg, s_txt = force.split(":")
+        force_s = int(s_txt)
+    if force_cfg in G.SM90_CONFIGS and not tma_ok:
+        raise ShapeError(f"gemm: forced sm_90 config {force} not usable for this call", op="gemm")
+    gemv_ok = not force and b16
+    skinny_ok = (not force or force_cfg == "skinny") and cc >= 80 and a16 and b16
+    path, cfg, splits, kps = G._plan(batch, m, n, k, odt, tf32, tma_ok, G._NOMINAL_SMS, gemv_ok, trans_b,
+                                     skinny_ok)  # fmt: skip
+    if force_cfg == "skinny":
+        if path != "skinny":
+            raise ShapeError(f"gemm: forced skinny path not usable for this call (M={m}, K={k})", op="gemm")
+        if force_s:
+            cfg = G.skinny_config(batch, m, n, k, force_s)
+    elif force_cfg in G.SM90_CONFIGS:
+        path, cfg = "sm90", force_cfg
+    elif force_cfg == "sm80" and (is16 or tf32):
+        path, cfg = "sm80", 2 if m > 64 else 1
+    elif force_cfg == "simt" and not is16:
+        path, cfg = "simt", None
+    w_bstride = k * n if b_batched else 0
+    epi = (alpha, beta, act, has_bias, has_beta)
+
+    if path == "skinny":
+        mf, tr, u, ks, kcw = cfg
+        smem = ks * tr * mf * 4 * 32 * 4
+        ln = _launcher(dev, "gemm_skinny.cu", "gemm_skinny",
+                       (f"SK_MF={mf}", f"SK_TR={tr}", f"SK_U={u}", f"GEMM_BF16={bf16}"), "ppppiiiqiffiii", smem)
+        grid_sk = (G._cdiv(n, 16 * tr), 1, batch)
+        block_sk = (32 * ks, 1, 1)
+        tail_sk = (m, n, k, w_bstride, kcw, *epi)
+
+        def run_skinny(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+            ln(grid_sk, block_sk, (ap, bp, op, biasp or op, *tail_sk), sp, smem)
+
+        return run_skinny
+    if path == "gemv":
+        ln = _launcher(dev, "gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}",), "ppppiiiqffiii")
+        grid_gv = (G._cdiv(n, 16), 1, batch)
+        tail_gv = (m, n, k, w_bstride, *epi)
+
+        def run_gemv(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+            ln(grid_gv, (256, 1, 1), (ap, bp, op, biasp or op, *tail_gv), sp)
+
+        return run_gemv
+
+    bk = {"sm90": 64, "simt": 8}.get(path, 16 if not is16 else 32)
+    kt_total = G._cdiv(k, bk)
+    if force_s:
+        splits = max(1, min(force_s, kt_total))
+    splits = max(1, min(splits, kt_total))
+    kps = G._cdiv(kt_total, splits)
+    splits = G._cdiv(kt_total, kps)
+    if splits > 1 and ws_nbytes < splits * batch * m * n * 4:
+        splits, kps = 1, kt_total
+    main: _Run
+    if path == "sm90":
+        bn, ncw, stages = G.SM90_CONFIGS[cfg]
+        bm = 64 * ncw
+        plain = G.SM90_PLAIN_EPILOGUE and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
+        defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={bf16}", f"GEMM_EPI_PLAIN={int(plain)}",
+                  f"GEMM_TRANS_B={tb}", *G.SM90_EXTRA_DEFINES)  # fmt: skip
+        pp = cfg.startswith("pp")
+        fn = _kernel(dev, "gemm_sm90_pp.cu" if pp else "gemm_sm90.cu", "gemm_sm90_pp" if pp else "gemm_sm90",
+                     defs90, arch_suffix="a")  # fmt: skip
+        smem = _sm90_smem(bn, ncw, stages)
+        set_max_dynamic_smem(fn, smem)
+        bb = batch if b_batched else 1
+        geo_a = ((k, m, batch), (k * 2, m * k * 2), (64, bm, 1))
+        geo_b = ((k, n, bb), (k * 2, n * k * 2), (64, bn, 1)) if trans_b else ((n, k, bb), (n * 2, k * n * 2), (64, 64, 1))
+        tiles_m, tiles_n = G._cdiv(m, bm), G._cdiv(n, bn)
+        total = batch * splits * tiles_m * tiles_n
+        i32, f32 = ctypes.c_int32, ctypes.c_float
+        tail90 = tuple(zip((i32,) * 10 + (f32, f32, i32, i32, i32),
+                           (m, n, batch, tiles_m, tiles_n, splits, kt_total, kps, int(b_batched), total, *epi),
+                           strict=True))  # fmt: skip
+        tl = _TmaLaunch(fn, dev, (min(total, n_sm), 1, 1), (128 * (ncw + 1), 1, 1), smem, geo_a, geo_b, tail90)
+
+        def run_sm90(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+            tl((ap, bp, op, biasp or op, wsp if splits > 1 else op), sp)
+
+        main = run_sm90
+
+    else:
+        vec_align = 8 if is16 else 4
+        vec = int(k % vec_align == 0 and (trans_b or n % vec_align == 0) and ptrs16)
+        if path == "sm80":
+            wm = int(cfg)
+            smem = _sm80_smem(wm, not is16, trans_b)
+            ln = _launcher(dev, "gemm_sm80.cu", "gemm_sm80",
+                           (f"WARPS_M={wm}", f"GEMM_TF32={int(not is16)}", f"GEMM_BF16={bf16}", f"GEMM_TRANS_B={tb}"),
+                           "pppppiiiiqiiiffiii", smem)  # fmt: skip
+            grid: tuple[int, int, int] = (G._cdiv(n, 128), G._cdiv(m, 64 * wm), batch * splits)
+            block = (128 * wm, 1, 1)
+        else:
+            smem = 0
+            ln = _launcher(dev, "gemm_simt.cu", "gemm_simt", (f"GEMM_TRANS_B={tb}",), "pppppiiiiqiiiffiii")
+            grid = (G._cdiv(n, 128), G._cdiv(m, 128), batch * splits)
+            block = (256, 1, 1)
+        if grid[1] > 65535 or grid[2] > 65535:
+            raise ShapeError(f"gemm: a {tuple(a.shape)} b {tuple(b.shape)} too large for one launch", op="gemm")
+        tail = (m, n, k, batch, w_bstride, splits, kps, vec, *epi)
+
+        def run_mma(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+            ln(grid, block, (ap, bp, op, biasp or op, wsp if splits > 1 else op, *tail), sp, smem)
+
+        main = run_mma
+
+    if splits == 1:
+        return main
+    red = _launcher(dev, "gemm_reduce.cu", "gemm_splitk_reduce",
+                    (f"GEMM_OUT_F32={int(not is16)}", f"GEMM_BF16={bf16}"), "pppqiiffiii")  # fmt: skip
+    total_out = batch * m * n
+    rgrid = (min(G._cdiv(total_out, 256), 8 * n_sm), 1, 1)
+    rtail = (total_out, n, splits, *epi)
+
+    def run_split(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+        main(ap, bp, op, biasp, wsp, sp)
+        red(rgrid, (256, 1, 1), (wsp, op, biasp or op, *rtail), sp)
+
+    return run_split
+
+
+def gemm_cuda(
+    a: Any,
+    b: Any,
+    out: Any,
+    *,
+    bias: Any = None,
+    activation: str | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    tf32: bool = False,
+    trans_b: bool = False,
+    workspace: Any = None,
+    stream: Any,
+    _force: str | None = None,
+) -> None:
+    """Enqueue ``out = act(alpha * a @ b + beta * out + bias)`` on ``stream``.
+
+    No device allocation and no synchronisation happen here (graph-capture safe). The
+    launch plan is cached per problem (see the module docstring): a repeated call costs a
+    key lookup and the driver call.
+
+    Args:
+        a: ``(*batch, M, K)`` cupy array, C-contiguous.
+        b: ``(K, N)`` or ``(*batch, K, N)`` cupy array, C-contiguous, same dtype; with
+            ``trans_b``, ``(N, K)`` or ``(*batch, N, K)`` (read as its transpose, no copy).
+        out: ``(*batch, M, N)`` cupy array to write (read first when ``beta != 0``).
+        bias: ``(N,)`` cupy array or None.
+        activation: None, ``"relu"``, ``"gelu"``, ``"silu"``.
+        alpha: scale of ``a @ b``.
+        beta: scale of the previous ``out``.
+        tf32: float32 inputs on tensor cores with tf32 operands.
+        trans_b: ``b`` is given transposed.
+        workspace: cupy array of at least :func:`._gemm.gemm_workspace_nbytes` bytes, or None.
+        stream: the ``cupy.cuda.Stream`` every launch goes to.
+        _force: testing/benchmark override: ``"sm80"``, ``"simt"``, ``"skinny"``, or an
+            sm_90 config name (``"128x256"``, ``"128x128"``, ``"64x128"``), optionally with
+            ``":S"`` to force ``S`` split-K slices (``skinny:S``: ``S`` k-split warps).
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    ad, bd, od = a.data, b.data, out.data
+    ap, bp, opp = ad.ptr, bd.ptr, od.ptr
+    if bias is None:
+        bkey: Any = None
+        biasp = 0
+    else:
+        biasp = bias.data.ptr
+        bkey = (bias.shape, bias.dtype, bias.strides, bias.data.device_id, biasp & 15)
+    wsn = 0 if workspace is None else workspace.nbytes
+    key = (a.shape, b.shape, out.shape, a.dtype, b.dtype, out.dtype, a.strides, b.strides, out.strides,
+           ad.device_id, bd.device_id, od.device_id, ap & 15, bp & 15, opp & 15, bkey, activation, alpha, beta,
+           tf32, trans_b, wsn, _force, G.SM90_EXTRA_DEFINES, G.SM90_PLAIN_EPILOGUE)  # fmt: skip
+    run = _plans.get(key)
+    if run is None:
+        run = _build(a, b, out, bias, activation, alpha, beta, tf32, trans_b, wsn, _force)
+        if len(_plans) >= _PLANS_MAX:
+            del _plans[next(iter(_plans))]
+        _plans[key] = run
+    run(ap, bp, opp, biasp, 0 if workspace is None else workspace.data.ptr, stream.ptr)
