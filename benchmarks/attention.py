@@ -576,7 +576,11 @@ def check_cases() -> int:
         dq, dk, dv = cp.asarray(q), cp.asarray(kk), cp.asarray(vv)
         dl = cp.asarray(kv_len)
         dbt = None if table is None else cp.asarray(table)
-        out = cp.full(q.shape, cp.nan, dtype=cp.float32).astype(dt)
+        out = cp.empty(q.shape, dtype=dt)
+        if dn == "f32":
+            out.fill(cp.nan)
+        else:
+            out.view(cp.uint16).fill(0x7E00 if dn == "f16" else 0x7FC0)
         ws = None
         if use_ws:
             nb = attn.attention_workspace_nbytes(

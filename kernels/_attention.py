@@ -501,16 +501,17 @@ def _device_info(device_id: int) -> tuple[int, int]:
     return int(dev.compute_capability), int(dev.attributes["MultiProcessorCount"])
 
 
-def _check_array(name: str, a: Any, device_id: int) -> None:
+def _check_array(name: str, a: Any, device_id: int, align: int = 16) -> None:
     if not a.flags.c_contiguous:
         raise ShapeError(
             f"flash_attention: {name} must be C-contiguous (got strides {a.strides} for shape "
             f"{a.shape}); pass cupy.ascontiguousarray({name})",
             op="flash_attention",
         )
-    if a.data.ptr % 16:
+    if a.data.ptr % align:
         raise ShapeError(
-            f"flash_attention: {name} data pointer must be 16-byte aligned", op="flash_attention"
+            f"flash_attention: {name} data pointer must be {align}-byte aligned",
+            op="flash_attention",
         )
     if a.device.id != device_id:
         raise ShapeError(
@@ -570,7 +571,7 @@ def flash_attention_cuda(
     named += [] if kv_len is None else [("kv_len", kv_len)]
     named += [] if block_table is None else [("block_table", block_table)]
     for name, a in named:
-        _check_array(name, a, device_id)
+        _check_array(name, a, device_id, 4 if name in ("kv_len", "block_table") else 16)
     b, hq, lq, d = (int(x) for x in q.shape)
     hkv = int(k.shape[1])
     paged = block_table is not None

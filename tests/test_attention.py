@@ -596,13 +596,23 @@ def test_op_paged(dtype: np.dtype, lq: int, stream: deviceops.Stream) -> None:
 # -- CUDA kernels directly --
 
 
+def _nan_array(cp: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """A device array of ``dtype`` filled with NaN (the poison)."""
+    out = cp.empty(shape, dtype=dtype)
+    if dtype == F32:
+        out.fill(cp.nan)
+    else:
+        out.view(cp.uint16).fill(0x7E00 if dtype == F16 else 0x7FC0)
+    return out
+
+
 def _run_gpu_kv(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, kv_len: np.ndarray | None,
     block_table: np.ndarray | None = None, *, workspace: bool = True,
 ) -> np.ndarray:  # fmt: skip
     cp = _cupy()
     dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
-    out = cp.full(q.shape, cp.nan, dtype=cp.float32).astype(q.dtype)  # NaN poison
+    out = _nan_array(cp, q.shape, q.dtype)
     dl = None if kv_len is None else cp.asarray(kv_len)
     dbt = None if block_table is None else cp.asarray(block_table)
     bts = None if block_table is None else block_table.shape
