@@ -27,6 +27,7 @@ stream) frees the request's slot at once, or at the end of the step in flight.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -239,8 +240,8 @@ class Engine:
     Args:
         model: a ``CausalLM`` (adapted with :func:`~._engine_model.step_model`) or any
             :class:`StepModel`.
-        max_batch: running requests at most (KV slots); ``<=`` the model's cache rows.
-        max_seq: context length per request (prompt plus new tokens); ``<=`` the model's.
+        max_batch: running requests at most (KV slots); lowered to the model's cache rows.
+        max_seq: context per request (prompt plus new tokens); lowered to the model's.
         max_queue: requests waiting for a slot at most; beyond it :meth:`stream` raises
             :class:`EngineOverloaded` (or waits, with :meth:`submit` ``wait=True``).
             Default ``4 * max_batch``.
@@ -272,12 +273,9 @@ class Engine:
                 f"Engine: max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) must be "
                 f"positive and max_seq ({max_seq}) at least 2"
             )
-        if max_batch > steps.max_batch or max_seq > steps.max_seq:
-            raise ValueError(
-                f"Engine: max_batch={max_batch}, max_seq={max_seq} exceed the model's KV cache "
-                f"({steps.max_batch} rows of {steps.max_seq} positions); pass smaller values "
-                "or build the model with a larger cache"
-            )
+        # the model's KV cache bounds both (a cpu CausalLM has 4 rows of 1024 by default)
+        max_batch = min(max_batch, steps.max_batch)
+        max_seq = min(max_seq, steps.max_seq)
         self.model = model
         self.steps = steps
         self.max_batch = int(max_batch)
@@ -311,8 +309,7 @@ class Engine:
         """Queue one request; return the async iterator of its new token ids.
 
         Same arguments as ``CausalLM.generate`` (one prompt). Raises before queueing:
-        ``ValueError``/``TypeError`` for bad arguments (a prompt that does not leave room
-        for one new token in ``max_seq``), :class:`EngineOverloaded` when the admission
+        ``ValueError``/``TypeError`` for bad arguments (a prompt longer than ``max_seq``), :class:`EngineOverloaded` when the admission
         queue is full, :class:`EngineClosed` after :meth:`close`.
         """
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
@@ -421,15 +418,15 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Engine: prompt token ids {bad[:4]} outside [0, {vocab})")
-        if len(ids) >= self.max_seq:
+        if len(ids) > self.max_seq:
             raise ValueError(
-                f"Engine: prompt has {len(ids)} tokens; max_seq={self.max_seq} leaves no room "
-                "for a new token (shorten the prompt)"
+                f"Engine: prompt has {len(ids)} tokens, more than max_seq={self.max_seq} "
+                "(shorten the prompt)"
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"Engine: max_new_tokens must be an int, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"Engine: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_new_tokens < 0:
+            raise ValueError(f"Engine: max_new_tokens must be >= 0, got {max_new_tokens}")
         t = float(temperature)
         if not t >= 0.0 or t == float("inf"):
             raise ValueError(f"Engine: temperature must be a finite number >= 0, got {temperature}")
@@ -439,14 +436,18 @@ class Engine:
         p = 1.0 if top_p is None else float(top_p)
         if not 0.0 < p <= 1.0:
             raise ValueError(f"Engine: top_p must be in (0, 1], got {top_p}")
-        params = SamplingParams(t, k, p, 0 if seed is None else int(seed))
+        # seed None: a fresh one, as CausalLM.generate does
+        params = SamplingParams(t, k, p, secrets.randbits(62) if seed is None else int(seed))
         return _Request(
-            id=next(self._ids), prompt=ids, max_new=min(max_new_tokens, self.max_seq - len(ids)),
+            id=next(self._ids), prompt=ids, max_new=max_new_tokens,
             params=params, stop=frozenset(int(s) for s in (stop or ())),
             t_submit=time.perf_counter(),
         )
 
     def _enqueue(self, req: _Request) -> None:
+        if req.max_new == 0:  # as CausalLM.generate: nothing to do
+            self._finish(req, "length")
+            return
         self._queue.append(req)
         self._wake_driver()
 
@@ -600,10 +601,10 @@ class Engine:
         req.buf.append(tok)
         req.last = tok
         self._generated += 1
-        self.pool.set_length(req.slot, min(req.pos + 1, self.max_seq))
+        self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
         if tok in self.steps.eos_ids or tok in req.stop:
             self._finish(req, "stop")
-        elif len(req.out) >= req.max_new or req.pos + 1 >= self.max_seq:
+        elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
             self._finish(req, "length")
         else:
             self._notify(req)

@@ -1,15 +1,114 @@
-"""Adapts a ``CausalLM`` to the engine's :class:`~._engine.StepModel` protocol."""
+"""Adapts a ``CausalLM`` to the engine's :class:`~._engine.StepModel` protocol.
+
+The model's step API (documented in :mod:`.model`) enqueues on ``model.device_stream``
+and returns token views without waiting; this adapter awaits the host copy of the
+sampled tokens as a :class:`~deviceops.DeviceFuture` scheduled on that same stream, so
+the event loop runs while the step is on the device (or on the cpu backend's worker
+thread). Prefill chunks that sample nothing are enqueued and not awaited: the next op on
+the stream is ordered after them.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["step_model"]
+from deviceops.scheduling import SingleStream
+
+from ._engine import SamplingParams
+
+__all__ = ["CausalLMSteps", "step_model"]
 
 
-def step_model(model: Any, *, max_batch: int, max_seq: int) -> Any:
-    """A :class:`~._engine.StepModel` over ``model``'s KV cache slots."""
+class CausalLMSteps:
+    """:class:`~._engine.StepModel` over a ``CausalLM``'s cache rows (slots).
+
+    Args:
+        model: the ``CausalLM`` (its step API: ``set_sampling``, ``prefill``, ``decode``,
+            ``release``, ``read``, ``device_stream``).
+    """
+
+    def __init__(self, model: Any) -> None:
+        missing = [n for n in ("set_sampling", "prefill", "release", "read",
+                               "device_stream", "max_batch", "max_seq", "config", "encode")
+                   if not hasattr(model, n)]
+        if missing:
+            raise TypeError(
+                f"Engine: {type(model).__name__} lacks the step API ({', '.join(missing)}); "
+                "pass a deviceops.nn CausalLM or a StepModel"
+            )
+        self.model = model
+        self._decode = _step_decode(model)
+        self._policy = SingleStream(model.device_stream)
+        self._eos = frozenset(int(t) for t in model.config.stop_ids)
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.model.max_batch)
+
+    @property
+    def max_seq(self) -> int:
+        return int(self.model.max_seq)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.model.encode(text))
+
+    async def prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
+                      *, last: bool) -> int | None:
+        m = self.model
+        if start == 0:
+            m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p, seed=params.seed)
+        view = m.prefill(slot, list(ids), start, sample=last)
+        if not last:
+            return None
+        host = await m.read(view).schedule(self._policy)
+        return int(host[0])
+
+    async def decode_step(self, slots: Sequence[int], tokens: Sequence[int],
+                          positions: Sequence[int]) -> list[int]:
+        m = self.model
+        view = self._decode(list(slots), list(tokens), list(positions))
+        host = await m.read(view).schedule(self._policy)
+        return [int(host[s]) for s in slots]
+
+    def release(self, slot: int) -> None:
+        self.model.release(slot)
+
+
+def _step_decode(model: Any) -> Any:
+    """The model's batched decode step: ``decode_step``, or ``decode(slots, tokens, positions)``
+    (the step API's name in :mod:`.model`; the text ``decode(ids)`` takes one argument)."""
+    for name in ("decode_step", "decode"):
+        fn = getattr(model, name, None)
+        if fn is None:
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            continue
+        if "slots" in params and "positions" in params:
+            return fn
     raise TypeError(
-        f"Engine: {type(model).__name__} has no step API (prefill into a slot, decode a set "
-        "of slots, release); pass a deviceops.nn CausalLM or a StepModel"
+        f"Engine: {type(model).__name__} has no batched decode step (decode_step or "
+        "decode(slots, tokens, positions)); pass a deviceops.nn CausalLM or a StepModel"
     )
+
+
+def step_model(model: Any, *, max_batch: int, max_seq: int) -> CausalLMSteps:
+    """A :class:`~._engine.StepModel` over ``model``'s KV cache slots.
+
+    ``max_batch``/``max_seq`` are the engine's wishes; the engine lowers them to the
+    model's cache (``model.max_batch`` rows of ``model.max_seq`` positions).
+    """
+    del max_batch, max_seq
+    return CausalLMSteps(model)

@@ -192,11 +192,21 @@ def _parse(body: Any, chat: bool, state: AppState, engine: Engine) -> _Job:
                 None if top_p is None else float(top_p), top_k, seed, stops)
 
 
+def _text_decoder(model: Any) -> Callable[[list[int]], str]:
+    """ids -> text: the model's tokenizer (special tokens kept, as ``CausalLM.decode``), or
+    the model's own one-argument ``decode``."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None and hasattr(tok, "decode"):
+        return lambda ids: str(tok.decode(ids, skip_special_tokens=False))
+    return lambda ids: str(model.decode(ids))
+
+
 class _Detok:
     """Incremental detokenizer with stop strings (text held back while it may start one)."""
 
     def __init__(self, model: Any, eos: frozenset[int], stops: Sequence[str]) -> None:
-        self.model, self.eos, self.stops = model, eos, list(stops)
+        self.decode = _text_decoder(model)
+        self.eos, self.stops = eos, list(stops)
         self.ids: list[int] = []
         self.text = ""  # all text decoded so far
         self.sent = 0  # characters of text already emitted
@@ -205,7 +215,7 @@ class _Detok:
     def push(self, tok: int) -> str:
         if tok not in self.eos:
             self.ids.append(tok)
-            text = self.model.decode(self.ids)
+            text = self.decode(self.ids)
             if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
                 self.text = text
         return self._emit(final=False)

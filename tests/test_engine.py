@@ -106,7 +106,7 @@ class Toy:
         p = p or SamplingParams()
         seq, out = list(prompt), []
         for c in range(n):
-            if len(seq) >= self._max_seq:
+            if len(seq) > self._max_seq:  # the last token was never fed (CausalLM.generate)
                 break
             t = EOS if self.eos_after is not None and c + 1 >= self.eos_after else _next(seq, p, c)
             out.append(t)
@@ -294,9 +294,13 @@ async def test_stop_eos_and_context_end() -> None:
         s = eng.stream(_prompt(1, 4), 10, stop=[ref[3]])
         assert [t async for t in s] == ref[: ref.index(ref[3]) + 1]
         assert s.finish_reason == "stop"
-        s = eng.stream(_prompt(1, 10), 50)  # 10 + 6 = max_seq
+        s = eng.stream(_prompt(1, 10), 50)  # 10 + 6 fed = max_seq, the 7th is not fed
         got = [t async for t in s]
-        assert len(got) == 6 and s.finish_reason == "length"
+        assert got == toy.reference(_prompt(1, 10), 50) and len(got) == 7
+        assert s.finish_reason == "length"
+        s = eng.stream(_prompt(1, 16), 50)  # a full-context prompt still gets one token
+        assert [t async for t in s] == toy.reference(_prompt(1, 16), 50) and s.tokens
+        assert await eng.generate(_prompt(1, 4), 0) == []
     toy2 = Toy(eos_after=3)
     eng2 = Engine(toy2, max_batch=2, max_seq=64)
     with anyio.fail_after(5):
@@ -337,8 +341,8 @@ def test_bad_arguments_raise_before_queueing() -> None:
     eng = Engine(Toy(max_batch=2, max_seq=16), max_batch=2, max_seq=16)
     cases = [
         (([], 4), {}, ValueError, "empty"),
-        ((_prompt(1, 16), 4), {}, ValueError, "max_seq=16"),
-        ((_prompt(1, 3), 0), {}, ValueError, "max_new_tokens"),
+        ((_prompt(1, 17), 4), {}, ValueError, "max_seq=16"),
+        ((_prompt(1, 3), -1), {}, ValueError, "max_new_tokens"),
         ((_prompt(1, 3), 2.5), {}, TypeError, "max_new_tokens"),
         ((_prompt(1, 3), 4), {"temperature": -1.0}, ValueError, "temperature"),
         ((_prompt(1, 3), 4), {"top_p": 0.0}, ValueError, "top_p"),
@@ -350,5 +354,5 @@ def test_bad_arguments_raise_before_queueing() -> None:
         with pytest.raises(exc, match=msg):
             eng.stream(*args, **kw)  # type: ignore[arg-type]
     assert eng.stats().queued == 0
-    with pytest.raises(ValueError, match="exceed the model's KV cache"):
-        Engine(Toy(max_batch=2), max_batch=4)
+    small = Engine(Toy(max_batch=2, max_seq=16))  # defaults 32 x 2048, lowered to the cache
+    assert (small.max_batch, small.max_seq) == (2, 16)
