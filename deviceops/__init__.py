@@ -28,6 +28,7 @@ from ._errors import (
     DTypeError,
     LaunchError,
     NestedExecutionError,
+    OutOfMemoryError,
     SchedulingError,
     ShapeError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "ExecutionContext",
     "LaunchError",
     "NestedExecutionError",
+    "OutOfMemoryError",
     "Partition",
     "SchedulingError",
     "SchedulingPolicy",

@@ -12,6 +12,13 @@ ordered, as on a GPU. Semantics follow CUDA's:
   (*sticky*) and raised, as a :class:`~deviceops.LaunchError` chained to the
   original exception, by the next ``synchronize()`` of the stream or of any
   event recorded after it. ``synchronize()`` clears it.
+* an error travels along event waits: a stream that waits on an event recorded
+  after a failure takes that error too (so a failing ``zip`` branch reaches the
+  join), as a CUDA error reaches every later synchronization.
+* the tensors a failed task writes remember the failure; a task reading them
+  fails with an error naming the failed producer (``deviceops._launch``).
+* ``synchronize()`` from the stream's own worker (inside a host task on it)
+  raises :class:`~deviceops.NestedExecutionError` instead of deadlocking.
 * while a stream is being captured into a graph, tasks are recorded into the
   capture instead of running (see ``deviceops.graphs``).
 """
@@ -24,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import LaunchError
+from ._errors import LaunchError, NestedExecutionError
 from ._stream import Event, Stream
 
 if TYPE_CHECKING:
@@ -34,6 +41,14 @@ if TYPE_CHECKING:
 __all__ = ["CpuEvent", "CpuStream"]
 
 _STOP = object()
+
+
+class _Forward(Exception):
+    """Raised by a task to make its stream take ``error`` as is (an error from another stream)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class CpuEvent(Event):
@@ -115,6 +130,9 @@ class _Worker:
     def execute(self, fn: Callable[[], None], name: str) -> None:
         try:
             fn()
+        except _Forward as fwd:
+            if self.error is None:
+                self.error = fwd.error
         except BaseException as exc:
             if self.error is None:
                 err = LaunchError(
@@ -171,8 +189,31 @@ class CpuStream(Stream):
 
         def wait() -> None:
             done.wait()
+            if event.error is not None:
+                raise _Forward(event.error)
 
         self.enqueue(wait, "wait_event")
+
+    def latch_error(self) -> list[BaseException | None]:
+        """A box that, once the queue reaches this point, holds the stream's error then."""
+        box: list[BaseException | None] = [None]
+        worker = self._worker
+
+        def latch() -> None:
+            box[0] = worker.error
+
+        self.enqueue(latch, "latch_error")
+        return box
+
+    def check_latch(self, box: list[BaseException | None], what: str) -> None:
+        """Fail this stream, at this point of its queue, with the error ``box`` latched."""
+
+        def check() -> None:
+            err = box[0]
+            if err is not None:
+                raise _Forward(err)
+
+        self.enqueue(check, f"check {what}")
 
     def launch_host_func(self, fn: Callable[[], None]) -> None:
         self.enqueue(fn, "host_func")
@@ -184,6 +225,11 @@ class CpuStream(Stream):
 
     def _synchronize(self) -> None:
         w = self._worker
+        if threading.current_thread() is w.thread:
+            raise NestedExecutionError(
+                f"synchronize() of {self!r} was called from a host task running on that same "
+                "stream; it would wait for itself forever. Do not block inside host tasks: "
+                "enqueue the follow-up work after the task instead.")
         with w.cond:
             target = w.submitted
             while w.completed < target:

@@ -122,11 +122,16 @@ def device(spec: int | str | Device) -> Device:
     """
     if isinstance(spec, Device):
         return spec
-    if isinstance(spec, int):
-        kind, index = "cuda", spec
+    if isinstance(spec, bool) or not isinstance(spec, int | np.integer | str):
+        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N', an int N or a Device, got "
+                        f"{type(spec).__name__} {spec!r}")
+    if isinstance(spec, int | np.integer):
+        kind, index = "cuda", int(spec)
+        if index < 0:
+            raise ValueError(f"device: CUDA ordinal {index} is negative; use 0, 1, ...")
     elif spec == "cpu":
         kind, index = "cpu", 0
-    elif spec == "cuda" or spec.startswith("cuda:"):
+    elif spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
         kind, index = "cuda", int(spec.partition(":")[2] or 0)
     else:
         raise ValueError(f"device: {spec!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or N")

@@ -8,6 +8,7 @@ Everything the library raises on purpose derives from :class:`DeviceError`::
     │   └── NestedExecutionError   sync()/await inside a then-closure or a capture
     ├── CaptureError         CUDA-graph capture refused an op, or capture failed
     ├── DriverError          the CUDA driver/runtime reported an error
+    ├── OutOfMemoryError     (also MemoryError) an allocation did not fit on the device
     ├── ShapeError           (also ValueError) shapes do not fit; raised before launch
     └── DTypeError           (also TypeError) dtypes do not fit; raised before launch
 
@@ -24,6 +25,7 @@ __all__ = [
     "DriverError",
     "LaunchError",
     "NestedExecutionError",
+    "OutOfMemoryError",
     "SchedulingError",
     "ShapeError",
 ]
@@ -65,6 +67,10 @@ class CaptureError(DeviceError):
 
 class DriverError(DeviceError):
     """The CUDA driver or runtime reported an error."""
+
+
+class OutOfMemoryError(DeviceError, MemoryError):
+    """An allocation did not fit: the message names the bytes asked for and the bytes free."""
 
 
 class ShapeError(DeviceError, ValueError):

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._tensor import failed_output_error, output_failure
+
 if TYPE_CHECKING:
     from ._stream import Event, Stream
 
@@ -80,6 +82,9 @@ class DeviceFuture(Generic[T]):
         if timeout is not None:
             self._wait_until(time.monotonic() + timeout)
         self._event.synchronize()
+        failed = output_failure(self._out)
+        if failed is not None:
+            raise failed_output_error(f"DeviceFuture on {self.stream!r}", failed)
         return self._out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

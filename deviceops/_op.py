@@ -29,9 +29,12 @@ import warnings
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
+
 from ._async import await_op as _await_op
 from ._context import ExecutionContext, enqueue_lock, guard, refuse_nested
-from ._errors import SchedulingError
+from ._errors import DeviceError, SchedulingError
+from ._tensor import failed_output_error, output_failure
 
 if TYPE_CHECKING:
     from ._future import DeviceFuture
@@ -72,11 +75,34 @@ def _future_cls() -> Any:
     return _DeviceFuture
 
 
+def _owned_error(op: DeviceOp[Any], what: str) -> SchedulingError:
+    owner = _owner_name(getattr(op, "_owner", None))
+    return SchedulingError(
+        f"{what} on {op._describe()}: it was already passed to {owner}, which will execute it; "
+        "a DeviceOp runs once. Execute the combinator instead, or use op.shared() to give the "
+        "output to several consumers.",
+        op=op._describe(),
+    )
+
+
+def _owner_name(by: Any) -> str:
+    if by is None:
+        return "another op"
+    if isinstance(by, tuple):
+        kind, fn = by
+        return f"{kind}({_fn_name(fn)})"
+    if isinstance(by, DeviceOp):
+        return by._describe()
+    return str(by)
+
+
 def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what: str) -> T:
     """Execute ``op`` as a top-level op on ``stream`` (the common path of every entry point)."""
     if guard.active is not None:
         op._consume()
         refuse_nested(f"{what} on {op._describe()}")
+    if op._state == _OWNED and not op._multi_use:
+        raise _owned_error(op, what)
     ctx = ExecutionContext(stream, policy)
     with enqueue_lock:
         guard.active = op
@@ -84,6 +110,77 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
             return op._exec(ctx)
         finally:
             guard.active = None
+
+
+def _check_output(out: Any, op: DeviceOp[Any]) -> None:
+    """Raise if ``out`` holds a tensor whose producing device work failed (cpu backend)."""
+    failed = output_failure(out)
+    if failed is not None:
+        raise failed_output_error(op._describe(), failed)
+
+
+class _Frame:
+    """One op of an iterative execution: its dependencies and their values so far."""
+
+    __slots__ = ("deps", "node", "vals")
+
+    def __init__(self, node: DeviceOp[Any], deps: tuple[DeviceOp[Any], ...]) -> None:
+        self.node = node
+        self.deps = deps
+        self.vals: list[Any] = []
+
+
+def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
+    """Execute ``root`` (already marked executed) and its argument DAG without recursion.
+
+    Ops that are ``_iterative`` say which ops they need first (``_deps``, executed
+    in order on ``ctx``) and how to finish with their values (``_finish``). Their
+    dependencies are walked with an explicit stack, so a DAG nested 100,000 deep
+    through kernel arguments, ``map``/``inspect``/``then`` chains or ``shared``
+    does not hit Python's recursion limit. Other ops (``zip``) execute as usual.
+    """
+    deps = root._deps(ctx)
+    if not deps:
+        return root._finish(ctx, [])
+    stream_id = ctx.stream.id
+    stack = [_Frame(root, deps)]
+    try:
+        while True:
+            fr = stack[-1]
+            vals = fr.vals
+            i = len(vals)
+            if i < len(fr.deps):
+                k = fr.deps[i]
+                if not k._iterative:
+                    vals.append(k._exec(ctx))
+                    continue
+                if k._state == _DONE and not k._multi_use:
+                    k._exec(ctx)  # raises the "already executed" error
+                k._state = _DONE
+                k._ran_on = stream_id
+                kd = k._deps(ctx)
+                if kd:
+                    stack.append(_Frame(k, kd))
+                    continue
+                out = k._finish(ctx, [])
+                if k._tail:
+                    stack.append(_Frame(_PASS, (out,)))
+                    continue
+                vals.append(out)
+                continue
+            stack.pop()
+            node = fr.node
+            out = node._finish(ctx, vals)
+            if node._tail:
+                stack.append(_Frame(_PASS, (out,)))
+                continue
+            if not stack:
+                return out
+            stack[-1].vals.append(out)
+    except BaseException as exc:
+        for fr in stack:
+            fr.node._failed(exc)
+        raise
 
 
 class DeviceOp(Generic[T]):
@@ -99,9 +196,14 @@ class DeviceOp(Generic[T]):
         (16, 16)
     """
 
-    __slots__ = ("__weakref__", "_ran_on", "_state")
+    __slots__ = ("__weakref__", "_owner", "_ran_on", "_state")
     _state: int
     _ran_on: int
+    # Iterative execution (see _drive): ops that set _iterative implement _deps and
+    # _finish; _tail: _finish returns an op to execute in this op's place (then).
+    _iterative = False
+    _tail = False
+    _multi_use = False
 
     def __init__(self) -> None:
         self._state = _FRESH
@@ -119,6 +221,17 @@ class DeviceOp(Generic[T]):
     def _describe(self) -> str:
         return type(self).__name__
 
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        """(iterative ops) the ops to execute first, in order, on ``ctx``."""
+        return ()
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> T:
+        """(iterative ops) the output, given the values of :meth:`_deps`."""
+        return self._execute(ctx)
+
+    def _failed(self, exc: BaseException) -> None:
+        """(iterative ops) a dependency raised ``exc`` while this op was executing."""
+
     # -- internal execution -----------------------------------------------------------
     def _exec(self, ctx: ExecutionContext) -> T:
         if self._state == _DONE:
@@ -131,16 +244,26 @@ class DeviceOp(Generic[T]):
         self._ran_on = ctx.stream.id
         return self._execute(ctx)
 
-    def _adopt(self) -> DeviceOp[T]:
-        """Mark this op as consumed by a combinator (which now owns the warning)."""
+    def _adopt(self, by: Any = None) -> DeviceOp[T]:
+        """Mark this op as consumed by a combinator (which now owns the warning).
+
+        ``by`` names the consumer for error messages: a string, an op, or
+        ``(kind, fn)``.
+        """
         if self._state != _FRESH:
-            what = "executed" if self._state == _DONE else "used by another op"
+            if self._state == _DONE:
+                what = "executed"
+            else:
+                what = f"passed to {_owner_name(getattr(self, '_owner', None))}"
+            user = f" to {_owner_name(by)}" if by is not None else ""
             raise SchedulingError(
-                f"{self._describe()} was already {what}; a DeviceOp runs once. "
-                "Use op.shared() to give its output to several consumers.",
+                f"cannot pass {self._describe()}{user}: it was already {what}; a DeviceOp "
+                "runs once. Use op.shared() to give its output to several consumers.",
                 op=self._describe(),
             )
         self._state = _OWNED
+        if by is not None:
+            self._owner = by
         return self
 
     def _consume(self) -> None:
@@ -163,17 +286,22 @@ class DeviceOp(Generic[T]):
 
     # -- execution ------------------------------------------------------------------------
     def sync(self) -> T:
-        """Execute on a stream of the default policy and block until done."""
+        """Execute on a stream of the default policy and block until done.
+
+        Raises:
+            DeviceError: enqueueing failed, or the device reported a failure of
+                this op's work (or of an op whose output it consumed).
+        """
         policy = _current_policy()
         stream = policy.next_stream()
         out = _run(self, stream, policy, "sync()")
-        stream.synchronize()
+        _finish_sync(self, stream, out)
         return out
 
     def sync_on(self, stream: Stream) -> T:
         """Execute on ``stream`` and block until it is done."""
         out = _run(self, stream, None, "sync_on()")
-        stream.synchronize()
+        _finish_sync(self, stream, out)
         return out
 
     def async_on(self, stream: Stream) -> T:
@@ -216,19 +344,22 @@ class DeviceOp(Generic[T]):
     # -- combinators --------------------------------------------------------------------
     def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:
         """Bind: ``fn(output)`` returns the next op, run after this one on the same stream."""
-        return _Then(self._adopt(), fn)
+        _callable("then", fn, "a function taking the output and returning the next DeviceOp")
+        return _Then(self._adopt(("then", fn)), fn)
 
     def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
         """Transform the output handle on the host (no device work)."""
-        return _Map(self._adopt(), fn)
+        _callable("map", fn, "a function taking the output and returning the new value")
+        return _Map(self._adopt(("map", fn)), fn)
 
     def inspect(self, fn: Callable[[T], object]) -> DeviceOp[T]:
         """Call ``fn(output)`` when enqueued (e.g. to log) and pass the output on."""
-        return _Inspect(self._adopt(), fn)
+        _callable("inspect", fn, "a function taking the output (its result is ignored)")
+        return _Inspect(self._adopt(("inspect", fn)), fn)
 
     def shared(self) -> SharedOp[T]:
         """An op that executes this one at most once; every consumer gets the same output."""
-        return SharedOp(self._adopt())
+        return SharedOp(self._adopt("shared()"))
 
     def zip(self, *others: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:
         """``deviceops.zip(self, *others)``."""
@@ -239,6 +370,34 @@ class DeviceOp(Generic[T]):
         from ._dot import to_dot
 
         return to_dot(self)
+
+
+def _finish_sync(op: DeviceOp[Any], stream: Stream, out: Any) -> None:
+    try:
+        stream.synchronize()
+    except DeviceError as exc:
+        exc.add_note(f"deviceops: raised by the device work of {op._describe()} on {stream!r}")
+        raise
+    _check_output(out, op)
+
+
+def _callable(what: str, fn: Any, expected: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{what}: fn must be callable ({expected}), got {type(fn).__name__} "
+                        f"{fn!r}; pass a function or lambda")
+
+
+class _Pass(DeviceOp[Any]):
+    """The frame of an op executed in another op's place (see ``_drive``)."""
+
+    __slots__ = ()
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        return vals[0]
+
+
+_PASS = _Pass()
+_PASS._state = _DONE
 
 
 class _Value(DeviceOp[T]):
@@ -266,6 +425,8 @@ def _fn_name(fn: Callable[..., Any]) -> str:
 
 class _Then(DeviceOp[U]):
     __slots__ = ("_fn", "_next", "_src")
+    _iterative = True
+    _tail = True
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], DeviceOp[U]]) -> None:
         super().__init__()
@@ -274,26 +435,21 @@ class _Then(DeviceOp[U]):
         self._next: DeviceOp[U] | None = None
 
     def _execute(self, ctx: ExecutionContext) -> U:
-        # a.then(f1).then(f2)...: nested through _src. Walk the chain instead of
-        # recursing through it, so its length is not bounded by Python's stack.
-        chain: list[_Then[Any]] = [self]
-        src = self._src
-        while type(src) is _Then and src._state == _OWNED:
-            src._state = _DONE
-            src._ran_on = ctx.stream.id
-            chain.append(src)
-            src = src._src
-        out: Any = src._exec(ctx)
-        for node in reversed(chain):
-            nxt = node._fn(out)
-            if not isinstance(nxt, DeviceOp):
-                raise TypeError(
-                    f"then: closure {_fn_name(node._fn)} returned {type(nxt).__name__}, not a "
-                    "DeviceOp; use .map() for a host-side transform"
-                )
-            node._next = nxt
-            out = nxt._exec(ctx)
-        return out
+        # a.then(f1).then(f2)...: nested through _src; _drive walks it without recursion.
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return (self._src,)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        nxt = self._fn(vals[0])
+        if not isinstance(nxt, DeviceOp):
+            raise TypeError(
+                f"then: closure {_fn_name(self._fn)} returned {type(nxt).__name__}, not a "
+                "DeviceOp; use .map() for a host-side transform"
+            )
+        self._next = nxt
+        return nxt
 
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return (self._src,) if self._next is None else (self._src, self._next)
@@ -304,6 +460,7 @@ class _Then(DeviceOp[U]):
 
 class _Map(DeviceOp[U]):
     __slots__ = ("_fn", "_src")
+    _iterative = True
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], U]) -> None:
         super().__init__()
@@ -311,7 +468,13 @@ class _Map(DeviceOp[U]):
         self._fn = fn
 
     def _execute(self, ctx: ExecutionContext) -> U:
-        return self._fn(self._src._exec(ctx))
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return (self._src,)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> U:
+        return self._fn(vals[0])
 
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return (self._src,)
@@ -322,6 +485,7 @@ class _Map(DeviceOp[U]):
 
 class _Inspect(DeviceOp[T]):
     __slots__ = ("_fn", "_src")
+    _iterative = True
 
     def __init__(self, src: DeviceOp[T], fn: Callable[[T], object]) -> None:
         super().__init__()
@@ -329,7 +493,13 @@ class _Inspect(DeviceOp[T]):
         self._fn = fn
 
     def _execute(self, ctx: ExecutionContext) -> T:
-        out = self._src._exec(ctx)
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return (self._src,)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> T:
+        out: T = vals[0]
         self._fn(out)
         return out
 
@@ -346,10 +516,14 @@ class SharedOp(DeviceOp[T]):
     Every execution returns the same output. A consumer on another stream is
     ordered after the source's work (tensors by their hazard records, other
     outputs by an event), so it never sees a half-written result. An error
-    raised by the source reaches every consumer.
+    raised by the source reaches every consumer: raised while enqueuing, it is
+    re-raised to each; reported by the device (cpu backend), every later
+    consumer's stream is failed with it too, and the output tensors remember it.
     """
 
-    __slots__ = ("_error", "_out", "_ran", "_src", "_where")
+    __slots__ = ("_error", "_latch", "_out", "_ran", "_src", "_where")
+    _iterative = True
+    _multi_use = True
 
     def __init__(self, src: DeviceOp[T]) -> None:
         super().__init__()
@@ -358,28 +532,42 @@ class SharedOp(DeviceOp[T]):
         self._out: Any = None
         self._error: BaseException | None = None
         self._where: tuple[Stream, int] | None = None
+        self._latch: Any = None
 
-    def _adopt(self) -> DeviceOp[T]:
+    def _adopt(self, by: Any = None) -> DeviceOp[T]:
         if self._state == _FRESH:
             self._state = _OWNED
         return self
 
     def _exec(self, ctx: ExecutionContext) -> T:
         self._state = _DONE
-        if not self._ran:
-            self._ran = True
-            self._ran_on = ctx.stream.id
-            try:
-                self._out = self._src._exec(ctx)
-            except BaseException as exc:
-                self._error = exc
-                raise
-            self._where = (ctx.stream, ctx.stream.seq)
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        if self._ran:
+            return ()
+        self._ran = True
+        self._ran_on = ctx.stream.id
+        return (self._src,)
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._error is None and self._where is None:
+            self._error = exc
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> T:
+        stream = ctx.stream
+        if vals:  # the first execution
+            self._out = vals[0]
+            self._where = (stream, stream.seq)
+            if stream.device.is_cpu and stream.capture is None:
+                self._latch = stream.latch_error()  # type: ignore[attr-defined]
             return self._out
         if self._error is not None:
             raise self._error
         if self._where is not None:
-            ctx.stream.wait_for(*self._where)
+            stream.wait_for(*self._where)
+            if self._latch is not None and stream.capture is None:
+                stream.check_latch(self._latch, self._describe())  # type: ignore[attr-defined]
         return self._out
 
     def shared(self) -> SharedOp[T]:
@@ -414,9 +602,19 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
             fork = home.record_event()
             for s in others.values():
                 s.wait_event(fork)
-        outs = [op._exec(ctx if s is home else ctx.on(s)) for op, s in _bzip(ops, streams)]
-        for s in others.values():
-            home.wait_event(s.record_event())
+        outs = []
+        try:
+            for op, s in _bzip(ops, streams):
+                outs.append(op._exec(ctx if s is home else ctx.on(s)))
+        finally:
+            # Join every branch back, also when one failed to enqueue: the
+            # home stream must not run ahead of work already on the others.
+            # A failure the device reports on a branch reaches the home stream
+            # through this wait (cpu: the event carries the branch's error).
+            for s in others.values():
+                home.wait_event(s.record_event())
+            for op in ops[len(outs) + 1:]:
+                op._consume()
         self._streams = [s.id for s in streams]
         return tuple(outs)
 
@@ -436,16 +634,29 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:
 
     Branches run on streams drawn from the executing context's policy, forked
     from and joined back to its stream with events, so independent branches
-    overlap on the device; under ``SingleStream`` they run in order.
+    overlap on the device; under ``SingleStream`` they run in order. A failure
+    on any branch (raised while enqueuing, or reported by the device) reaches
+    the join and the caller.
     """
-    for op in ops:
+    for i, op in enumerate(ops):
         if not isinstance(op, DeviceOp):
-            raise TypeError(f"zip: expected DeviceOps, got {type(op).__name__}")
-    return _Zip(tuple(op._adopt() for op in ops))
+            raise TypeError(f"zip: argument {i} is {type(op).__name__}, not a DeviceOp; wrap "
+                            "plain values with deviceops.value(x)")
+    seen: set[int] = set()
+    for i, op in enumerate(ops):
+        if id(op) in seen and not op._multi_use:
+            raise SchedulingError(f"zip: argument {i} ({op._describe()}) is passed twice; a "
+                                  "DeviceOp runs once. Use op.shared() to pass it several times.",
+                                  op=op._describe())
+        seen.add(id(op))
+        if op._state != _FRESH and not op._multi_use:
+            op._adopt("zip")  # raises, naming its first use
+    return _Zip(tuple(op._adopt("zip") for op in ops))
 
 
 class _Index(DeviceOp[Any]):
     __slots__ = ("_i", "_n", "_src")
+    _iterative = True
 
     def __init__(self, src: SharedOp[Any], i: int, n: int) -> None:
         super().__init__()
@@ -454,7 +665,13 @@ class _Index(DeviceOp[Any]):
         self._n = n
 
     def _execute(self, ctx: ExecutionContext) -> Any:
-        out = self._src._exec(ctx)
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return (self._src,)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        out = vals[0]
         if not isinstance(out, tuple | list) or len(out) != self._n:
             got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, tuple | list) else type(out).__name__
             raise TypeError(f"unzip: expected a tuple of {self._n} outputs, got {got}")
@@ -469,7 +686,11 @@ class _Index(DeviceOp[Any]):
 
 def unzip(op: DeviceOp[tuple[Any, ...]], n: int) -> tuple[DeviceOp[Any], ...]:
     """Split an op producing an ``n``-tuple into ``n`` ops; the source executes once."""
+    if not isinstance(op, DeviceOp):
+        raise TypeError(f"unzip: op must be a DeviceOp producing a tuple, got {type(op).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise TypeError(f"unzip: n must be an int (the tuple's length), got {type(n).__name__} {n!r}")
     if n < 1:
-        raise ValueError(f"unzip: n must be >= 1, got {n}")
+        raise ValueError(f"unzip: n must be >= 1 (the tuple's length), got {n}")
     src = op.shared()
-    return tuple(_Index(src, i, n) for i in range(n))
+    return tuple(_Index(src, i, int(n)) for i in range(n))

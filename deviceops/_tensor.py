@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._dtypes import normalize_dtype
-from ._errors import DeviceError, ShapeError
+from ._errors import DeviceError, DTypeError, ShapeError
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -41,7 +41,7 @@ __all__ = ["Partition", "Storage", "Tensor"]
 class Storage:
     """The memory behind one or more tensor views, and its hazard record."""
 
-    __slots__ = ("__weakref__", "alloc_stream", "base", "device", "reads", "write")
+    __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "write")
 
     def __init__(self, base: Any, device: Device, alloc_stream: Stream | None) -> None:
         self.base = base
@@ -49,6 +49,15 @@ class Storage:
         self.alloc_stream = alloc_stream
         self.write: tuple[Stream, int] | None = None
         self.reads: dict[Stream, int] = {}
+        # [(op name, error)] of the device work that last wrote this memory and
+        # failed (cpu backend), else [None]: ops reading it fail too, naming that
+        # op. A cell, so that queued tasks hold it without keeping the storage alive.
+        self.fail: list[tuple[str, BaseException] | None] = [None]
+
+    @property
+    def failed(self) -> tuple[str, BaseException] | None:
+        """``(op name, error)`` if the device work that last wrote this memory failed."""
+        return self.fail[0]
 
     def pending(self) -> list[tuple[Stream, int]]:
         """Accesses by streams other than the allocating one."""
@@ -147,13 +156,10 @@ class Tensor:
     __slots__ = ("__weakref__", "_array", "_contig", "_storage")
 
     def __init__(self, array: Any, device: Device | None = None, *, _storage: Storage | None = None) -> None:
-        if device is None:
-            from ._device import device as _dev
-
-            device = _dev("cpu") if isinstance(array, np.ndarray) else _dev(int(array.device.id))
         self._array = array
         self._contig: bool | None = None
-        self._storage = _storage if _storage is not None else Storage(array, device, None)
+        self._storage = _storage if _storage is not None else Storage(
+            array, _check_array(array, device), None)
 
     # -- properties -------------------------------------------------------------
     @property
@@ -207,8 +213,18 @@ class Tensor:
             ShapeError: the element count differs or the tensor is not contiguous.
         """
         new = _shape_arg(shape)
-        if math.prod(new) != self.size and -1 not in new:
-            raise ShapeError(f"reshape: cannot view {self.shape} ({self.size} elements) as {new}", op="reshape")
+        neg = [s for s in new if s < 0]
+        if neg:
+            known = math.prod(s for s in new if s >= 0)
+            if neg != [-1] or known == 0 or self.size % known:
+                raise ShapeError(
+                    f"reshape: cannot view {self.shape} ({self.size} elements) as {new}; at most "
+                    "one dimension may be -1 (inferred), and the others must divide the size",
+                    op="reshape")
+            new = tuple(self.size // known if s == -1 else s for s in new)
+        if math.prod(new) != self.size:
+            raise ShapeError(f"reshape: cannot view {self.shape} ({self.size} elements) as {new}; "
+                             "the element count must stay the same", op="reshape")
         if not self._array.flags.c_contiguous:
             raise ShapeError(f"reshape: tensor of shape {self.shape} is not contiguous", op="reshape")
         return Tensor(self._array.reshape(new), self.device, _storage=self._storage)
@@ -242,9 +258,14 @@ class Tensor:
             raise IndexError(f"Tensor index {i} is out of range for a leading dim of {n}")
         return Tensor(self._array[i % n], self.device, _storage=self._storage)
 
-    def partition(self, tile_shape: Sequence[int]) -> Partition:
+    def partition(self, tile_shape: Sequence[int] | int) -> Partition:
         """Split into tiles of ``tile_shape``; a kernel writing it launches one block per tile."""
-        return Partition(self, tuple(tile_shape))
+        if isinstance(tile_shape, int | np.integer) and not isinstance(tile_shape, bool):
+            tile_shape = (int(tile_shape),)
+        if not isinstance(tile_shape, tuple | list):
+            raise ShapeError(f"partition: tile shape {tile_shape!r} is not a tuple of ints, e.g. "
+                             f"{tuple(1 for _ in self.shape)}", op="partition")
+        return Partition(self, tuple(_dim(t, "partition", tile_shape) for t in tile_shape))
 
     def to_host(self) -> DeviceOp[np.ndarray]:
         """A DeviceOp giving a NumPy copy of the data (valid once its stream reaches it)."""
@@ -272,9 +293,17 @@ class Tensor:
         CUDA memory becomes a cuda tensor, host memory a cpu tensor. The producer
         must have finished writing it (synchronize it first).
         """
+        if not hasattr(obj, "__dlpack__"):
+            raise TypeError(f"Tensor.from_dlpack: {type(obj).__name__} is not a DLPack producer "
+                            "(it has no __dlpack__); for host data use api.from_host(data)")
         dev_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
         if int(dev_type) == 1:  # kDLCPU
-            return cls(np.from_dlpack(obj))
+            try:
+                arr = np.from_dlpack(obj)
+            except (TypeError, BufferError, RuntimeError) as exc:  # e.g. bfloat16/bool via NumPy
+                raise DTypeError(f"Tensor.from_dlpack: NumPy cannot import this "
+                                 f"{type(obj).__name__}: {exc}", op="from_dlpack") from exc
+            return cls(arr)
         import cupy
 
         return cls(cupy.from_dlpack(obj))
@@ -295,6 +324,12 @@ class Partition:
     __slots__ = ("grid", "tensor", "tile_shape")
 
     def __init__(self, tensor: Tensor, tile_shape: tuple[int, ...]) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"Partition: tensor must be a Tensor, got {type(tensor).__name__}")
+        if not isinstance(tile_shape, tuple | list):
+            raise ShapeError(f"partition: tile shape {tile_shape!r} is not a tuple of ints",
+                             op="partition")
+        tile_shape = tuple(_dim(t, "partition", tile_shape) for t in tile_shape)
         if len(tile_shape) != tensor.ndim or any(int(t) < 1 for t in tile_shape):
             raise ShapeError(
                 f"partition: tile shape {tile_shape} does not fit tensor shape {tensor.shape}; "
@@ -313,19 +348,65 @@ class Partition:
         return f"Partition(tensor={self.tensor!r}, tile_shape={self.tile_shape}, grid={self.grid})"
 
 
+def _check_array(array: Any, device: Device | None) -> Device:
+    """Validate a user-given array for ``Tensor(array)``; return its device."""
+    from ._device import Device
+    from ._device import device as _dev
+    from ._dtypes import SUPPORTED
+
+    if isinstance(array, np.ndarray):
+        kind = "cpu"
+    elif hasattr(array, "__cuda_array_interface__") and hasattr(array, "device"):
+        kind = "cuda"
+    else:
+        raise TypeError(f"Tensor: array must be a NumPy (cpu) or CuPy (cuda) array, got "
+                        f"{type(array).__name__}; build tensors with deviceops.api (e.g. "
+                        "api.from_host(data)) or Tensor.from_dlpack(obj)")
+    if array.dtype not in SUPPORTED:
+        names = ", ".join(str(d) for d in SUPPORTED)
+        raise DTypeError(f"Tensor: dtype {array.dtype} is not supported; use one of {names} "
+                         "(convert it first, e.g. array.astype('float32'))", op="Tensor")
+    if device is not None and not isinstance(device, Device):
+        raise TypeError(f"Tensor: device must be a deviceops.Device, got {type(device).__name__}")
+    actual = _dev("cpu") if kind == "cpu" else _dev(int(array.device.id))
+    if device is not None and device is not actual:
+        raise DeviceError(f"Tensor: the array lives on {actual}, not on the device given ({device})",
+                          op="Tensor", device=str(device))
+    return actual
+
+
+def _dim(s: Any, op: str, shape: Any) -> int:
+    if isinstance(s, bool) or not isinstance(s, int | np.integer):
+        raise ShapeError(f"{op}: shape {shape!r} has a {type(s).__name__} dimension {s!r}; "
+                         "dimensions must be ints", op=op)
+    return int(s)
+
+
 def _shape_arg(shape: tuple[Any, ...]) -> tuple[int, ...]:
-    if len(shape) == 1 and not isinstance(shape[0], int):
+    if len(shape) == 1 and not isinstance(shape[0], int | np.integer):
+        if not isinstance(shape[0], tuple | list):
+            raise ShapeError(f"reshape: shape {shape[0]!r} is not an int or a tuple of ints",
+                             op="reshape")
         shape = tuple(shape[0])
-    return tuple(int(s) for s in shape)
+    return tuple(_dim(s, "reshape", shape) for s in shape)
 
 
 def normalize_shape(shape: int | Sequence[int], op: str) -> tuple[int, ...]:
-    """A shape as a tuple of non-negative ints (``ShapeError`` otherwise)."""
-    tup = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-    try:
-        out = tuple(int(s) for s in tup)
-    except (TypeError, ValueError) as exc:
-        raise ShapeError(f"{op}: shape {shape!r} is not a sequence of ints", op=op) from exc
+    """A shape as a tuple of non-negative ints (``ShapeError`` otherwise).
+
+    Only ints (Python or NumPy) are dimensions: strings, floats, bools and
+    ``None`` are refused rather than coerced.
+    """
+    if isinstance(shape, bool):
+        raise ShapeError(f"{op}: shape {shape!r} is a bool; give an int or a tuple of ints", op=op)
+    if isinstance(shape, int | np.integer):
+        tup: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, tuple | list):
+        tup = tuple(shape)
+    else:
+        raise ShapeError(f"{op}: shape {shape!r} ({type(shape).__name__}) is not an int or a "
+                         "tuple of ints, e.g. (2, 3)", op=op)
+    out = tuple(_dim(s, op, shape) for s in tup)
     if any(s < 0 for s in out):
         raise ShapeError(f"{op}: shape {out} has a negative dimension", op=op)
     return out
@@ -350,17 +431,78 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
     sweep()
     dt = normalize_dtype(dtype, op=op)
     dev = stream.device
-    arr = np.empty(shape, dt) if dev.is_cpu else _cuda_empty(stream, shape, dt)
+    if dev.is_cpu:
+        try:
+            arr = np.empty(shape, dt)
+        except MemoryError as exc:
+            raise _oom(op, shape, dt, dev, _host_free()) from exc
+    else:
+        arr = _cuda_empty(stream, shape, dt, op)
     return Tensor(arr, dev, _storage=Storage(arr, dev, stream))
 
 
-def _cuda_empty(stream: Any, shape: tuple[int, ...], dt: np.dtype[Any]) -> Any:
+def _host_free() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _oom(op: str, shape: tuple[int, ...], dt: np.dtype[Any], dev: Device, free: int | None) -> Exception:
+    from ._errors import OutOfMemoryError
+
+    asked = math.prod(shape) * dt.itemsize
+    have = "unknown" if free is None else f"{free:,} bytes ({free / 2**30:.2f} GiB)"
+    return OutOfMemoryError(
+        f"{op}: out of memory on {dev}: asked for {asked:,} bytes ({asked / 2**30:.2f} GiB) for a "
+        f"tensor of shape {shape} {dt}, {have} free. Use a smaller shape or free tensors first.",
+        op=op, device=str(dev))
+
+
+def _cuda_empty(stream: Any, shape: tuple[int, ...], dt: np.dtype[Any], op: str = "allocate") -> Any:
     import cupy
 
     from ._cuda_backend import cuda_errors
 
-    with cuda_errors("allocate", str(stream.device)), cupy.cuda.Device(stream.device.index), stream.native:
-        return cupy.empty(shape, dt)
+    try:
+        with cuda_errors("allocate", str(stream.device)), cupy.cuda.Device(stream.device.index), \
+                stream.native:
+            return cupy.empty(shape, dt)
+    except cupy.cuda.memory.OutOfMemoryError as exc:
+        try:
+            with cupy.cuda.Device(stream.device.index):
+                free: int | None = int(cupy.cuda.runtime.memGetInfo()[0])
+        except Exception:
+            free = None
+        raise _oom(op, shape, dt, stream.device, free) from exc
+
+
+def output_failure(out: Any) -> tuple[str, BaseException] | None:
+    """``(producer, error)`` if ``out`` (a Tensor, or a tuple/list of them) holds a tensor
+    whose producing device work failed (cpu backend), else ``None``. Cheap: on every sync."""
+    t = type(out)
+    if t is Tensor:
+        return out._storage.fail[0]
+    if t is tuple or t is list:
+        for o in out:
+            if type(o) is Tensor and o._storage.fail[0] is not None:
+                return o._storage.fail[0]
+    return None
+
+
+def failed_output_error(what: str, failed: tuple[str, BaseException]) -> DeviceError:
+    """The error raised for an output whose producer ``failed``."""
+    from ._errors import LaunchError
+
+    producer, exc = failed
+    err = LaunchError(f"{what}: its output was produced by {producer}, which failed on the "
+                      f"device: {type(exc).__name__}: {exc}", op=producer)
+    err.__cause__ = exc
+    return err
 
 
 def check_device(t: Tensor, stream: Stream, op: str) -> None:

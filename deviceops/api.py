@@ -29,15 +29,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ._context import ExecutionContext
 from ._device import Device
 from ._device import device as _device
-from ._dtypes import float32, is_floating, normalize_dtype
-from ._errors import DTypeError, ShapeError
+from ._dtypes import bfloat16, float32, is_floating, normalize_dtype
+from ._errors import CaptureError, DTypeError, ShapeError
 from ._launch import launch
-from ._op import DeviceOp
+from ._op import DeviceOp, _drive
 from ._tensor import Tensor, allocate, check_device, normalize_shape
 
 __all__ = [
@@ -62,17 +63,36 @@ Shape = int | Sequence[int]
 
 
 class _ApiOp(DeviceOp[Any]):
-    """A DeviceOp whose work is one function of the execution context."""
+    """A DeviceOp whose work is one function of the execution context.
 
-    __slots__ = ("_fn", "_name")
+    With ``dep`` (a DeviceOp producing the tensor argument), ``fn(ctx, value)``
+    runs after ``dep`` executed on the same stream (iteratively: see ``_drive``).
+    """
 
-    def __init__(self, name: str, fn: Callable[[ExecutionContext], Any]) -> None:
+    __slots__ = ("_dep", "_fn", "_name")
+    _iterative = True
+
+    def __init__(self, name: str, fn: Callable[..., Any], dep: DeviceOp[Any] | None = None) -> None:
         super().__init__()
         self._name = name
         self._fn = fn
+        self._dep = dep
 
     def _execute(self, ctx: ExecutionContext) -> Any:
-        return self._fn(ctx)
+        if self._dep is None:
+            return self._fn(ctx)
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return () if self._dep is None else (self._dep,)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        if self._dep is None:
+            return self._fn(ctx)
+        return self._fn(ctx, vals[0])
+
+    def _children(self) -> tuple[DeviceOp[Any], ...]:
+        return () if self._dep is None else (self._dep,)
 
     def _describe(self) -> str:
         return self._name
@@ -93,6 +113,39 @@ def _produce(ctx: ExecutionContext, name: str, shape: tuple[int, ...], dt: np.dt
     return t
 
 
+def _real(op: str, what: str, x: Any, *, finite: bool = True) -> float | int:
+    """A real number argument (int or float, NumPy scalars too; not bool, str, None)."""
+    if isinstance(x, bool | np.bool_) or not isinstance(x, int | float | np.integer | np.floating):
+        raise TypeError(f"{op}: {what} must be a real number (int or float), got "
+                        f"{type(x).__name__} {x!r}")
+    if finite and not math.isfinite(x):
+        raise ValueError(f"{op}: {what} must be finite, got {x!r}")
+    return int(x) if isinstance(x, int | np.integer) else float(x)
+
+
+def _count(op: str, what: str, n: Any) -> int:
+    """A non-negative int argument (a size or a count)."""
+    if isinstance(n, bool | np.bool_) or not isinstance(n, int | np.integer):
+        raise TypeError(f"{op}: {what} must be an int, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ShapeError(f"{op}: {what} must be >= 0, got {n}", op=op)
+    return int(n)
+
+
+def _fits(op: str, what: str, v: float | int, dt: np.dtype[Any]) -> None:
+    """Refuse a value ``dt`` cannot hold (NaN/inf/fractions/out of range for integers)."""
+    if is_floating(dt):
+        top = float(ml_dtypes.finfo(dt).max)
+        if math.isfinite(v) and abs(v) > top:
+            raise ValueError(f"{op}: {what} {v!r} overflows {dt} (max {top:g}); "
+                             "use a wider dtype such as float32")
+        return
+    info = np.iinfo(dt)
+    if not math.isfinite(v) or v != math.floor(v) or not info.min <= v <= info.max:
+        raise ValueError(f"{op}: {what} {v!r} cannot be held by {dt} (integers in "
+                         f"[{info.min}, {info.max}]); give an integer in range or a floating dtype")
+
+
 def empty(shape: Shape, dtype: Any = float32) -> DeviceOp[Tensor]:
     """A new tensor with unspecified contents (allocation only)."""
     shp, dt = normalize_shape(shape, "empty"), normalize_dtype(dtype, op="empty")
@@ -100,40 +153,53 @@ def empty(shape: Shape, dtype: Any = float32) -> DeviceOp[Tensor]:
 
 
 def full(shape: Shape, fill_value: float | int, dtype: Any = float32) -> DeviceOp[Tensor]:
-    """A new tensor filled with ``fill_value``."""
-    shp, dt = normalize_shape(shape, "full"), normalize_dtype(dtype, op="full")
-    v = fill_value
+    """A new tensor filled with ``fill_value``.
+
+    Raises:
+        TypeError: ``fill_value`` is not a real number (``None``, a string, a bool).
+        ValueError: ``dtype`` cannot hold it (NaN, inf, a fraction or out of range for
+            an integer dtype; a finite value beyond a float dtype's range).
+    """
+    return _full("full", shape, fill_value, dtype)
+
+
+def _full(name: str, shape: Shape, fill_value: Any, dtype: Any) -> DeviceOp[Tensor]:
+    shp, dt = normalize_shape(shape, name), normalize_dtype(dtype, op=name)
+    v = _real(name, "fill_value", fill_value, finite=False)
+    _fits(name, "fill_value", v, dt)
 
     def make(xp: Any, a: Any) -> None:
         a.fill(v)
 
-    return _ApiOp("full", lambda ctx: _produce(ctx, "full", shp, dt, make))
+    return _ApiOp(name, lambda ctx: _produce(ctx, name, shp, dt, make))
 
 
 def zeros(shape: Shape, dtype: Any = float32) -> DeviceOp[Tensor]:
     """A new tensor of zeros."""
-    op = full(shape, 0, dtype)
-    op._name = "zeros"  # type: ignore[attr-defined]
-    return op
+    return _full("zeros", shape, 0, dtype)
 
 
 def ones(shape: Shape, dtype: Any = float32) -> DeviceOp[Tensor]:
     """A new tensor of ones."""
-    op = full(shape, 1, dtype)
-    op._name = "ones"  # type: ignore[attr-defined]
-    return op
+    return _full("ones", shape, 1, dtype)
 
 
 def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None) -> DeviceOp[Tensor]:
     """Evenly spaced values in ``[start, stop)``, as :func:`numpy.arange`."""
     if stop is None:
         start, stop = 0, start
+    start = _real("arange", "start", start)
+    stop = _real("arange", "stop", stop)
+    step = _real("arange", "step", step)
     if step == 0:
         raise ShapeError("arange: step must not be zero", op="arange")
     n = max(0, math.ceil((stop - start) / step))
     if dtype is None:
-        dtype = "int64" if all(float(x).is_integer() and isinstance(x, int) for x in (start, stop, step)) else float32
+        dtype = "int64" if all(isinstance(x, int) for x in (start, stop, step)) else float32
     dt = normalize_dtype(dtype, op="arange")
+    if n:
+        _fits("arange", "start", start, dt)
+        _fits("arange", "last value", start + step * (n - 1), dt)
     s0, st = start, step
 
     def make(xp: Any, a: Any) -> None:
@@ -144,9 +210,15 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
 
 def linspace(start: float, stop: float, num: int = 50, dtype: Any = float32, *, endpoint: bool = True) -> DeviceOp[Tensor]:
     """``num`` evenly spaced values from ``start`` to ``stop``, as :func:`numpy.linspace`."""
-    if num < 0:
-        raise ShapeError(f"linspace: num must be >= 0, got {num}", op="linspace")
+    start = _real("linspace", "start", start)
+    stop = _real("linspace", "stop", stop)
+    num = _count("linspace", "num", num)
+    if not isinstance(endpoint, bool | np.bool_):
+        raise TypeError(f"linspace: endpoint must be a bool, got {type(endpoint).__name__} {endpoint!r}")
     dt = normalize_dtype(dtype, op="linspace")
+    if num and is_floating(dt):
+        _fits("linspace", "start", start, dt)
+        _fits("linspace", "stop", stop, dt)
 
     def make(xp: Any, a: Any) -> None:
         a[...] = xp.linspace(start, stop, num, endpoint=endpoint, dtype=np.float64).astype(dt)
@@ -156,7 +228,11 @@ def linspace(start: float, stop: float, num: int = 50, dtype: Any = float32, *, 
 
 def eye(n: int, m: int | None = None, dtype: Any = float32, *, k: int = 0) -> DeviceOp[Tensor]:
     """A 2-D tensor with ones on diagonal ``k``, as :func:`numpy.eye`."""
-    m = n if m is None else m
+    n = _count("eye", "n", n)
+    m = n if m is None else _count("eye", "m", m)
+    if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
+        raise TypeError(f"eye: k (the diagonal) must be an int, got {type(k).__name__} {k!r}")
+    k = int(k)
     shp = normalize_shape((n, m), "eye")
     dt = normalize_dtype(dtype, op="eye")
 
@@ -179,7 +255,10 @@ def _random(name: str, shape: Shape, dtype: Any, seed: int | None, normal: bool)
     shp, dt = normalize_shape(shape, name), normalize_dtype(dtype, op=name)
     if not is_floating(dt):
         raise DTypeError(f"{name}: needs a floating dtype, got {dt}", op=name)
-    sd = _fresh_seed() if seed is None else seed
+    if seed is not None and (isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer)
+                             or seed < 0):
+        raise ValueError(f"{name}: seed must be None or an int >= 0, got {type(seed).__name__} {seed!r}")
+    sd = _fresh_seed() if seed is None else int(seed)
 
     def make(xp: Any, a: Any) -> None:
         rng = xp.random.default_rng(sd)
@@ -205,7 +284,17 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
     The host data is snapshotted when the op is enqueued, so later changes to
     ``array`` do not leak in.
     """
-    host = np.asarray(array)
+    if isinstance(array, Tensor | DeviceOp):
+        raise TypeError(f"from_host: array is a {type(array).__name__}, not host data; use "
+                        "api.dup(t) to copy a tensor, or api.to_device(t, device) to move it")
+    try:
+        host = np.asarray(array)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"from_host: cannot make a NumPy array of {type(array).__name__}: {exc}; "
+                        "pass a NumPy array or a (rectangular) nested list of numbers") from exc
+    if dtype is None and host.dtype.kind not in "fiuV" and host.dtype != bfloat16:
+        raise DTypeError(f"from_host: host data of dtype {host.dtype} is not numbers; pass "
+                         "numbers, or give dtype=", op="from_host")
     dt = normalize_dtype(host.dtype if dtype is None else dtype, op="from_host")
 
     def run(ctx: ExecutionContext) -> Tensor:
@@ -225,34 +314,43 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
     return _ApiOp("from_host", run)
 
 
-def _tensor_arg(x: Any, op: str) -> Tensor:
+def _tensor_arg(x: Any, op: str, name: str = "t") -> Tensor:
     if isinstance(x, Tensor):
         return x
-    raise TypeError(f"{op}: expected a Tensor, got {type(x).__name__}")
+    raise TypeError(f"{op}: argument {name!r} must be a Tensor, got {type(x).__name__}"
+                    + ("; pass the tensor (execute the op producing it first)"
+                       if isinstance(x, DeviceOp) else ""))
 
 
-def _tensor_or_op(x: Any, op: str) -> Tensor | DeviceOp[Tensor]:
+def _tensor_or_op(x: Any, op: str, name: str = "t") -> Tensor | DeviceOp[Tensor]:
     """A Tensor, or a DeviceOp producing one (adopted: it runs first, on the same stream)."""
     if isinstance(x, Tensor):
         return x
     if isinstance(x, DeviceOp):
-        return x._adopt()
-    raise TypeError(f"{op}: expected a Tensor or a DeviceOp producing one, got {type(x).__name__}")
+        return x._adopt(op)
+    raise TypeError(f"{op}: argument {name!r} must be a Tensor or a DeviceOp producing one, "
+                    f"got {type(x).__name__}")
 
 
-def _resolved(x: Tensor | DeviceOp[Tensor], ctx: ExecutionContext, op: str) -> Tensor:
-    t = x._exec(ctx) if isinstance(x, DeviceOp) else x
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{op}: the DeviceOp argument produced {type(t).__name__}, not a Tensor")
-    return t
+def _with_arg(op: str, arg: Tensor | DeviceOp[Tensor], run: Callable[[ExecutionContext, Tensor], Any]
+              ) -> DeviceOp[Any]:
+    """An op running ``run(ctx, tensor)``; a DeviceOp ``arg`` executes first (iteratively)."""
+    if isinstance(arg, Tensor):
+        return _ApiOp(op, lambda ctx: run(ctx, arg))
+
+    def after(ctx: ExecutionContext, t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: the DeviceOp argument produced {type(t).__name__}, not a Tensor")
+        return run(ctx, t)
+
+    return _ApiOp(op, after, arg)
 
 
 def dup(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
     """A new tensor with a copy of ``t``'s data (``t``: a Tensor or a DeviceOp producing one)."""
     arg = _tensor_or_op(t, "dup")
 
-    def run(ctx: ExecutionContext) -> Tensor:
-        src = _resolved(arg, ctx, "dup")
+    def run(ctx: ExecutionContext, src: Tensor) -> Tensor:
         check_device(src, ctx.stream, "dup")
         s = src.array
 
@@ -261,7 +359,7 @@ def dup(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
 
         return _produce(ctx, "dup", src.shape, src.dtype, make, reads=(src,))
 
-    return _ApiOp("dup", run)
+    return _with_arg("dup", arg, run)
 
 
 def convert(t: Tensor | DeviceOp[Tensor], dtype: Any) -> DeviceOp[Tensor]:
@@ -269,8 +367,7 @@ def convert(t: Tensor | DeviceOp[Tensor], dtype: Any) -> DeviceOp[Tensor]:
     dt = normalize_dtype(dtype, op="convert")
     arg = _tensor_or_op(t, "convert")
 
-    def run(ctx: ExecutionContext) -> Tensor:
-        src = _resolved(arg, ctx, "convert")
+    def run(ctx: ExecutionContext, src: Tensor) -> Tensor:
         check_device(src, ctx.stream, "convert")
         s = src.array
 
@@ -279,7 +376,7 @@ def convert(t: Tensor | DeviceOp[Tensor], dtype: Any) -> DeviceOp[Tensor]:
 
         return _produce(ctx, "convert", src.shape, dt, make, reads=(src,))
 
-    return _ApiOp("convert", run)
+    return _with_arg("convert", arg, run)
 
 
 def _memcpy_check(d: Tensor, s: Tensor) -> None:
@@ -296,13 +393,14 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
     ``CudaGraph.update`` refreshes captured inputs. ``src`` may be a DeviceOp
     producing a tensor (it runs first, on the same stream).
     """
-    d = _tensor_arg(dst, "memcpy")
-    src_arg = _tensor_or_op(src, "memcpy")
+    if not isinstance(dst, Tensor) and isinstance(src, DeviceOp):
+        src._consume()  # the error below is the report
+    d = _tensor_arg(dst, "memcpy", "dst")
+    src_arg = _tensor_or_op(src, "memcpy", "src")
     if isinstance(src_arg, Tensor):
         _memcpy_check(d, src_arg)
 
-    def run(ctx: ExecutionContext) -> Tensor:
-        s = _resolved(src_arg, ctx, "memcpy")
+    def run(ctx: ExecutionContext, s: Tensor) -> Tensor:
         if src_arg is not s:
             _memcpy_check(d, s)
         check_device(d, ctx.stream, "memcpy")
@@ -324,7 +422,7 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
         launch(ctx, "memcpy", (s,), (d,), cpu, cuda)
         return d
 
-    return _ApiOp("memcpy", run)
+    return _with_arg("memcpy", src_arg, run)
 
 
 def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
@@ -334,19 +432,16 @@ def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
     """
     arg = _tensor_or_op(t, "to_host")
 
-    def run(ctx: ExecutionContext) -> np.ndarray:
-        src = _resolved(arg, ctx, "to_host")
+    def run(ctx: ExecutionContext, src: Tensor) -> np.ndarray:
         check_device(src, ctx.stream, "to_host")
         s = src.array
+        if ctx.stream.capture is not None:  # both backends: host memory is allocated per call
+            raise CaptureError("to_host allocates host memory inside a graph capture; "
+                               "copy into a preallocated tensor with api.memcpy instead", op="to_host")
         if ctx.device.is_cpu:
             out = np.empty(src.shape, src.dtype)
             launch(ctx, "to_host", (src,), (), lambda: np.copyto(out, s), lambda n: None)
             return out
-        if ctx.stream.capture is not None:
-            from ._errors import CaptureError
-
-            raise CaptureError("to_host allocates host memory inside a graph capture; "
-                               "copy into a preallocated tensor with api.memcpy instead", op="to_host")
         import cupyx
 
         pinned = cupyx.empty_pinned(src.shape, src.dtype)
@@ -359,7 +454,7 @@ def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
         launch(ctx, "to_host", (src,), (), lambda: None, cuda)
         return pinned
 
-    return _ApiOp("to_host", run)
+    return _with_arg("to_host", arg, run)
 
 
 def _on_get(native: Any, s: Any) -> Any:
@@ -378,6 +473,9 @@ def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
     backend and CUDA synchronizes the source's last writer on the host first.
     """
     src = _tensor_arg(t, "to_device")
+    if not isinstance(device, Device | int | str) or isinstance(device, bool):
+        raise TypeError(f"to_device: device must be a Device, an int or a str such as 'cpu' or "
+                        f"'cuda:0', got {type(device).__name__} {device!r}")
     dev = _device(device)
 
     def run(ctx: ExecutionContext) -> Tensor:

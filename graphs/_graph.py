@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from deviceops._capture import CaptureState
 from deviceops._context import ExecutionContext, enqueue_lock, guard, refuse_nested
 from deviceops._errors import CaptureError, SchedulingError
-from deviceops._op import DeviceOp
+from deviceops._op import _OWNED, DeviceOp, _owned_error
 from deviceops._tensor import after_access, before_access
 
 if TYPE_CHECKING:
@@ -139,6 +139,8 @@ class _LaunchOp(DeviceOp[Any]):
 def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
     """Capture ``op`` on ``stream`` (default: a stream of the current policy)."""
     refuse_nested(f"graph() of {op._describe()}")
+    if op._state == _OWNED and not op._multi_use:
+        raise _owned_error(op, "graph()")
     policy = _policy()
     if stream is None:
         stream = policy.next_stream()
@@ -201,12 +203,28 @@ def _abort_cuda(stream: Any) -> None:
 def host_task(fn: Any, name: str = "host_func") -> DeviceOp[None]:
     """A DeviceOp that calls ``fn()`` on a host thread when its stream reaches it.
 
-    Inside a graph it becomes a host node and fires on every replay.
+    Inside a graph it becomes a host node and fires on every replay. ``fn`` must
+    not block on the device: executing a DeviceOp (``sync()``, ``sync_on()``,
+    ``await``...) inside it raises :class:`~deviceops.NestedExecutionError`
+    (waiting on its own stream would deadlock).
     """
     from deviceops.api import _ApiOp
 
+    if not callable(fn):
+        raise TypeError(f"host_task: fn must be callable, got {type(fn).__name__} {fn!r}")
+
     def run(ctx: ExecutionContext) -> None:
-        ctx.stream.launch_host_func(fn)
+        where = f"host_task {name} on {ctx.stream!r}"
+
+        def guarded() -> None:
+            prev = guard.active
+            guard.active = where
+            try:
+                fn()
+            finally:
+                guard.active = prev
+
+        ctx.stream.launch_host_func(guarded)
         ctx.stream.bump()
 
     return _ApiOp(name, run)

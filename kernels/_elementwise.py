@@ -31,7 +31,7 @@ from deviceops._context import ExecutionContext
 from deviceops._dtypes import bfloat16, float16, float32, int32, int64, is_floating
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
-from deviceops._op import DeviceOp
+from deviceops._op import DeviceOp, _drive
 from deviceops._tensor import (
     Partition,
     Storage,
@@ -43,7 +43,7 @@ from deviceops._tensor import (
 )
 
 from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
-from ._launch import KernelOp, as_tensor, contiguous, resolve
+from ._launch import KernelOp, as_tensor, contiguous
 from ._module import load_module, read_source
 
 __all__ = ["add", "mul", "saxpy"]
@@ -161,10 +161,22 @@ class _ElementwiseOp(KernelOp):
         self._deferred = deferred
         self._plan = plan
         if deferred:
-            args = tuple(v._adopt() if isinstance(v, DeviceOp) else v for v in args)
-        self._args = args
+            self._set_args(args)
+        else:
+            self._args = args
+            self._dpos = ()
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        if not vals:
+            return self._execute(ctx)
+        args = list(self._args)
+        for i, v in zip(self._dpos, vals, strict=True):
+            args[i] = v
+        return self._body(ctx, args)
 
     def _execute(self, ctx: ExecutionContext) -> Any:
+        if self._dpos:
+            return _drive(self, ctx)
         plan = self._plan
         stream = ctx.stream
         if plan is not None and plan[0] is stream.device and _trace.current is None:
@@ -177,8 +189,10 @@ class _ElementwiseOp(KernelOp):
                 pln(pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
             after_access(stream, stream.bump(), prs, pwl)
             return self._args[0] if self._name == "saxpy" else self._args[2]
+        return self._body(ctx, self._args)
+
+    def _body(self, ctx: ExecutionContext, vals: Any) -> Any:
         name = self._name
-        vals = [resolve(v, ctx) for v in self._args] if self._deferred else self._args
         stream = ctx.stream
         if name == "saxpy":
             w_arg, x_arg = vals
@@ -187,6 +201,7 @@ class _ElementwiseOp(KernelOp):
             y = None
             if self._deferred:
                 _saxpy_check(w, x)
+                _saxpy_scalar(self._a, w.dtype)
         else:
             x_arg, y_arg, w_arg = vals
             x = _tensor_of(x_arg, name, "x")
@@ -312,15 +327,48 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
         a: scalar multiplier.
         x: Tensor or DeviceOp producing one, same shape and dtype as ``z``.
     """
-    a = float(a)
+    if type(a) is not float:
+        a = _scalar_arg(a)
     if type(z) is Tensor and type(x) is Tensor:
         plan = _recall("saxpy", z, x, None, a)
         if plan is not None:  # identical to the last launch: already validated
             return _ElementwiseOp("saxpy", (z, x), a, False, plan)
     deferred = isinstance(z, DeviceOp) or isinstance(x, DeviceOp)
     if not deferred:
-        _saxpy_check(_tensor_of(z, "saxpy", "z"), _tensor_of(x, "saxpy", "x"))
+        zt = _tensor_of(z, "saxpy", "z")
+        _saxpy_check(zt, _tensor_of(x, "saxpy", "x"))
+        _saxpy_scalar(a, zt.dtype)
+    elif z is None or x is None:
+        _tensor_of(z, "saxpy", "z")
+        _tensor_of(x, "saxpy", "x")
     return _ElementwiseOp("saxpy", (z, x), a, deferred)
+
+
+def _scalar_arg(a: Any) -> float:
+    """``saxpy``'s ``a`` as a float: a real number (not a bool, a string or ``None``)."""
+    if isinstance(a, bool) or not isinstance(a, int | float | np.integer | np.floating):
+        raise TypeError(f"saxpy: a must be a real number (int or float), got {type(a).__name__} "
+                        f"{a!r}")
+    return float(a)
+
+
+_INT_RANGE = {int32: (-(2**31), 2**31 - 1), int64: (-(2**63), 2**63 - 1)}
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _saxpy_scalar(a: float, dt: np.dtype[Any]) -> None:
+    """Refuse a scalar the computation cannot hold (it is used as a float32)."""
+    if not math.isfinite(a):
+        if dt in _INT_RANGE:
+            raise ValueError(f"saxpy: a={a} is not finite; an {dt} z cannot hold the result")
+        return
+    if abs(a) > _F32_MAX:
+        raise ValueError(f"saxpy: a={a} overflows float32, the precision saxpy computes in; "
+                         f"use |a| <= {_F32_MAX:.3e}")
+    rng = _INT_RANGE.get(dt)
+    if rng is not None and not rng[0] <= a <= rng[1]:
+        raise ValueError(f"saxpy: a={a} is outside the range of z's dtype {dt} "
+                         f"[{rng[0]}, {rng[1]}]; use a smaller scalar or a wider dtype")
 
 
 # -- add / mul -----------------------------------------------------------------
@@ -342,6 +390,9 @@ def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
     if not deferred:
         _binary_check(name, _tensor_of(x, name, "x"), _tensor_of(y, name, "y"),
                       None if out is None else _tensor_of(out, name, "out"))
+    elif x is None or y is None:
+        _tensor_of(x, name, "x")
+        _tensor_of(y, name, "y")
     return _ElementwiseOp(name, (x, y, out), 0.0, deferred)
 
 

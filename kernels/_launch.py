@@ -5,7 +5,8 @@ argument, a :class:`~deviceops.Tensor`, a :class:`~deviceops.Partition`, or a
 DeviceOp producing either; scalars are plain Python numbers. It returns a
 :class:`KernelOp` whose execution
 
-1. executes the DeviceOp arguments first, in order, on the same stream;
+1. executes the DeviceOp arguments first, in order, on the same stream
+   (iteratively: arguments nested 100,000 deep do not recurse);
 2. validates shapes/dtypes/devices (already done at construction for
    arguments that were given as tensors), raising before any launch;
 3. allocates outputs that were not given (refused inside graph capture);
@@ -21,7 +22,7 @@ from typing import Any
 
 from deviceops._context import ExecutionContext
 from deviceops._errors import ShapeError
-from deviceops._op import DeviceOp
+from deviceops._op import DeviceOp, _drive
 from deviceops._tensor import Partition, Tensor
 
 __all__ = ["KernelOp", "TensorArg", "as_tensor", "is_deferred", "resolve"]
@@ -40,6 +41,9 @@ def as_tensor(arg: Tensor | Partition, op: str, name: str) -> Tensor:
         return arg
     if isinstance(arg, Partition):
         return arg.tensor
+    if arg is None:
+        raise TypeError(f"{op}: argument {name!r} is required: pass a Tensor, Partition or "
+                        "DeviceOp producing one, got None")
     raise TypeError(f"{op}: argument {name!r} must be a Tensor, Partition or DeviceOp "
                     f"producing one, got {type(arg).__name__}")
 
@@ -70,17 +74,44 @@ class KernelOp(DeviceOp[Any]):
         args: the launcher's arguments as given (DeviceOps are executed first).
     """
 
-    __slots__ = ("_args", "_name", "_run")
+    __slots__ = ("_args", "_dpos", "_name", "_run")
+    _iterative = True
 
     def __init__(self, name: str, run: Callable[..., Any], args: tuple[Any, ...]) -> None:
         super().__init__()
         self._name = name
         self._run = run
-        self._args = tuple(a._adopt() if isinstance(a, DeviceOp) else a for a in args)
+        self._set_args(args)
+
+    def _set_args(self, args: tuple[Any, ...]) -> None:
+        dpos = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp))
+        if dpos:
+            ops = [args[i] for i in dpos]
+            if len({id(o) for o in ops if not o._multi_use}) < sum(1 for o in ops if not o._multi_use):
+                for o in ops:
+                    o._consume()
+                raise ValueError(f"{self._name}: the same DeviceOp is passed as two arguments; "
+                                 "a DeviceOp runs once: use op.shared() to pass its output twice")
+            args = tuple(a._adopt(self._name) if isinstance(a, DeviceOp) else a for a in args)
+        self._args = args
+        self._dpos = dpos
 
     def _execute(self, ctx: ExecutionContext) -> Any:
-        vals = [a._exec(ctx) if isinstance(a, DeviceOp) else a for a in self._args]
-        return self._run(ctx, *vals)
+        if not self._dpos:
+            return self._run(ctx, *self._args)
+        return _drive(self, ctx)
+
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        args = self._args
+        return tuple(args[i] for i in self._dpos)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        if not vals:
+            return self._run(ctx, *self._args)
+        args = list(self._args)
+        for i, v in zip(self._dpos, vals, strict=True):
+            args[i] = v
+        return self._run(ctx, *args)
 
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return tuple(a for a in self._args if isinstance(a, DeviceOp))

@@ -34,7 +34,7 @@ from deviceops._dtypes import float32
 from deviceops._errors import CaptureError, DeviceError, DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._stream import Stream
-from deviceops._tensor import Tensor, allocate, check_device
+from deviceops._tensor import Partition, Tensor, allocate, check_device
 
 from ._gemm import ACTIVATIONS, gemm_check, gemm_cuda, gemm_reference, gemm_workspace_nbytes
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
@@ -143,7 +143,11 @@ def check_out(name: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.d
         raise DTypeError(f"{name}: out has dtype {out.dtype}, expected {dtype} ({why})", op=name)
 
 
-def build_op(name: str, args: dict[str, Any], check: Check, body: Body) -> KernelOp:
+OPTIONAL_ARGS = ("out", "bias", "kv_len", "block_table")
+
+
+def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
+             optional: tuple[str, ...] = OPTIONAL_ARGS) -> KernelOp:
     """A KernelOp for a kernel whose output argument is ``args["out"]``.
 
     Arguments given as Tensors/Partitions are validated by ``check`` now, DeviceOp
@@ -151,10 +155,19 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body) -> Kerne
     ``check`` also validates every tensor's layout and returns the output's shape and
     dtype; when ``out`` is ``None`` it is allocated (refused inside graph capture).
     ``body(ctx, tensors)`` launches. The op produces ``out`` in the form given.
+    Every argument not named in ``optional`` is required: ``None`` or a value that is
+    not a Tensor/Partition/DeviceOp raises ``TypeError`` naming it, at construction.
     """
     keys = tuple(args)
     vals = tuple(args[k] for k in keys)
     i_out = keys.index("out")
+    for k, v in zip(keys, vals, strict=True):
+        if (v is None and k not in optional) or not (v is None or is_deferred(v)
+                                                     or isinstance(v, Tensor | Partition)):
+            for o in vals:
+                if is_deferred(o):
+                    o._consume()  # the error is the report: no "never executed" warning
+            as_tensor(v, name, k)  # type: ignore[arg-type]  # raises the TypeError naming it
 
     def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
         return {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}

@@ -204,19 +204,16 @@ __global__ void silu(T* out, const T* x, long long n) {
     }
 }
 
-// out[r, :] = table[ids[r], :]; rows whose id is outside [0, vocab) are written as zeros.
+// out[r, :] = table[clamp(ids[r], 0, vocab - 1), :]: out-of-range ids are clamped (both backends).
 // E is the element's bit pattern (16, 32 or 64-bit unsigned): a gather copies, never converts.
 template <typename E, typename I>
 __global__ void embedding(E* __restrict__ out, const E* __restrict__ table,
                           const I* __restrict__ ids, long long n_ids, long long vocab, int dim) {
     for (long long r = blockIdx.x; r < n_ids; r += gridDim.x) {
-        const long long id = (long long)ids[r];
+        long long id = (long long)ids[r];
+        id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);  // out-of-range ids are clamped (documented)
         E* orow = out + r * dim;
-        if (id < 0 || id >= vocab) {
-            for (int c = threadIdx.x; c < dim; c += blockDim.x) orow[c] = (E)0;
-        } else {
-            const E* trow = table + id * dim;
-            for (int c = threadIdx.x; c < dim; c += blockDim.x) orow[c] = trow[c];
-        }
+        const E* trow = table + id * dim;
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) orow[c] = trow[c];
     }
 }
