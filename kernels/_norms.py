@@ -27,6 +27,7 @@ __all__ = ["CTYPE", "MOVE_TYPES", "norm_cuda", "norm_geometry", "tk_function", "
 _CTYPE = {float32: "float", float16: "f16", bfloat16: "bf16"}
 _NVS = (0, 1, 2, 4, 8)  # vectors held per thread; 0 = row too long to hold: two passes
 _MAX_THREADS = 1024
+_MAX_HELD = 32  # floats of a row a thread may hold (64 registers at 1024 threads)
 _MAX_BLOCKS = 1 << 20
 # Many rows: smaller blocks (several resident per SM, cheaper block reductions).
 _MANY_ROWS = 256
@@ -37,7 +38,7 @@ def _names() -> tuple[str, ...]:
     out = []
     for c in _CTYPE.values():
         vecs = (1, 16 // (4 if c == "float" else 2))
-        out += [f"add_rms_norm<{c}, {v}, {nv}>" for v in vecs for nv in _NVS]
+        out += [f"add_rms_norm<{c}, {v}, {nv}>" for v in vecs for nv in _NVS if nv * v <= _MAX_HELD]
         out += [f"{k}<{c}, {v}>" for k in ("rope", "rope_kv_write", "swiglu") for v in vecs]
         out.append(f"sample<{c}>")
     out += [f"merge_heads<{e}>" for e in MOVE_TYPES.values()]
@@ -65,16 +66,18 @@ def tk_function(device_index: int, expr: str) -> Any:
 def norm_geometry(rows: int, cols: int, vec: int) -> tuple[int, int, int]:
     """``(blocks, threads, nv)`` for ``rows`` rows of ``cols`` elements loaded ``vec`` at a time.
 
-    ``nv`` is the number of vectors each thread holds (0: the row does not fit in
-    registers, the kernel streams it twice). Pure logic, tested on the cpu backend.
+    ``nv`` is the number of vectors each thread holds (at most 32 floats a thread, so a
+    1024-thread block fits the register file; 0: the row does not fit, the kernel streams
+    it twice). Pure logic, tested on the cpu backend.
     """
     nvec = -(-cols // vec)
     cap = 256 if rows >= _MANY_ROWS else _MAX_THREADS
-    for nv in _NVS[1:]:
+    nvs = [nv for nv in _NVS[1:] if nv * vec <= _MAX_HELD]
+    for nv in nvs:
         if nvec <= cap * nv:
             break
     else:
-        nv = 0 if nvec > _MAX_THREADS * _NVS[-1] else _NVS[-1]
+        nv = 0 if nvec > _MAX_THREADS * nvs[-1] else nvs[-1]
     if nv == 0:
         threads = _MAX_THREADS
     else:

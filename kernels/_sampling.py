@@ -54,7 +54,8 @@ def uniform(seed: int, counter: int) -> float:
 def _row(l64: np.ndarray, temp: float, k: int, p: float, u: float) -> int:
     """One row of :func:`sample_reference`."""
     m = float(l64.max())  # NaN if any is NaN
-    if not (temp > 0.0 and np.isfinite(m)):
+    inv_t = np.float32(1.0) / np.float32(temp) if temp > 0.0 else np.float32(np.inf)
+    if not (temp > 0.0 and np.isfinite(m) and np.isfinite(inv_t)):
         return int(np.argmax(l64))  # greedy: the first maximum (NaN counts as the largest)
     v = l64.shape[0]
     keep = np.ones(v, bool)

@@ -25,6 +25,7 @@ SCRIPTS = {
     "graph_replay.py": {"variant", "ours_us", "reference", "ref_us", "ratio"},
     "op_cost.py": {"op", "ours_wall_us", "reference", "ref_wall_us", "wall_ratio", "ours_dev_us"},
     "overlap.py": {"policy", "n", "elapsed_ms", "over_T", "efficiency", "ideal_ms", "vs_ideal"},
+    "norms.py": {"op", "shape", "dtype", "ours_us", "reference", "ref_us", "ratio"},
 }
 RECORD_KEYS = {"benchmark", "device", "env", "smoke", "config", "rows", "bars", "checks"}
 ENV_KEYS = {"date", "device", "device_name", "python", "numpy", "deviceops"}

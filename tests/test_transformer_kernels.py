@@ -301,7 +301,7 @@ def test_swiglu_errors(stream: deviceops.Stream) -> None:
 # ----------------------------------------------------------------------------- add_rms_norm
 
 NORM_SHAPES = [(1, 1), (1, 5), (7, 33), (3, 768), (2, 767), (5, 4096), (1, 4095), (2, 3, 129),
-               (3, 9000), (1, 70000), (300, 64)]
+               (3, 9000), (1, 70000), (300, 64), (2, 40000)]
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -398,7 +398,9 @@ def test_norm_geometry() -> None:
     assert norm_geometry(4096, 4096, 8) == (4096, 256, 2)  # many rows: smaller blocks
     assert norm_geometry(4096, 4096, 4) == (4096, 256, 4)
     assert norm_geometry(1, 767, 1) == (1, 768, 1)
-    assert norm_geometry(1, 65536, 8) == (1, 1024, 8)
+    assert norm_geometry(1, 32768, 8) == (1, 1024, 4)  # 32 floats held a thread at most
+    assert norm_geometry(1, 32776, 8) == (1, 1024, 0)
+    assert norm_geometry(1, 8192, 1) == (1, 1024, 8)
     assert norm_geometry(1, 65537, 1) == (1, 1024, 0)  # too long to hold: streamed twice
     assert norm_geometry(1, 1, 1) == (1, 32, 1)
     for rows, cols, vec in [(1, 5, 1), (300, 9000, 1), (7, 33, 1), (2, 70000, 8)]:

@@ -89,12 +89,13 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // s = round(x + res) is stored to res_out and normalised; with `res` null: s = x.
 // out = s * rsqrt(mean(s^2) + eps) * w.
 // NV > 0: thread t holds the vectors t, t + blockDim, ..., (NV of them) in registers between
-// the reduction and the store: one read, one write. NV == 0 (rows too long to hold): the
+// the reduction and the store: one read, one write (NV * VEC <= 32 floats: the launcher's
+// rule, so 1024-thread blocks fit in 64 registers a thread without spilling). NV == 0 (rows too long to hold): the
 // second pass re-reads s (from res_out, or x), each element by the thread that wrote it.
 // In place (out == x, res_out == res or res_out == x) is safe: each element is read and
 // written by one thread, every read before that thread's write.
 template <typename T, int VEC, int NV>
-__global__ void add_rms_norm(T* out, T* res_out, const T* x, const T* res, const T* __restrict__ w,
+__global__ void __launch_bounds__(1024) add_rms_norm(T* out, T* res_out, const T* x, const T* res, const T* __restrict__ w,
                              long long rows, int cols, float eps) {
     __shared__ float sh[32];
     const int nvec = cols / VEC;  // VEC divides cols (launcher)
@@ -106,11 +107,13 @@ __global__ void add_rms_norm(T* out, T* res_out, const T* x, const T* res, const
         float ss = 0.f;
         if constexpr (NV > 0) {
             float v[NV][VEC];
+            float g1[VEC];  // NV == 1 (short rows): the weights load before the reduction
 #pragma unroll
             for (int k = 0; k < NV; ++k) {
                 const int c = k * blockDim.x + threadIdx.x;
                 if (c < nvec) {
                     load_vec<T, VEC>(v[k], xr + c * VEC);
+                    if constexpr (NV == 1) load_vec<T, VEC>(g1, w + c * VEC);
                     if (rr) {
                         float b[VEC];
                         load_vec<T, VEC>(b, rr + c * VEC);
@@ -128,7 +131,12 @@ __global__ void add_rms_norm(T* out, T* res_out, const T* x, const T* res, const
                 const int c = k * blockDim.x + threadIdx.x;
                 if (c < nvec) {
                     float g[VEC];
-                    load_vec<T, VEC>(g, w + c * VEC);
+                    if constexpr (NV == 1) {
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) g[e] = g1[e];
+                    } else {
+                        load_vec<T, VEC>(g, w + c * VEC);
+                    }
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) g[e] = v[k][e] * inv * g[e];
                     store_vec<T, VEC>(orow + c * VEC, g);
@@ -374,7 +382,7 @@ __device__ __forceinline__ void pick_bin(const H* hist, H above, H need, int* s_
 }
 
 template <typename T>
-__global__ void sample(int* __restrict__ out, long long* __restrict__ counter,
+__global__ void __launch_bounds__(1024) sample(int* __restrict__ out, long long* __restrict__ counter,
                        const T* __restrict__ logits, const float* __restrict__ temperature,
                        const int* __restrict__ top_k, const float* __restrict__ top_p,
                        const long long* __restrict__ seed, int V) {
@@ -419,7 +427,7 @@ __global__ void sample(int* __restrict__ out, long long* __restrict__ counter,
     }
     if (tid == 0) counter[b] = ctr + 1;  // every thread read counter[b] above this barrier
     const float m = bv;
-    if (!(temp > 0.f) || !isfinite(m)) {
+    if (!(temp > 0.f) || !isfinite(m) || !isfinite(1.f / temp)) {  // (a denormal temperature)
         if (tid == 0) out[b] = bi;
         return;
     }
