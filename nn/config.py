@@ -161,10 +161,12 @@ class LlamaConfig:
                 raise ValueError(f"load_safetensors: config.json has no {k!r}")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
+        eos_v: Any = cfg.get("eos_token_id")
         extra: tuple[int, ...] = ()
-        if isinstance(eos, list):
-            eos, extra = (eos[0] if eos else None), tuple(int(e) for e in eos[1:])
+        if isinstance(eos_v, list):
+            eos_l: list[Any] = eos_v
+            eos_v, extra = (eos_l[0] if eos_l else None), tuple(int(e) for e in eos_l[1:])
+        eos = eos_v
         bos = cfg.get("bos_token_id")
         return cls(
             vocab_size=int(cfg["vocab_size"]),

@@ -102,7 +102,7 @@ class _Rows:
         """Enqueue one decode step of ``rows``; returns the token view."""
         toks = [self.out[i][-1] for i in rows]
         pos = [len(self.prompts[i]) + len(self.out[i]) - 1 for i in rows]
-        return self.m.decode(rows, toks, pos, graph=self.graph)
+        return self.m.decode_step(rows, toks, pos, graph=self.graph)
 
 
 def _setup(model: CausalLM, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,

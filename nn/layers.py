@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deviceops import DeviceOp, Tensor, kernels
+import deviceops.kernels as kernels
+from deviceops import DeviceOp, Tensor
 
 __all__ = ["AttentionBuffers", "Embedding", "LayerNorm", "Linear", "RMSNorm", "RotaryAttention",
            "SwiGLU", "Thunk"]

