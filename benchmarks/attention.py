@@ -474,6 +474,10 @@ def bench_decode_tables(reps: int, only: str = "") -> list[dict[str, Any]]:
 
 #: (label, Hq, Hkv, D, B, Lk) points of the variant sweep
 SWEEP_POINTS = [
+    ("GQA", 32, 8, 128, 1, 1024),
+    ("GQA", 32, 8, 128, 8, 32768),
+    ("SmolLM2", 9, 3, 64, 1, 128),
+    ("SmolLM2", 9, 3, 64, 32, 512),
     ("GQA", 32, 8, 128, 1, 4096),
     ("GQA", 32, 8, 128, 8, 4096),
     ("GQA", 32, 8, 128, 32, 1024),
@@ -491,7 +495,7 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
 
     timer = _Timer()
     rows = []
-    saved = (attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM)
+    saved = (attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM, attn.SPLIT_MIN_STEPS)
     try:
         for label, hq, hkv, d, b, lk in SWEEP_POINTS:
             sets = _decode_sets(b, hq, hkv, lk, d, torch.float16)
@@ -505,7 +509,7 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
             row: dict[str, Any] = {"point": f"{label} B{b} Lk{lk}"}
             for var in variants:
                 for tgt in targets:
-                    attn.EXTRA_SPLITKV_DEFINES = tuple(var.split())
+                    apply_variant(var)
                     attn.SPLIT_BLOCKS_PER_SM = tgt
                     calls = _ours_calls(sets, timer.stream, ws)
                     us = timer.median_us(calls, reps)
@@ -522,8 +526,40 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
             del sets
             torch.cuda.empty_cache()
     finally:
-        attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM = saved
+        attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM, attn.SPLIT_MIN_STEPS = saved
     return rows
+
+
+def apply_variant(var: str) -> None:
+    """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` knobs."""
+    defines = []
+    attn.SPLIT_MIN_STEPS = 4
+    for tok in var.split():
+        if tok.startswith("min_steps="):
+            attn.SPLIT_MIN_STEPS = int(tok.split("=")[1])
+        elif tok.startswith("target="):
+            attn.SPLIT_BLOCKS_PER_SM = int(tok.split("=")[1])
+        else:
+            defines.append(tok)
+    attn.EXTRA_SPLITKV_DEFINES = tuple(defines)
+
+
+def best_variant(sweep: list[dict[str, Any]]) -> str:
+    """The sweep's variant|target with the lowest geometric-mean time (correct everywhere)."""
+    keys = [k for k in sweep[0] if k != "point" and "|BAD_ERR" not in k]
+    bad = {k.rsplit("|", 1)[0] for r in sweep for k in r if k.endswith("|BAD_ERR")}
+    scores = {}
+    for k in keys:
+        if k in bad or any(k not in r for r in sweep):
+            continue
+        scores[k] = statistics.geometric_mean([r[k] for r in sweep])
+    best = min(scores, key=scores.__getitem__)
+    print(
+        "sweep geomean us: "
+        + ", ".join(f"{k}={v:.2f}" for k, v in sorted(scores.items(), key=lambda x: x[1]))
+    )
+    var, tgt = best.rsplit("|", 1)
+    return ("" if var == "default" else var) + f" target={tgt}"
 
 
 def check_cases() -> int:
@@ -616,7 +652,12 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="sm90 configs BN:NWG:MINB,...")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch SDPA timings")
-    ap.add_argument("--decode-defines", default="", help="extra split-KV defines, e.g. -DATTN_UK=8")
+    ap.add_argument(
+        "--decode-defines",
+        default="",
+        help="split-KV variant: defines and knobs, e.g. '-DATTN_UK=8 min_steps=0 target=4'; "
+        "'auto' = the --decode-sweep's best",
+    )
     ap.add_argument("--defines", default="", help="extra sm90 NVRTC defines, e.g. -DATTN_PIPE=0")
     ap.add_argument("--decode-tables", action="store_true", help="issue-13 decode tables only")
     ap.add_argument("--only", default="", help="decode table label filter, e.g. SmolLM2")
@@ -634,8 +675,9 @@ def main() -> None:
         import cupy
         import torch
 
-        attn.EXTRA_SPLITKV_DEFINES = tuple(args.decode_defines.split())
-        result = {
+        if args.decode_defines != "auto":
+            apply_variant(args.decode_defines)
+        result: dict[str, Any] = {
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "cupy": cupy.__version__,
@@ -645,6 +687,11 @@ def main() -> None:
             variants = [v.strip() for v in args.decode_sweep.split(";")]
             targets = [int(t) for t in args.sweep_targets.split(",")]
             result["sweep"] = sweep_decode(args.reps, variants, targets)
+            if args.decode_defines == "auto":
+                chosen = best_variant(result["sweep"])
+                print(f"decode tables with the sweep's best variant: {chosen!r}", flush=True)
+                apply_variant(chosen)
+                result["variant"] = chosen
         if args.decode_tables:
             result["decode_tables"] = bench_decode_tables(args.reps, args.only)
             print_decode_tables(result["decode_tables"])

@@ -253,7 +253,11 @@ SHAPES_DEC = [
 @pytest.mark.parametrize("shape", SHAPES_DEC, ids=str)
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("ws", [True, False], ids=["split", "nosplit"])
-def test_gpu_decode(shape: tuple[int, ...], dtype: np.dtype, ws: bool) -> None:
+def test_gpu_decode(
+    shape: tuple[int, ...], dtype: np.dtype, ws: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if ws:  # split whenever possible (short caches are not split by default)
+        monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)
     b, hq, hkv, lq, lk, d, c = shape
     causal = bool(c)
     rng = np.random.default_rng()
@@ -631,8 +635,11 @@ def _run_gpu_kv(
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (32, 8)])
 @pytest.mark.parametrize("lq", [1, 3, 8, 37])
-def test_gpu_kv_len(dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
+def test_gpu_kv_len(
+    dtype: np.dtype, d: int, hq: int, hkv: int, lq: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode (Lq <= 8, split and unsplit) and prefill (Lq > 8, causal, Lq <= kv_len <= Lk)."""
+    monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)  # split whenever a workspace is given
     rng = np.random.default_rng()
     b, lk = 4, 333
     lo = 1 if lq <= attn.DECODE_MAX_LQ else lq
@@ -681,7 +688,10 @@ def test_gpu_float32_and_head_dims_without_kv_len(dtype: np.dtype, d: int, lq: i
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 7])
 @pytest.mark.parametrize("lq", [1, 4, 20])
-def test_gpu_paged(dtype: np.dtype, d: int, bs: int, lq: int) -> None:
+def test_gpu_paged(
+    dtype: np.dtype, d: int, bs: int, lq: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)  # split whenever a workspace is given
     rng = np.random.default_rng()
     b, hq, hkv, s = 4, 32, 8, 300
     kv_len = np.array([lq, s, int(rng.integers(lq, s)), int(rng.integers(lq, s))], np.int32)

@@ -173,17 +173,13 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const int ks = split * chunk;
   const int ke = min(kend, ks + chunk);
 
-  // q for my chunk of the head dim, pre-scaled to base 2.
-  float qf[GT][8];
+  // q for my chunk of the head dim (raw; converted once the first K/V loads are in flight).
+  Row8 qr[GT];
 #pragma unroll
   for (int t = 0; t < GT; ++t) {
     const int hq = h0 + (t < ng ? t : 0);
-    Row8 r;
-    zero8(r);
-    if (lane_ok) ld8(Q + (((size_t)b * Hq + hq) * Lq + i) * DH + sl * 8, r);
-    cvt8(r, qf[t]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qf[t][e] *= scale_log2;
+    zero8(qr[t]);
+    if (lane_ok) ld8(Q + (((size_t)b * Hq + hq) * Lq + i) * DH + sl * 8, qr[t]);
   }
 
   float m[GT], l[GT], acc[GT][8];
@@ -223,10 +219,38 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
     }
   };
+  // The first step's K/V rows are requested (into L2) before q is converted, so the two
+  // memory round trips overlap instead of following each other.
+  auto prefetch_step = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const int j = base + u;
+      if (lane_ok && j < ke) {
+#if ATTN_PAGED
+        const int lb = j / block_size;
+        const int phys = min(max(__ldg(bt + lb), 0), num_blocks - 1);
+        const size_t row = (size_t)phys * blk_rows + head_off + (j - lb * block_size);
+#else
+        const size_t row = kv_row0 + j;
+#endif
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(K + row * DH + sl * 8));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(V + row * DH + sl * 8));
+      }
+    }
+  };
 #if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
   Row8 kr[UK], vr[UK];
   load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
+#else
+  prefetch_step(ks + warp * KPW * UK + lg * UK);
 #endif
+  float qf[GT][8];  // q pre-scaled to base 2
+#pragma unroll
+  for (int t = 0; t < GT; ++t) {
+    cvt8(qr[t], qf[t]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[t][e] *= scale_log2;
+  }
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
   for (int wbase = ks + warp * KPW * UK; wbase < ke; wbase += STEP) {
     const int base = wbase + lg * UK;
