@@ -27,7 +27,10 @@ Semantics (shared by the ``cpu`` reference and the CUDA kernels):
 * dtypes: float32, float16 or bfloat16 (``ml_dtypes.bfloat16``), the same for q, k, v and
   out. ``D`` must be a multiple of 8 and at most 256 (32, 64 and 128 are the model head dims).
 
-CUDA paths (chosen per call, no allocation, no synchronisation, launches only on ``stream``):
+CUDA paths (chosen per call, no allocation, no synchronisation, launches only on ``stream``;
+the split-KV kernels go through ``cuLaunchKernelEx`` with programmatic dependent launch on
+sm_90, so the combine kernel's launch overlaps the split kernel; ``DEVICEOPS_PDL=0`` turns
+that off):
 
 * ``attn_fwd_sm90`` (sm_90a): wgmma tensor-core kernel, 16-bit dtypes, ``Lq > 8``, unpaged.
 * ``attn_splitkv`` (+ ``attn_splitkv_combine``): split-KV "flash-decoding" on CUDA cores for
@@ -50,6 +53,7 @@ import numpy as np
 
 from deviceops._errors import DTypeError, ShapeError
 
+from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
 from ._module import load_module, read_source, set_max_dynamic_smem
 
 __all__ = [
@@ -505,7 +509,12 @@ def _splitkv_kernels(
             # B1 Lk32k GQA 32/8 D128 67.8 -> 56.5 us); float32 and 8 heads/block would spill.
             opts = (*opts, f"-DATTN_MINB={SPLITKV_MIN_BLOCKS}")
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
-        fns = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
+        fns = (
+            Launcher(mod.get_function("attn_splitkv"), "pppppppp" + "iiiifiiiiii", "attn_splitkv",
+                     device_id),
+            Launcher(mod.get_function("attn_splitkv_combine"), "pppp" + "iii",
+                     "attn_splitkv_combine", device_id),
+        )  # fmt: skip
         _kernels[key] = fns
     return fns
 
@@ -655,18 +664,35 @@ def flash_attention_cuda(
     else:
         mb, bs, nb, bt_ptr = 0, 0, 0, u64(0)
     fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged)
-    with stream:
-        fn(
-            (x_blocks, n_split, b),
-            (128, 1, 1),
-            (q, k, v, out, u64(ws_o_ptr), u64(ws_ml_ptr), kvl_ptr, bt_ptr, i32(hq), i32(hkv),
-             i32(lq), i32(lk), scale_log2, i32(bool(causal)), i32(n_split), i32(n_hchunk),
-             i32(mb), i32(bs), i32(nb)),
-        )  # fmt: skip
-        if n_split > 1:
-            combine(
-                (rows, 1, 1),
-                (64, 1, 1),
-                (u64(ws_o_ptr), u64(ws_ml_ptr), out, kvl_ptr, i32(n_split), i32(lk),
-                 i32(hq * lq)),
-            )  # fmt: skip
+    # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
+    # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
+    # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
+    go = launch_pdl if pdl_enabled(device_id) else _plain_launch
+    sptr = int(stream.ptr)
+    go(
+        fn,
+        (x_blocks, n_split, b),
+        (128, 1, 1),
+        (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), int(out.data.ptr), ws_o_ptr, ws_ml_ptr,
+         int(kvl_ptr), int(bt_ptr), hq, hkv, lq, lk, float(scale_log2), int(bool(causal)),
+         n_split, n_hchunk, mb, bs, nb),
+        sptr,
+    )  # fmt: skip
+    if n_split > 1:
+        go(
+            combine,
+            (rows, 1, 1),
+            (64, 1, 1),
+            (ws_o_ptr, ws_ml_ptr, int(out.data.ptr), int(kvl_ptr), n_split, lk, hq * lq),
+            sptr,
+        )
+
+
+def _plain_launch(
+    ln: Launcher,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple[Any, ...],
+    stream_ptr: int,
+) -> None:
+    ln(grid, block, args, stream_ptr)

@@ -119,6 +119,19 @@ __device__ __forceinline__ void store2(elem_t* p, float x0, float x1) {
 #endif
 }
 
+// Programmatic dependent launch controls; no-ops when the kernel was launched without the
+// attribute, compiled out below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Valid keys of batch row b.
 __device__ __forceinline__ int valid_keys(const int* __restrict__ kv_len, int b, int Lk) {
   return kv_len == nullptr ? Lk : min(max(__ldg(kv_len + b), 0), Lk);
@@ -151,6 +164,10 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
   __shared__ float sm_o[NWARP][GT][DH];
 
+  // Programmatic dependent launch (sm_90+): wait for the previous kernel's results before
+  // reading anything, and let the combine kernel launch while this grid runs.
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int lg = lane / LPK, sl = lane % LPK;
   const bool lane_ok = sl < NCH;
@@ -383,6 +400,7 @@ attn_splitkv_combine(const float* __restrict__ ws_o, const float* __restrict__ w
                      int rows_per_b) {
   __shared__ float sm_w[CNT];
   __shared__ float sm_red[CNT / 32];
+  pdl_wait();  // the split kernel's partials (launched early with PDL)
   const size_t row = blockIdx.x;
   const int b = (int)(row / rows_per_b);
   int chunk, n_act;
