@@ -2,7 +2,8 @@
 
 Usage: ``compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/gemm_sanitize.py``.
 Each case runs once on small odd shapes (tails in M, N, K; batches; split-K; every
-sm_90 config, sm_80, tf32 and SIMT) and is checked against the NumPy reference.
+sm_90 config, sm_80, tf32, SIMT, the skinny kernel; b as (K, N) and, with trans_b, as
+(N, K)) and is checked against the NumPy reference.
 """
 
 from __future__ import annotations
@@ -38,24 +39,34 @@ def main() -> None:
     cases += [(3, 136, 72, BF16, "bf16", None, (3,), True), (2, 64, 40, np.dtype(np.float16), "f16", None, (2,), False),
               (65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
               (31, 24, 40, np.dtype(np.float32), "f32", None, (3,), True)]  # fmt: skip
+    trans_forces = (None, "sm80", "sm80:3", "128x256", "64x128:3", "pp128x128", "simt:3", "sm80:2")
+    cases = [(*c, False) for c in cases] + [(*c, True) for c in cases if c[5] in trans_forces]
+    f16 = np.dtype(np.float16)
+    for m, n, k in [(1, 8, 8), (3, 33, 584), (9, 130, 1000), (32, 72, 1536), (64, 24, 40), (17, 200, 72)]:
+        for dt in (f16, BF16):
+            cases += [(m, n, k, dt, "16", f, (), False, True) for f in ("skinny", "skinny:1", "skinny:3")]
+    cases += [(5, 72, 200, BF16, "bf16", "skinny", (3,), True, True), (5, 72, 200, f16, "f16", "skinny", (2, 3), False, True)]
     worst = 0.0
-    for m, n, k, dt, kind, force, batch, bb in cases:
+    for m, n, k, dt, kind, force, batch, bb, tb in cases:
         a = rng.standard_normal((*batch, m, k)).astype(dt)
         b = rng.standard_normal((*batch, k, n) if bb else (k, n)).astype(dt)
+        if tb:
+            b = np.ascontiguousarray(np.swapaxes(b, -1, -2))
         bias = rng.standard_normal((n,)).astype(dt)
         c = rng.standard_normal((*batch, m, n)).astype(dt)
         tf32 = kind == "tf32"
-        ref = _gemm.gemm_reference(a, b, bias=bias, activation="gelu", alpha=0.5, beta=1.0, c=c, tf32=tf32)
+        ref = _gemm.gemm_reference(a, b, bias=bias, activation="gelu", alpha=0.5, beta=1.0, c=c, tf32=tf32,
+                                   trans_b=tb)
         out = cp.asarray(c)
         ws = cp.empty(4 * c.size + 64, dtype=np.float32)
         _gemm.gemm_cuda(cp.asarray(a), cp.asarray(b), out, bias=cp.asarray(bias), activation="gelu", alpha=0.5,
-                        beta=1.0, tf32=tf32, workspace=ws, stream=stream, _force=force)  # fmt: skip
+                        beta=1.0, tf32=tf32, trans_b=tb, workspace=ws, stream=stream, _force=force)  # fmt: skip
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)
         r = ref.astype(np.float64)
         err = float(np.linalg.norm(o - r) / np.linalg.norm(r))
         worst = max(worst, err)
-        assert err < 2e-2, (m, n, k, kind, force, err)
+        assert err < 2e-2, (m, n, k, kind, force, tb, err)
     print(f"gemm_sanitize: {len(cases)} cases ok, worst rel err vs reference {worst:.2e}")
 
 

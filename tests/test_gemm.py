@@ -284,11 +284,18 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
     nb = int(rng.choice([0, 0, 0, 1, 2]))
     batch = tuple(int(x) for x in rng.integers(1, 4, size=nb))
     b_batched = nb > 0 and rng.random() < 0.5
+    trans_b = bool(rng.random() < 0.5)
+    if trans_b and rng.random() < 0.4:  # decode-sized: the skinny path
+        m = int(rng.choice([1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64]))
+        batch = batch if b_batched else ()
     force = None
     if dtype != F32 and rng.random() < 0.6:
         opts = ["sm80", "sm80:3"]
         if cc == 90 and n % 8 == 0 and k % 8 == 0:
             opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2", "pp128x128", "pp128x128:2"]
+        rows = m if b_batched else m * math.prod(batch)
+        if trans_b and k % 8 == 0 and rows <= 64:
+            opts += ["skinny", "skinny", "skinny:1", "skinny:3"]
         force = str(rng.choice(opts))
     elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
         force = "simt:3"
@@ -296,29 +303,31 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
         "kind": str(kind), "dtype": dtype, "m": m, "n": n, "k": k, "batch": batch, "b_batched": b_batched,
         "bias": bool(rng.random() < 0.5), "act": ACTS[int(rng.integers(0, 4))],
         "alpha": float(rng.choice([1.0, 0.5, -2.0])), "beta": float(rng.choice([0.0, 0.0, 1.0, -0.5])),
-        "force": force,
+        "force": force, "trans_b": trans_b,
     }  # fmt: skip
 
 
 def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: Any) -> float:
     dt, m, n, k, batch = cs["dtype"], cs["m"], cs["n"], cs["k"], cs["batch"]
+    tb = bool(cs.get("trans_b", False))
     a = _rand(rng, (*batch, m, k), dt)
     b = _rand(rng, ((*batch, k, n) if cs["b_batched"] else (k, n)), dt)
+    b_given = np.ascontiguousarray(np.swapaxes(b, -1, -2)) if tb else b  # (N, K) with trans_b
     bias = _rand(rng, (n,), dt) if cs["bias"] else None
     c = _rand(rng, (*batch, m, n), dt)
     tf32 = cs["kind"] == "tf32"
-    ref = _gemm.gemm_reference(a, b, bias=bias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
-                               c=c, tf32=tf32)  # fmt: skip
+    ref = _gemm.gemm_reference(a, b_given, bias=bias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+                               c=c, tf32=tf32, trans_b=tb)  # fmt: skip
     # float64 "true" reference for the error bound (tf32 compares against its rounded operands)
     ref64, pre64 = _ref64(a, b, bias, cs, c, tf32)
-    da, db = cupy.asarray(a), cupy.asarray(b)
+    da, db = cupy.asarray(a), cupy.asarray(b_given)
     dbias = cupy.asarray(bias) if bias is not None else None
     # poison: every element must be written (beta != 0 starts from c instead)
     dout = cupy.asarray(c) if cs["beta"] != 0.0 else cupy.full((*batch, m, n), np.nan, dtype=dt)
-    nbytes = _gemm.gemm_workspace_nbytes(a.shape, b.shape, dt)
+    nbytes = _gemm.gemm_workspace_nbytes(a.shape, b_given.shape, dt, tb)
     ws = cupy.empty(max(nbytes, 12 * c.size) // 4 + 1, dtype=np.float32)
     _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
-                    tf32=tf32, workspace=ws, stream=stream, _force=cs["force"])  # fmt: skip
+                    tf32=tf32, trans_b=tb, workspace=ws, stream=stream, _force=cs["force"])  # fmt: skip
     stream.synchronize()
     out = cupy.asnumpy(dout)
     assert not np.isnan(out.astype(np.float32)).any(), f"unwritten / NaN outputs for {cs}"
@@ -372,10 +381,11 @@ def test_gpu_edge_shapes(dtype: np.dtype[Any]) -> None:
     for m, n, k in [(1, 1, 1), (1, 768, 768), (2, 3, 5), (128, 768, 768), (257, 264, 1000), (64, 8, 4096),
                     (1, 8, 8), (300, 512, 72)]:  # fmt: skip
         for act in ACTS:
-            cs = {"kind": kind, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
-                  "bias": True, "act": act, "alpha": 1.0, "beta": 0.0, "force": None}  # fmt: skip
-            err = _run_case(cupy, rng, cs, stream)
-            assert err < TOL[kind], f"seed={seed} err={err:.3g} > {TOL[kind]} for m,n,k={m},{n},{k} act={act}: {cs}"
+            for tb in (False, True):
+                cs = {"kind": kind, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
+                      "bias": True, "act": act, "alpha": 1.0, "beta": 0.0, "force": None, "trans_b": tb}  # fmt: skip
+                err = _run_case(cupy, rng, cs, stream)
+                assert err < TOL[kind], f"seed={seed} err={err:.3g} > {TOL[kind]} for m,n,k={m},{n},{k}: {cs}"
 
 
 @pytest.mark.gpu
@@ -393,3 +403,59 @@ def test_gpu_refuses_before_launch() -> None:
         _gemm.gemm_cuda(a.T.copy(), b.T.copy(), out.astype(np.float32), stream=stream)
     stream.synchronize()
     assert bool(cupy.isnan(out).all())  # nothing was launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
+    """The skinny path (trans_b, M <= 64) on odd M / N and K % 8 == 0 (tails in every dim)."""
+    cupy = _cupy()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    shapes = [(1, 1, 8), (1, 17, 40), (3, 33, 584), (7, 130, 1000), (8, 576, 576), (9, 1728, 576), (16, 24, 8),
+              (17, 61, 1544), (31, 257, 264), (32, 576, 1536), (33, 100, 72), (63, 40, 136), (64, 129, 4096)]
+    for i, (m, n, k) in enumerate(shapes):
+        act = ACTS[i % 4]
+        beta = -0.5 if i % 3 == 0 else 0.0
+        for force in ("skinny", "skinny:1", None):
+            cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
+                  "bias": i % 2 == 0, "act": act, "alpha": 0.5 if i % 2 else 1.0, "beta": beta, "force": force,
+                  "trans_b": True}  # fmt: skip
+            err = _run_case(cupy, rng, cs, stream)
+            assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
+    # batched weights (b_batched) and a batch folded into M
+    for batch, bb in (((3,), True), ((2, 3), False)):
+        cs = {"kind": dtype.name, "dtype": dtype, "m": 5, "n": 72, "k": 200, "batch": batch, "b_batched": bb,
+              "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": "skinny", "trans_b": True}  # fmt: skip
+        err = _run_case(cupy, rng, cs, stream)
+        assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
+
+
+@pytest.mark.gpu
+def test_gpu_cached_plan_fresh_buffers_and_layout_recheck() -> None:
+    """A cached plan serves new buffers of the same problem (new pointers: new tensor maps and
+    packed arguments) and still refuses a non-contiguous array of the same shape."""
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cc = int(cupy.cuda.Device().compute_capability)
+    for m, n, k, force in ((1, 256, 512, None), (200, 256, 512, None), (200, 256, 512, "128x128" if cc == 90 else None)):
+        for tb in (False, True):
+            outs = []
+            for _ in range(3):
+                a = _rand(rng, (m, k), BF16)
+                w = _rand(rng, (n, k) if tb else (k, n), BF16, 1 / math.sqrt(k))
+                dout = cupy.full((m, n), np.nan, dtype=BF16)
+                _gemm.gemm_cuda(cupy.asarray(a), cupy.asarray(w), dout, trans_b=tb, stream=stream, _force=force)
+                outs.append((dout, _gemm.gemm_reference(a, w, trans_b=tb)))
+            stream.synchronize()
+            for dout, ref in outs:
+                assert _rel(cupy.asnumpy(dout), ref.astype(np.float64)) < TOL["bfloat16"], (m, n, k, tb, force)
+    a = cupy.ones((64, 64), dtype=np.float16)
+    good = cupy.ones((64, 64), dtype=np.float16)
+    out = cupy.empty((64, 64), dtype=np.float16)
+    _gemm.gemm_cuda(a, good, out, trans_b=True, stream=stream)
+    with pytest.raises(ShapeError, match="copy"):
+        _gemm.gemm_cuda(a, cupy.ones((64, 64), dtype=np.float16).T, out, trans_b=True, stream=stream)
+    stream.synchronize()
