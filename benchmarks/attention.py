@@ -665,11 +665,14 @@ def main() -> None:
     ap.add_argument("--decode-sweep", default="", help="split-KV variants 'DEFS;DEFS;...'")
     ap.add_argument("--sweep-targets", default="8", help="split targets (blocks/SM), e.g. 4,8")
     ap.add_argument("--check", action="store_true", help="kv_len/f32/paged correctness cases")
+    ap.add_argument("--variant-out", type=Path, default=None, help="write the auto choice here")
     args = ap.parse_args()
     t0 = time.time()
     if args.smoke:
         result = smoke()
     elif args.check:
+        if args.decode_defines != "auto":
+            apply_variant(args.decode_defines)
         sys.exit(1 if check_cases() else 0)
     elif args.decode_tables or args.decode_sweep:
         import cupy
@@ -690,6 +693,8 @@ def main() -> None:
             if args.decode_defines == "auto":
                 chosen = best_variant(result["sweep"])
                 print(f"decode tables with the sweep's best variant: {chosen!r}", flush=True)
+                if args.variant_out:
+                    args.variant_out.write_text(chosen)
                 apply_variant(chosen)
                 result["variant"] = chosen
         if args.decode_tables:

@@ -509,13 +509,13 @@ def _splitkv_kernels(
             # B1 Lk32k GQA 32/8 D128 67.8 -> 56.5 us); float32 and 8 heads/block would spill.
             opts = (*opts, f"-DATTN_MINB={SPLITKV_MIN_BLOCKS}")
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
+        raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
         fns = (
-            Launcher(mod.get_function("attn_splitkv"), "pppppppp" + "iiiifiiiiii", "attn_splitkv",
-                     device_id),
-            Launcher(mod.get_function("attn_splitkv_combine"), "pppp" + "iii",
-                     "attn_splitkv_combine", device_id),
-        )  # fmt: skip
+            Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
+            Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),
+        )
         _kernels[key] = fns
+        _kernels[(*key, "raw")] = raw  # keeps the CuPy function objects alive
     return fns
 
 

@@ -11,6 +11,7 @@ in CI, the CUDA kernels on a GPU machine (kv_len, paged KV, float32, graph repla
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import ml_dtypes
@@ -23,6 +24,16 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import _attention as attn
 
 from .conftest import to_np
+
+# Optional split-KV variant under test, in benchmarks/attention.py's syntax (NVRTC defines plus
+# min_steps=N / target=N), so a device run can validate a variant before it becomes the default.
+for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
+    if _tok.startswith("min_steps="):
+        attn.SPLIT_MIN_STEPS = int(_tok.split("=")[1])
+    elif _tok.startswith("target="):
+        attn.SPLIT_BLOCKS_PER_SM = int(_tok.split("=")[1])
+    else:
+        attn.EXTRA_SPLITKV_DEFINES = (*attn.EXTRA_SPLITKV_DEFINES, _tok)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

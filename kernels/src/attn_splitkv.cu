@@ -24,7 +24,8 @@
 //
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
 // block: 1/2/4/8), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK (keys per lane group per step);
-// experiment switches ATTN_PREFETCH (register double buffer), ATTN_MINB (launch bounds).
+// experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
+// distance in steps), ATTN_MINB (launch bounds).
 #include "attn_common.cuh"
 
 #ifndef ATTN_D
@@ -38,6 +39,9 @@
 #endif
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 0
+#endif
+#ifndef ATTN_L2PF  // L2 prefetch distance in loop steps (0: off)
+#define ATTN_L2PF 0
 #endif
 #ifndef ATTN_MINB  // minimum resident blocks per SM (__launch_bounds__), caps registers
 #define ATTN_MINB 1
@@ -280,6 +284,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     }
     load_step(base + STEP, kr, vr);
 #else
+#if ATTN_L2PF > 0  // experiment: request the rows ATTN_L2PF steps ahead into L2 (no registers)
+    prefetch_step(base + ATTN_L2PF * STEP);
+#endif
     Row8 kc[UK], vc[UK];
     load_step(base, kc, vc);
 #endif
