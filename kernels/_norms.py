@@ -53,12 +53,13 @@ _funcs: dict[tuple[int, str], Any] = {}
 
 
 def tk_function(device_index: int, expr: str) -> Any:
-    """The compiled kernel ``expr`` (e.g. ``"rope<f16, 8>"``) of ``src/transformer.cu``."""
+    """The compiled kernel ``expr`` (e.g. ``"rope<f16, 8>"``) of ``src/transformer.cu`` +
+    ``src/sampling.cu`` (one module)."""
     key = (device_index, expr)
     fn = _funcs.get(key)
     if fn is None:
-        mod = load_module(read_source("transformer.cu"), device_id=device_index,
-                          name_expressions=_names())
+        src = read_source("transformer.cu") + "\n" + read_source("sampling.cu")
+        mod = load_module(src, device_id=device_index, name_expressions=_names())
         fn = _funcs[key] = mod.get_function(expr)
     return fn
 

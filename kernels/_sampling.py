@@ -1,6 +1,6 @@
 """Token sampling over logits: temperature, top-k, top-p and a counter-based device RNG.
 
-CUDA source: ``src/transformer.cu`` (``sample<T>``, one block per row); the ``cpu`` backend
+CUDA source: ``src/sampling.cu`` (``sample<T>``, one block per row); the ``cpu`` backend
 runs :func:`sample_reference` (float64). Both draw the row's uniform number from the same
 integer hash of ``(seed[b], counter[b])`` (:func:`uniform`), so both backends pick the same
 token except where float32 rounding moves a boundary.
@@ -54,7 +54,8 @@ def uniform(seed: int, counter: int) -> float:
 def _row(l64: np.ndarray, temp: float, k: int, p: float, u: float) -> int:
     """One row of :func:`sample_reference`."""
     m = float(l64.max())  # NaN if any is NaN
-    inv_t = np.float32(1.0) / np.float32(temp) if temp > 0.0 else np.float32(np.inf)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv_t = np.float32(1.0) / np.float32(temp) if temp > 0.0 else np.float32(np.inf)
     if not (temp > 0.0 and np.isfinite(m) and np.isfinite(inv_t)):
         return int(np.argmax(l64))  # greedy: the first maximum (NaN counts as the largest)
     v = l64.shape[0]
@@ -122,8 +123,11 @@ def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, cou
       top-k set) reaches ``top_p`` (ties at the threshold kept; ``top_p >= 1`` is off);
 
     and the token is the first index, in index order, where the running sum of the kept
-    weights exceeds ``u`` times their total (inverse CDF). The CUDA kernel finds the
-    thresholds with radix selects, not a sort (one block per row). NaN logits are not
+    weights exceeds ``u`` times their total (inverse CDF). The CUDA kernel (one block per
+    row) finds thresholds with radix selects, not a sort; under top-k or top-p it first
+    compacts the largest values (``k`` of them, or 2048 under top-p alone) into shared
+    memory and works on that list, falling back to whole-row passes when they do not fit
+    or (top-p alone) do not hold ``top_p`` of the mass. NaN logits are not
     supported (the row then returns its argmax, the first NaN).
 
     Args:

@@ -486,8 +486,12 @@ def test_sample_matches_float64(dtype: str, dev: deviceops.Device, stream: devic
     up to float32 rounding at a boundary). Rows: greedy, plain, top-k, top-p, both."""
     rng = np.random.default_rng()
     for v in (1, 2, 50, 1000, 9001):
+        # (temperature, top_k, top_p); on cuda, V > 2048 exercises both the shared-memory
+        # candidate list (small k; peaked rows under top-p) and the whole-row path (k > 2048;
+        # flat rows under top-p)
         cfgs = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5),
-                (2.0, 1, 1.0), (1.0, v + 3, 0.95), (0.5, 3, 0.0)]
+                (2.0, 1, 1.0), (1.0, v + 3, 0.95), (0.5, 3, 0.0), (1.0, 3000, 1.0),
+                (1.0, 3000, 0.9), (0.3, 0, 0.9)]
         b = len(cfgs)
         lh = np.stack([rng.permutation(v) * 4.0 / max(v, 1) + 0.5 * rng.random() for _ in range(b)])
         lh = lh.astype(npdt(dtype))
@@ -504,6 +508,28 @@ def test_sample_matches_float64(dtype: str, dev: deviceops.Device, stream: devic
             if dev.is_cpu:
                 assert len(want) == 1
         np.testing.assert_array_equal(to_np(params[4]), np.array(ctrs) + 1)  # every counter advanced
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sample_ties_and_padding(dtype: str, dev: deviceops.Device, stream: deviceops.Stream) -> None:
+    """Many equal logits (ties at the top-k threshold beyond any candidate list) and rows
+    padded with very negative logits (weights that underflow to 0)."""
+    rng = np.random.default_rng()
+    v = 6000
+    tied = rng.integers(0, 4, (4, v)).astype(np.float64)
+    padded = np.full((4, v), -1e4)
+    hot = rng.choice(v, 40, replace=False)
+    padded[:, hot] = rng.standard_normal((4, 40))
+    lh = np.concatenate([tied, padded]).astype(npdt(dtype))
+    cfgs = [(1.0, 5, 1.0), (0.8, 100, 0.7), (1.2, 0, 0.6), (1.0, 0, 1.0)] * 2
+    b = len(cfgs)
+    seeds, ctrs = [int(x) for x in rng.integers(0, 2**40, b)], [0] * b
+    params = _params(b, *(list(c) for c in zip(*cfgs, strict=True)), seeds, ctrs, stream)
+    got = to_np(kernels.sample(dev_t(lh, stream), *params).sync_on(stream)).tolist()
+    for i, c in enumerate(cfgs):
+        want = sample64(f64(lh[i]), c[0], c[1], float(np.float32(c[2])), _u(seeds[i], 0), _tol(dev))
+        assert got[i] in want, (i, c, got[i], want)
+    assert all(g in set(hot.tolist()) for g in got[4:])
 
 
 def test_sample_greedy_ties_forms_and_errors(stream: deviceops.Stream) -> None:
@@ -590,10 +616,21 @@ def test_sample_distribution_chi_square(dtype: str, stream: deviceops.Stream) ->
     lh = np.broadcast_to(row, (n, v)).copy()
     logits = dev_t(lh, stream)
     r64 = f64(row)
-    for temp, k, p in [(1.0, 0, 1.0), (0.6, 7, 1.0), (1.4, 0, 0.7), (1.0, 12, 0.8)]:
+    # the same 24 logits hidden among 3000 of -1e4 (weight 0): the whole-row path on cuda
+    pos = np.sort(rng.choice(3024, v, replace=False))
+    wide = np.full(3024, -1e4)
+    wide[pos] = r64
+    wide_logits = dev_t(np.broadcast_to(wide.astype(npdt(dtype)), (n, 3024)).copy(), stream)
+    for temp, k, p, lg in [(1.0, 0, 1.0, logits), (0.6, 7, 1.0, logits), (1.4, 0, 0.7, logits),
+                           (1.0, 12, 0.8, logits), (1.0, 0, 1.0, wide_logits),
+                           (1.4, 0, 0.7, wide_logits), (1.0, 2500, 0.8, wide_logits)]:
         params = _params(n, [temp] * n, [k] * n, [p] * n, list(range(1000, 1000 + n)),
                          [3] * n, stream)
-        toks = to_np(kernels.sample(logits, *params).sync_on(stream))
+        toks = to_np(kernels.sample(lg, *params).sync_on(stream))
+        if lg is wide_logits:
+            assert np.isin(toks, pos).all(), "a zero-weight token was drawn"
+            toks = np.searchsorted(pos, toks)
+            k = 0 if k >= 2048 else k  # (all 24 real logits are in the top 2500)
         keep = np.ones(v, bool) if k == 0 else r64 >= np.sort(r64)[::-1][k - 1]
         w = np.where(keep, np.exp((r64 - r64.max()) / temp), 0.0)
         if p < 1:
