@@ -69,8 +69,9 @@ DECODE_MAX_LQ = 8
 MAX_SPLITS = 64
 #: Keys per split are a multiple of this.
 SPLIT_GRANULE = 64
-#: The decode path splits the keys until about this many blocks per multiprocessor run
-#: (a row with fewer valid keys uses fewer splits; see attn_splitkv.cu).
+#: The decode path splits the keys until at most this many blocks per multiprocessor run
+#: (two waves of 4 resident blocks; a row with fewer valid keys uses fewer splits, see
+#: attn_splitkv.cu).
 SPLIT_BLOCKS_PER_SM = 8
 #: No split (and no combine launch) when Lk is at most this many block steps of keys: a
 #: short cache costs less in one kernel than in two.
@@ -397,6 +398,32 @@ def _logical_lk(k_shape: tuple[int, ...], block_table_shape: tuple[int, ...] | N
     return int(block_table_shape[1]) * int(k_shape[2])
 
 
+def plan_splitkv(
+    b: int, hq: int, hkv: int, lq: int, lk: int, d: int, *, n_sm: int, split: bool
+) -> tuple[int, int, int]:
+    """Launch plan of the split-KV kernel: ``(heads per block, head chunks, n_split)``.
+
+    ``n_split`` is the most splits any batch row may use (the workspace stride; the kernel
+    splits each row's own ``kv_len`` into at most that many). No split without a workspace
+    (``split=False``), for ``Lq > DECODE_MAX_LQ``, or for a cache of at most
+    ``SPLIT_MIN_STEPS`` block steps of keys. Pure host arithmetic (tested on the cpu).
+    """
+    g = hq // hkv
+    gt = 1
+    while gt < min(g, 8):
+        gt *= 2
+    n_hchunk = -(-g // gt)
+    base_blocks = b * hkv * lq * n_hchunk
+    n_split = 1
+    if split and lq <= DECODE_MAX_LQ and lk > SPLIT_MIN_STEPS * _block_step(d):
+        # Round down: a grid just past a whole number of waves leaves a nearly empty last
+        # wave (H100, B8 Lk32k GQA 32/8 D128: 17 splits = 1088 blocks 380 us; the same
+        # kernel at 16 x 2048 keys = 1024 blocks 354.5 us, benchmarks/RESULTS-attention.md).
+        want = max(1, SPLIT_BLOCKS_PER_SM * n_sm // base_blocks)
+        n_split = min(want, _num_splits_upper(lk))
+    return gt, n_hchunk, n_split
+
+
 def _block_step(d: int) -> int:
     """Keys one split-KV block covers per loop step (4 warps x keys per warp x 4)."""
     lanes = 1
@@ -634,17 +661,10 @@ def flash_attention_cuda(
 
     # Split-KV path (decode, float32, paged, or the portable fallback). n_split is the most
     # splits any row may use (the workspace stride); the kernel splits each row's kv_len.
-    g = hq // hkv
-    gt = 1
-    while gt < min(g, 8):
-        gt *= 2
-    n_hchunk = -(-g // gt)
+    gt, n_hchunk, n_split = plan_splitkv(
+        b, hq, hkv, lq, lk, d, n_sm=n_sm, split=workspace is not None
+    )
     x_blocks = hkv * lq * n_hchunk
-    base_blocks = b * x_blocks
-    n_split = 1
-    if lq <= DECODE_MAX_LQ and workspace is not None and lk > SPLIT_MIN_STEPS * _block_step(d):
-        want = max(1, -(-SPLIT_BLOCKS_PER_SM * n_sm // base_blocks))
-        n_split = min(want, _num_splits_upper(lk))
     rows = b * hq * lq
     ws_o_ptr = ws_ml_ptr = 0
     if n_split > 1:

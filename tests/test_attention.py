@@ -138,6 +138,29 @@ def test_workspace_nbytes() -> None:
     assert attn.attention_workspace_nbytes((8, 32, 4096, 128), (8, 8, 4096, 128), F16) == 0
 
 
+def test_plan_splitkv() -> None:
+    plan = attn.plan_splitkv
+    # GQA 32/8 D128 on 132 SMs: two waves of 4 blocks per SM at most, never just past them
+    assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True) == (4, 1, 16)  # 1024 blocks
+    assert plan(32, 32, 8, 1, 4096, 128, n_sm=132, split=True) == (4, 1, 4)
+    assert plan(1, 32, 8, 1, 4096, 128, n_sm=132, split=True)[2] == attn.MAX_SPLITS
+    # SmolLM2 9/3 heads of 64: 3 heads per kv head served by one block of 4
+    assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True) == (4, 1, 1)  # <= 4 steps: no split
+    assert plan(1, 9, 3, 1, 257, 64, n_sm=132, split=True)[2] > 1
+    assert plan(1, 24, 2, 1, 4096, 128, n_sm=132, split=True)[:2] == (8, 2)  # g = 12
+    assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=False)[2] == 1  # no workspace
+    assert plan(8, 32, 8, 9, 32768, 128, n_sm=132, split=True)[2] == 1  # prefill
+    rng = np.random.default_rng()
+    for _ in range(200):
+        hkv = int(rng.integers(1, 9))
+        b, g, lq = int(rng.integers(1, 65)), int(rng.integers(1, 13)), int(rng.integers(1, 9))
+        lk, d = int(rng.integers(1, 70000)), int(rng.choice([32, 64, 128, 256]))
+        gt, nh, ns = plan(b, g * hkv, hkv, lq, lk, d, n_sm=132, split=True)
+        base = b * hkv * lq * nh
+        assert gt * nh >= g and 1 <= ns <= attn.MAX_SPLITS
+        assert ns == 1 or base * ns <= attn.SPLIT_BLOCKS_PER_SM * 132
+
+
 # ----------------------------------------------------------------------------- reference
 
 
