@@ -472,21 +472,21 @@ class CausalLM:
         if use_graph and b not in self._graphs:
             self._capture(b)
         want = self._h_state.copy()
-        cont = self._cont.copy()
         active = np.zeros(self.max_batch, bool)
+        fresh = False  # a row that does not continue from the last step (its state must go up)
         for x, t, p in zip(sl, toks, positions, strict=True):
             active[x] = True
-            if not (cont[x] and want[0, x] == p and want[2, x] == 1):
-                want[:, x] = (p, p + 1, 1, t)
-                cont[x] = False
+            if not (self._cont[x] and want[0, x] == p and want[2, x] == 1):
+                fresh = True
+            want[:, x] = (p, p + 1, 1, t)  # a continuing row's token is the one already there
         idle = ~active[:b]
         want[2, :b][idle] = 0
         want[0, :b][idle & (want[0, :b] < self.max_seq)] = self.max_seq
         want[1, :b][idle] = 1
-        changed = self._dirty or not np.array_equal(want[:, :b], self._h_state[:, :b]) or not all(
-            cont[x] for x in sl)
+        changed = self._dirty or fresh or not np.array_equal(want[:3, :b], self._h_state[:3, :b])
         s = self.device_stream
         if changed:
+            want[3, sl] = toks  # continuing rows too: the shadow holds their previous input
             want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
             api.memcpy(self._state, api.from_host(want)).async_on(s)
             api.memcpy(self._counter, api.from_host(self._h_counter)).async_on(s)
