@@ -114,6 +114,7 @@ class _Request:
     max_new: int
     params: SamplingParams
     stop: frozenset[int]
+    ignore_eos: bool = False
     state: int = _QUEUED
     slot: int = -1
     prefilled: int = 0
@@ -305,14 +306,17 @@ class Engine:
         top_p: float | None = None,
         stop: Sequence[int] | None = None,
         seed: int | None = None,
+        ignore_eos: bool = False,
     ) -> RequestStream:
         """Queue one request; return the async iterator of its new token ids.
 
-        Same arguments as ``CausalLM.generate`` (one prompt). Raises before queueing:
+        Same arguments as ``CausalLM.generate`` (one prompt); ``ignore_eos`` (for load
+        tests) generates past EOS up to ``max_new_tokens``. Raises before queueing:
         ``ValueError``/``TypeError`` for bad arguments (a prompt longer than ``max_seq``), :class:`EngineOverloaded` when the admission
         queue is full, :class:`EngineClosed` after :meth:`close`.
         """
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
+        req.ignore_eos = bool(ignore_eos)
         if len(self._queue) >= self.max_queue:
             raise EngineOverloaded(
                 f"Engine: admission queue full ({len(self._queue)} waiting, max_queue="
@@ -433,9 +437,13 @@ class Engine:
         k = 0 if top_k is None else int(top_k)
         if k < 0:
             raise ValueError(f"Engine: top_k must be >= 0 or None, got {top_k}")
+        if k >= vocab:
+            k = 0  # the whole vocabulary: off (and no int32 overflow on the device)
         p = 1.0 if top_p is None else float(top_p)
         if not 0.0 < p <= 1.0:
             raise ValueError(f"Engine: top_p must be in (0, 1], got {top_p}")
+        if seed is not None and not 0 <= int(seed) < 2**63:
+            raise ValueError(f"Engine: seed must be None or an int in [0, 2**63), got {seed}")
         # seed None: a fresh one, as CausalLM.generate does
         params = SamplingParams(t, k, p, secrets.randbits(62) if seed is None else int(seed))
         return _Request(
@@ -578,9 +586,13 @@ class Engine:
             n = min(len(req.prompt) - req.prefilled, budget)
             start = req.prefilled
             last = start + n == len(req.prompt)
-            tok = await self.steps.prefill(
-                req.slot, req.prompt[start : start + n], start, req.params, last=last
-            )
+            try:
+                tok = await self.steps.prefill(
+                    req.slot, req.prompt[start : start + n], start, req.params, last=last
+                )
+            except Exception as exc:  # this request's prefill failed: only it ends
+                self._finish(req, "error", exc)
+                continue
             req.prefilled += n
             budget -= n
             self._prefill_tokens += n
@@ -602,7 +614,7 @@ class Engine:
         req.last = tok
         self._generated += 1
         self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
-        if tok in self.steps.eos_ids or tok in req.stop:
+        if (tok in self.steps.eos_ids and not req.ignore_eos) or tok in req.stop:
             self._finish(req, "stop")
         elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
             self._finish(req, "length")

