@@ -18,6 +18,7 @@ Modules: :mod:`.config` (LlamaConfig), :mod:`.loader` (GGUF / safetensors readin
 
 from __future__ import annotations
 
+from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
 from .config import LlamaConfig
 from .generation import generate, stream
 from .kv_cache import KVCache
@@ -26,8 +27,12 @@ from .model import CausalLM
 
 __all__ = [
     "CausalLM",
+    "Engine",
+    "EngineClosed",
+    "EngineOverloaded",
     "KVCache",
     "LlamaConfig",
+    "RequestStream",
     "generate",
     "load_gguf",
     "load_safetensors",
