@@ -79,7 +79,7 @@ class _Rows:
         t, k, p, sd = self.sampling
         for i, ids in enumerate(self.prompts):
             self.m.set_sampling(i, temperature=t, top_k=k, top_p=p, seed=sd)
-            self.m.prefill(i, ids, 0, sample=True)
+            self.m.prefill(i, ids, 0, sample=True, graph=self.graph)
         return self.m._tokens[: len(self.prompts)]
 
     def accept(self, host: np.ndarray, rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -148,7 +148,8 @@ def generate(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperat
         top_p: keep the smallest set of most likely tokens whose mass reaches p (``None``/1: off).
         stop: ids that end a row (besides EOS); the stop id is included.
         seed: the random seed (``None``: a fresh one); a row's draws depend only on it.
-        graph: replay CUDA graphs for decode (default: on CUDA) or run eagerly.
+        graph: replay CUDA graphs for prefill chunks and decode steps (default: on CUDA)
+            or run eagerly.
 
     Returns:
         The new token ids (a list), or a list of such lists for a batch.

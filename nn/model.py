@@ -106,6 +106,7 @@ class _Arena:
 
         self.rows = rows
         self.cfg = cfg
+        self._memo: dict[tuple[int, int], dict[str, Any]] = {}
         self.resid = buf(rows * h)
         self.normed = buf(rows * h)
         self.qkv = buf(rows * cfg.qkv_size)
@@ -122,7 +123,14 @@ class _Arena:
         return t[: math.prod(shape)].reshape(shape)
 
     def views(self, b: int, length: int) -> dict[str, Any]:
-        """Views for ``b`` rows of ``length`` tokens (``b * length <= rows``)."""
+        """Views for ``b`` rows of ``length`` tokens (``b * length <= rows``), memoized."""
+        key = (b, length)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._views(b, length)
+        return got
+
+    def _views(self, b: int, length: int) -> dict[str, Any]:
         c, n = self.cfg, b * length
         v = self.view
         att = v(self.att, b, c.num_heads, length, c.head_dim)
@@ -217,7 +225,11 @@ class CausalLM:
         self._top_p = api.ones((n,), "float32").sync_on(s)
         self._seed = api.zeros((n,), "int64").sync_on(s)
         self._counter = api.zeros((n,), "int64").sync_on(s)
-        self._pf_pos = api.zeros((2,), "int32").sync_on(s)  # prefill: start, kv_len
+        self._pf_pos = api.zeros((3,), "int32").sync_on(s)  # prefill: start, kv_len, last row
+        self._pf_ids = api.zeros((self.prefill_chunk,), "int32").sync_on(s)
+        self._pf_row = api.zeros((1, config.hidden_size), dtype).sync_on(s)
+        self._pf_graphs: dict[tuple[int, int], Any] = {}
+        self.max_prefill_graphs = 64  # (slot, padded length) pairs captured at most
         # host shadow of the device state (see decode)
         self._h_state = np.zeros((4, n), np.int32)
         self._h_state[0] = max_seq  # inactive: writes skipped
@@ -338,7 +350,7 @@ class CausalLM:
         """One prompt chunk: KV of ``ids`` at ``start ..`` of ``slot``, then ``tail``."""
         t = len(ids)
         vw = self._arena.views(1, t)
-        pos = np.array([start, start + t], np.int32)
+        pos = np.array([start, start + t, t - 1], np.int32)
         ids_a = np.asarray(ids, np.int32)
         st, kl = self._pf_pos[0:1], self._pf_pos[1:2]
         th: list[Callable[[], DeviceOp[Any]]] = [
@@ -411,8 +423,15 @@ class CausalLM:
         self._h_counter[slot] = 0
         self._cont[slot] = False
 
-    def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True) -> Tensor | None:
+    def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
+                graph: bool | None = None) -> Tensor | None:
         """Write the KV of ``ids`` at ``start ..`` of row ``slot``; sample the next token.
+
+        Each chunk of up to ``prefill_chunk`` tokens is one forward pass. With ``graph``
+        (default: on CUDA) a chunk is padded to a power of two (at least 16) and replays a
+        CUDA graph captured once per (slot, padded length) (the first use runs eagerly and
+        captures): the padding's keys land past the prompt, where nothing attends to them
+        before decode overwrites them. Without it the chunk runs eagerly, unpadded.
 
         Returns:
             With ``sample``: the ``(1,)`` int32 view of the row's token (valid once
@@ -426,19 +445,74 @@ class CausalLM:
         if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
             raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
                              f"max_seq={self.max_seq} (start must be an int >= 0)")
+        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         ch = self.prefill_chunk
         self._cont[slot] = False
         s = self.device_stream
         for a in range(0, len(ids_l), ch):
             part = ids_l[a:a + ch]
             last = a + ch >= len(ids_l)
-            tail: list[Callable[[], DeviceOp[Any]]] = []
-            if last and sample:
-                tail = self._prefill_sample(slot)
-                self._h_counter[slot] += 1
+            draw = last and sample
+            if draw:
                 self._h_state[3, slot] = -1  # the device holds a token the host has not seen
+            if use_graph and self._prefill_graphed(slot, part, start + a, draw):
+                continue
+            tail = self._prefill_sample(slot) if draw else []
+            if draw:
+                self._h_counter[slot] += 1
             self._prefill_chunk_op(slot, part, start + a, tail, None).async_on(s)
         return self._tokens[slot:slot + 1] if sample else None
+
+    def _pad_len(self, t: int) -> int:
+        p = 16
+        while p < t:
+            p *= 2
+        return min(p, self.prefill_chunk)
+
+    def _prefill_graphed(self, slot: int, part: list[int], start: int, draw: bool) -> bool:
+        """Run one chunk through its (slot, padded length) graph; False: use the eager path."""
+        t = len(part)
+        tp = self._pad_len(t)
+        key = (slot, tp)
+        g = self._pf_graphs.get(key, False)
+        if start + tp > self.max_seq or g is None or (
+                g is False and len(self._pf_graphs) >= self.max_prefill_graphs):
+            return False
+        s = self.device_stream
+        ids = np.zeros(tp, np.int32)
+        ids[:t] = part
+        api.memcpy(self._pf_ids[:tp], api.from_host(ids)).async_on(s)
+        api.memcpy(self._pf_pos, api.from_host(np.array([start, start + tp, t - 1], np.int32))).async_on(s)
+        r = slice(slot, slot + 1)
+        api.memcpy(self._counter[r], api.from_host(np.array([self._h_counter[slot]], np.int64))).async_on(s)
+        if draw:
+            self._h_counter[slot] += 1
+        self._h_state[3, slot] = -1  # the graph samples into the row's token either way
+        if g is not False:
+            g.launch()
+            return True
+        self._prefill_graph_op(slot, tp).sync_on(s)  # this chunk, eagerly; then capture
+        try:
+            self._pf_graphs[key] = self._prefill_graph_op(slot, tp).graph_on(s)
+        except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates): stay eager
+            self._pf_graphs[key] = None
+        return True
+
+    def _prefill_graph_op(self, slot: int, tp: int) -> DeviceOp[Any]:
+        """A padded prompt chunk of ``tp`` tokens from device buffers (the op a graph captures):
+        ids ``_pf_ids[:tp]``, ``_pf_pos`` = (start, start + tp, last real row)."""
+        vw = self._arena.views(1, tp)
+        st, kl, last = self._pf_pos[0:1], self._pf_pos[1:2], self._pf_pos[2:3]
+        r = slice(slot, slot + 1)
+        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(self._pf_ids[:tp], vw["resid"])]
+        th += self._layers_chain(vw, lambda i: self.cache.rows(i, slot, slot + 1), st, kl)
+        th += [lambda: self.norm.add_norm(vw["down"], vw["resid"], vw["normed"]),
+               lambda: kernels.embedding(last, vw["normed"], out=self._pf_row),  # the last real row
+               lambda: self.lm_head(self._pf_row, self._logits[0:1]),
+               lambda: kernels.sample(self._logits[0:1], self._temperature[r], self._top_k[r],
+                                      self._top_p[r], self._seed[r], self._counter[r],
+                                      out=self._tokens[r])]
+        return chain(th)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
                     graph: bool | None = None) -> Tensor:

@@ -81,6 +81,27 @@ def test_graph_replay_equals_eager(tiny: Any) -> None:
         assert m.generate(ids, 10, graph=True, **kw) == m.generate(ids, 10, graph=False, **kw)
 
 
+def test_graph_prefill_padded_chunks_equal_eager(tmp_path: Path) -> None:
+    """Prefill graphs (chunks padded to 16, 32; one per slot and length) == eager prefill."""
+    from deviceops import nn
+
+    path = tmp_path / "t.gguf"
+    held = nn_tiny.write_gguf(path, nn_tiny.hf_weights(1, tied=False), "Q8_0")
+    m = nn.load_gguf(path, device="cpu", max_batch=4, max_seq=48, prefill_chunk=32)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, m.config.vocab_size, n).tolist() for n in (5, 16, 21, 40, 45)]
+    for kw in ({}, {"temperature": 1.0, "seed": 2}):
+        g = m.generate(prompts[:4], 3, graph=True, **kw)
+        assert m.generate(prompts[:4], 3, graph=False, **kw) == g
+    assert len(m._pf_graphs) >= 3  # (slot, 16), (slot, 32) pairs were captured
+    # 45 tokens: chunk 32 (graph) + 13 padded to 16 would pass max_seq=48: eager fallback
+    assert m.generate(prompts[4], 3, graph=True) == ref_greedy(held, prompts[4], 3)
+    s = m.device_stream
+    m.set_sampling(3)
+    tok = m.read(m.prefill(3, prompts[2], graph=True)).sync_on(s)  # replays a captured graph
+    assert int(tok[0]) == ref_greedy(held, prompts[2], 1)[0]
+
+
 def test_chunked_prefill_equals_one_chunk(tiny: Any, tmp_path: Path) -> None:
     from deviceops import nn
 
