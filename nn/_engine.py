@@ -336,13 +336,7 @@ class Engine:
             except EngineOverloaded:
                 if not wait:
                     raise
-            ev = anyio.Event()
-            self._space.append(ev)
-            try:
-                await ev.wait()
-            finally:
-                if ev in self._space:
-                    self._space.remove(ev)
+            await self._wait_space()
 
     async def generate(
         self,
@@ -488,6 +482,27 @@ class Engine:
             self._finished += 1
         self._notify(req)
 
+    async def _wait_space(self) -> None:
+        """Wait until the queue may have room; drive a step if nobody else does."""
+        if not self._driving:
+            self._driving = True
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._step()
+            finally:
+                self._driving = False
+                self._wake_driver()
+            await anyio.lowlevel.checkpoint()
+            return
+        ev = anyio.Event()
+        self._space.append(ev)
+        try:
+            await ev.wait()
+        finally:
+            if ev in self._space:
+                self._space.remove(ev)
+                self._wake_driver()  # pass on a hand-over this waiter did not take
+
     def _space_freed(self) -> None:
         if self._space:
             self._space.pop(0).set()
@@ -508,6 +523,8 @@ class Engine:
             if not req.buf and not req.finished:
                 self._notify(req)
                 return
+        if self._space:  # a submitter waiting for queue space can drive too
+            self._space.pop(0).set()
 
     async def _progress(self, req: _Request) -> None:
         """Return once ``req`` has output or finished, driving steps while nobody else does."""
@@ -593,6 +610,7 @@ class Engine:
             except Exception as exc:  # this request's prefill failed: only it ends
                 self._finish(req, "error", exc)
                 continue
+            await anyio.lowlevel.checkpoint()  # one prompt's enqueue at a time on the loop
             req.prefilled += n
             budget -= n
             self._prefill_tokens += n

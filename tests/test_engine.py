@@ -282,6 +282,10 @@ async def test_queue_full_raises_or_waits() -> None:
             tg.start_soon(late)  # waits for queue space, then runs
             for i, s in enumerate(streams):
                 assert [t async for t in s] == toy.reference(_prompt(i, 3), 4)
+    # a batch larger than the queue: generate drives the engine while it waits for room
+    with anyio.fail_after(10):
+        got = await eng.generate([_prompt(i, 3) for i in range(6)], 3)
+    assert got == [toy.reference(_prompt(i, 3), 3) for i in range(6)]
     assert eng.stats().slots_in_use == 0
 
 
