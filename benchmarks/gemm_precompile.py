@@ -43,9 +43,12 @@ def variants() -> list[Variant]:
         out.append(("gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}",), ""))
         out.append(("gemm_reduce.cu", "gemm_splitk_reduce", ("GEMM_OUT_F32=0", f"GEMM_BF16={bf16}"), ""))
         for m in range(1, _gemm.SKINNY_MAX_M + 1, 8):
-            mf, tr, u, _, _ = _gemm.skinny_config(1, m, 4096, 4096)
-            out.append(("gemm_skinny.cu", "gemm_skinny", (f"SK_MF={mf}", f"SK_TR={tr}", f"SK_U={u}", f"GEMM_BF16={bf16}"),
-                        ""))
+            for nk in (4096, 576):  # large and small weights
+                mf, tr, u, _, _ = _gemm.skinny_config(1, m, nk, nk)
+                v = ("gemm_skinny.cu", "gemm_skinny", (f"SK_MF={mf}", f"SK_TR={tr}", f"SK_U={u}", f"GEMM_BF16={bf16}"),
+                     "")
+                if v not in out:
+                    out.append(v)
     out.append(("gemm_reduce.cu", "gemm_splitk_reduce", ("GEMM_OUT_F32=1", "GEMM_BF16=0"), ""))
     return out
 
@@ -65,8 +68,9 @@ def _compile(v: Variant) -> tuple[str, float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("-j", "--jobs", type=int, default=16)
+    ap.add_argument("--only", default="", help="compile only sources whose name contains this")
     args = ap.parse_args()
-    vs = variants()
+    vs = [v for v in variants() if args.only in v[0]]
     t0 = time.perf_counter()
     bad = 0
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:

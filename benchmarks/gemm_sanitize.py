@@ -8,6 +8,7 @@ sm_90 config, sm_80, tf32, SIMT, the skinny kernel; b as (K, N) and, with trans_
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def main() -> None:
         for dt in (f16, BF16):
             cases += [(m, n, k, dt, "16", f, (), False, True) for f in ("skinny", "skinny:1", "skinny:3")]
     cases += [(5, 72, 200, BF16, "bf16", "skinny", (3,), True, True), (5, 72, 200, f16, "f16", "skinny", (2, 3), False, True)]
+    only = os.environ.get("GEMM_SANITIZE_ONLY", "")  # e.g. "skinny": forced-path substring
+    cases = [c for c in cases if only in str(c[5])]
     worst = 0.0
     for m, n, k, dt, kind, force, batch, bb, tb in cases:
         a = rng.standard_normal((*batch, m, k)).astype(dt)

@@ -80,7 +80,7 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
 }
 GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
-_SKINNY_WARPS = 132 * 16  # skinny grid target: about 16 warps per SM on an H100
+_SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
 
 # Extra -D defines for the sm_90 kernel (benchmark experiments only; empty in normal use).
 SM90_EXTRA_DEFINES: tuple[str, ...] = ()
@@ -343,19 +343,24 @@ def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int,
 def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0) -> tuple[int, int, int, int, int]:
     """Geometry of the skinny (``M <= 64``, ``trans_b``) kernel: ``(MF, TR, U, KS, KCW)``.
 
-    ``MF`` m-fragments of 8 rows, ``TR`` 16-row weight tiles per warp, ``U`` 32-wide k-chunks
-    loaded per round (registers in flight: ``U * (8 TR + 4 MF)`` <= 64), ``KS`` warps of a
-    block splitting K (about 16 warps per SM over the whole grid, at least 2 chunks each,
-    at most 8 warps), ``KCW`` k-chunks per warp. ``ks > 0`` forces ``KS`` (experiments).
+    ``MF`` m-fragments of 8 rows; ``TR`` 16-row weight tiles per warp (2 halves the
+    activation re-reads for ``MF >= 3`` on large weights; small weights, which are latency
+    bound, keep 1 for more blocks); ``U`` 32-wide k-chunks loaded per round (registers in
+    flight ``U * (8 TR + 4 MF)`` <= 64, or 96 for small weights: one round per warp);
+    ``KS`` warps of a block splitting K (8 for one m-fragment and for grids of <= 256
+    tiles, else 4: the best of 2 / 4 / 8 measured on H100 at the SmolLM2 and 8B shapes,
+    2026-11-23; at least 2 chunks each); ``KCW`` k-chunks per warp. ``ks > 0`` forces
+    ``KS`` (experiments).
     """
     mf = _cdiv(m, 8)
-    tr = 1 if mf <= 2 else 2
-    u = max(1, min(4, 64 // (8 * tr + 4 * mf)))
+    small = batch * n * k * 2 < _SKINNY_SMALL_BYTES
+    tr = 1 if mf <= 2 or small else 2
+    u = max(1, min(4, (96 if small else 64) // (8 * tr + 4 * mf)))
     chunks = _cdiv(k, 32)
     tiles = batch * _cdiv(n, 16 * tr)
     if ks <= 0:
-        ks = max(4, _cdiv(_SKINNY_WARPS, tiles))
-        ks = min(8, ks, chunks // 2)
+        ks = 8 if mf == 1 or tiles <= 256 else 4
+        ks = min(ks, chunks // 2)
     ks = max(1, min(ks, 8, chunks))
     kcw = _cdiv(chunks, ks)
     return mf, tr, u, _cdiv(chunks, kcw), kcw

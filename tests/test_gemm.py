@@ -200,7 +200,7 @@ def test_skinny_config_covers_k_and_fits_registers(m: int, n: int, k: int) -> No
     chunks = -(-k // 32)
     assert 8 * mf >= m > 8 * (mf - 1)
     assert 1 <= ks <= 8 and ks * kcw >= chunks and (ks - 1) * kcw < chunks  # every chunk, no idle warp
-    assert u * (8 * tr + 4 * mf) <= 64 or u == 1
+    assert u * (8 * tr + 4 * mf) <= (96 if n * k * 2 < 8 << 20 else 64) or u == 1
     assert ks * tr * mf * 512 <= 64 * 1024  # reduction buffer (dynamic shared memory)
     assert _gemm.skinny_config(1, m, n, k, ks=3)[3] <= 3
 
@@ -414,7 +414,8 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
     rng = np.random.default_rng(seed)
     stream = cupy.cuda.Stream(non_blocking=True)
     shapes = [(1, 1, 8), (1, 17, 40), (3, 33, 584), (7, 130, 1000), (8, 576, 576), (9, 1728, 576), (16, 24, 8),
-              (17, 61, 1544), (31, 257, 264), (32, 576, 1536), (33, 100, 72), (63, 40, 136), (64, 129, 4096)]
+              (17, 61, 1544), (31, 257, 264), (32, 576, 1536), (33, 100, 72), (63, 40, 136), (64, 129, 4096),
+              (33, 2056, 2048), (20, 4104, 1032)]  # the last two: weights > 8 MB (two row tiles per warp)
     for i, (m, n, k) in enumerate(shapes):
         act = ACTS[i % 4]
         beta = -0.5 if i % 3 == 0 else 0.0
