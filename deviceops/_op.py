@@ -142,6 +142,14 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
     deps = root._deps(ctx)
     if not deps:
         return root._finish(ctx, [])
+    if len(deps) == 1 and not deps[0]._iterative:  # the common shallow case: no stack
+        try:
+            v = deps[0]._exec(ctx)
+        except BaseException as exc:
+            root._failed(exc)
+            raise
+        out = root._finish(ctx, [v])
+        return out._exec(ctx) if root._tail else out  # type: ignore[no-any-return]
     stream_id = ctx.stream.id
     stack = [_Frame(root, deps)]
     try:
@@ -638,19 +646,24 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:
     on any branch (raised while enqueuing, or reported by the device) reaches
     the join and the caller.
     """
-    for i, op in enumerate(ops):
-        if not isinstance(op, DeviceOp):
-            raise TypeError(f"zip: argument {i} is {type(op).__name__}, not a DeviceOp; wrap "
-                            "plain values with deviceops.value(x)")
-    seen: set[int] = set()
-    for i, op in enumerate(ops):
-        if id(op) in seen and not op._multi_use:
-            raise SchedulingError(f"zip: argument {i} ({op._describe()}) is passed twice; a "
-                                  "DeviceOp runs once. Use op.shared() to pass it several times.",
-                                  op=op._describe())
-        seen.add(id(op))
-        if op._state != _FRESH and not op._multi_use:
-            op._adopt("zip")  # raises, naming its first use
+    try:
+        seen: set[int] = set()
+        for i, op in enumerate(ops):
+            if not isinstance(op, DeviceOp):
+                raise TypeError(f"zip: argument {i} is {type(op).__name__}, not a DeviceOp; wrap "
+                                "plain values with deviceops.value(x)")
+            if id(op) in seen and not op._multi_use:
+                raise SchedulingError(f"zip: argument {i} ({op._describe()}) is passed twice; a "
+                                      "DeviceOp runs once. Use op.shared() to pass it several "
+                                      "times.", op=op._describe())
+            seen.add(id(op))
+            if op._state != _FRESH and not op._multi_use:
+                op._adopt("zip")  # raises, naming its first use
+    except BaseException:
+        for op in ops:  # refused: the error is the report (no "never executed" warnings)
+            if isinstance(op, DeviceOp):
+                op._consume()
+        raise
     return _Zip(tuple(op._adopt("zip") for op in ops))
 
 

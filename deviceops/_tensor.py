@@ -377,7 +377,8 @@ def _check_array(array: Any, device: Device | None) -> Device:
 
 def _dim(s: Any, op: str, shape: Any) -> int:
     if isinstance(s, bool) or not isinstance(s, int | np.integer):
-        raise ShapeError(f"{op}: shape {shape!r} has a {type(s).__name__} dimension {s!r}; "
+        what = "tile shape" if op == "partition" else "shape"
+        raise ShapeError(f"{op}: {what} {shape!r} has a {type(s).__name__} dimension {s!r}; "
                          "dimensions must be ints", op=op)
     return int(s)
 

@@ -88,11 +88,18 @@ class KernelOp(DeviceOp[Any]):
         if dpos:
             ops = [args[i] for i in dpos]
             if len({id(o) for o in ops if not o._multi_use}) < sum(1 for o in ops if not o._multi_use):
+                self._consume()
                 for o in ops:
                     o._consume()
                 raise ValueError(f"{self._name}: the same DeviceOp is passed as two arguments; "
                                  "a DeviceOp runs once: use op.shared() to pass its output twice")
-            args = tuple(a._adopt(self._name) if isinstance(a, DeviceOp) else a for a in args)
+            try:
+                args = tuple(a._adopt(self._name) if isinstance(a, DeviceOp) else a for a in args)
+            except BaseException:
+                self._consume()  # refused at construction: the error is the report
+                for o in ops:
+                    o._consume()
+                raise
         self._args = args
         self._dpos = dpos
 

@@ -146,6 +146,27 @@ def check_out(name: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.d
 OPTIONAL_ARGS = ("out", "bias", "kv_len", "block_table")
 
 
+def require_tensors(name: str, args: Mapping[str, Any], optional: tuple[str, ...] = OPTIONAL_ARGS
+                    ) -> None:
+    """Refuse, at construction, a tensor argument that is ``None`` (unless optional: named
+    in ``optional``, ``out`` or ``*_out``) or not a Tensor/Partition/DeviceOp.
+
+    Raises:
+        TypeError: naming the kernel and the argument. DeviceOp arguments are then
+            consumed (the error is the report: no "never executed" warning).
+    """
+    for k, v in args.items():
+        if v is None:
+            if k in optional or k == "out" or k.endswith("_out"):
+                continue
+        elif is_deferred(v) or isinstance(v, Tensor | Partition):
+            continue
+        for o in args.values():
+            if is_deferred(o):
+                o._consume()
+        as_tensor(v, name, k)  # raises the TypeError naming the argument
+
+
 def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
              optional: tuple[str, ...] = OPTIONAL_ARGS) -> KernelOp:
     """A KernelOp for a kernel whose output argument is ``args["out"]``.
@@ -161,13 +182,7 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
     keys = tuple(args)
     vals = tuple(args[k] for k in keys)
     i_out = keys.index("out")
-    for k, v in zip(keys, vals, strict=True):
-        if (v is None and k not in optional) or not (v is None or is_deferred(v)
-                                                     or isinstance(v, Tensor | Partition)):
-            for o in vals:
-                if is_deferred(o):
-                    o._consume()  # the error is the report: no "never executed" warning
-            as_tensor(v, name, k)  # type: ignore[arg-type]  # raises the TypeError naming it
+    require_tensors(name, args, optional)
 
     def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
         return {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}

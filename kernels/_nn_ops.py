@@ -184,6 +184,9 @@ def _vector(name: str, what: str, v: Tensor | None, x: Tensor) -> None:
 
 
 def _eps(name: str, eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, int | float | np.integer | np.floating):
+        raise TypeError(f"{name}: eps must be a real number (a float >= 0), got "
+                        f"{type(eps).__name__} {eps!r}")
     e = float(eps)
     if not (math.isfinite(e) and e >= 0.0):
         raise ValueError(f"{name}: eps {eps!r} must be finite and >= 0")

@@ -35,7 +35,7 @@ from deviceops._launch import launch
 from deviceops._tensor import Tensor, allocate, check_device
 
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
-from ._linear import check_out, noop, same_device
+from ._linear import check_out, noop, require_tensors, same_device
 from ._norms import CTYPE, MOVE_TYPES, norm_cuda, tk_function, vec_width
 
 __all__ = ["add_rms_norm", "merge_heads", "rope", "rope_kv_write", "swiglu"]
@@ -132,6 +132,7 @@ def multi_op(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
     keys = tuple(args)
     vals = tuple(args[k] for k in keys)
     dflt = dict(defaults or {})
+    require_tensors(name, args)  # None for a required tensor: TypeError naming it (issue 16)
 
     def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
         ts = {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}
