@@ -59,6 +59,14 @@ def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtyp
         lm = nnx.load_gguf(model, **kw)
     else:
         raise ValueError(f"serve: unknown model {model!r} (use 'smollm2' or a path to a .gguf file)")
+    if not getattr(lm.device, "is_cpu", True):
+        # capture every batch-size bucket's decode graph now, not in a request's step
+        b = 1
+        while True:
+            lm.generate([[100 + i, 200, 300] for i in range(min(b, lm.max_batch))], 2)
+            if b >= lm.max_batch:
+                break
+            b *= 2
     engine = Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,
                     prefill_chunk=prefill_chunk)
     gc.collect()
