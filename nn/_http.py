@@ -117,7 +117,10 @@ def _prompt_ids(body: dict[str, Any], chat: bool, model: Any) -> list[int]:
             if m.get("role") not in _ROLES:
                 raise BadRequest(f"messages[{i}].role", f"role must be one of {list(_ROLES)}")
             clean.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
-        return list(model.encode(model.apply_chat_template(clean)))
+        try:
+            return list(model.encode(model.apply_chat_template(clean)))
+        except ValueError as exc:  # no template, or the template refused the conversation
+            raise BadRequest("messages", str(exc)) from exc
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("prompt", "'prompt' is required")
@@ -324,7 +327,11 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
 
     async def _complete(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
-        resp = await _handle(request, chat)
+        try:
+            resp = await _handle(request, chat)
+        except Exception as exc:  # a bug, not the client's fault: 500, the server goes on
+            log.exception("request failed")
+            resp = _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
         metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
