@@ -460,3 +460,58 @@ def test_gpu_cached_plan_fresh_buffers_and_layout_recheck() -> None:
     with pytest.raises(ShapeError, match="copy"):
         _gemm.gemm_cuda(a, cupy.ones((64, 64), dtype=np.float16).T, out, trans_b=True, stream=stream)
     stream.synchronize()
+
+
+# --------------------------------------------------------------------------- CPU: plan cache
+
+
+class _FakeMem:
+    def __init__(self, ptr: int) -> None:
+        self.ptr, self.device_id = ptr, 0
+
+
+class _FakeArr:
+    """Just what ``gemm_cuda``'s per-call key reads from a cupy array."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], ptr: int, strides: tuple[int, ...] | None = None):
+        self.shape, self.dtype, self.data = shape, dtype, _FakeMem(ptr)
+        self.strides = strides or tuple(int(np.prod(shape[i + 1:])) * dtype.itemsize for i in range(len(shape)))
+        self.nbytes = int(np.prod(shape)) * dtype.itemsize
+
+
+class _FakeStream:
+    ptr = 1234
+
+
+def test_plan_built_once_per_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host cost: the launch plan (checks, path, grid, kernel) is computed once per problem key;
+    later calls with new buffers only pass their pointers; a changed layout, alignment, dtype,
+    flag or epilogue builds (and so re-checks) a new plan."""
+    from deviceops.kernels import _gemm_cuda
+
+    built: list[tuple[Any, ...]] = []
+    runs: list[tuple[int, ...]] = []
+
+    def fake_build(*args: Any) -> Any:
+        built.append(args)
+        return lambda *ptrs: runs.append(ptrs)
+
+    monkeypatch.setattr(_gemm_cuda, "_build", fake_build)
+    monkeypatch.setattr(_gemm_cuda, "_plans", {})
+    f16 = np.dtype(np.float16)
+
+    def call(ptr0: int, **kw: Any) -> None:
+        a = _FakeArr((1, 64), f16, ptr0)
+        w = _FakeArr((32, 64), f16, ptr0 + 4096, kw.pop("w_strides", None))
+        o = _FakeArr((1, 32), f16, ptr0 + 8192)
+        _gemm_cuda.gemm_cuda(a, w, o, stream=_FakeStream(), **kw)
+
+    call(1 << 20, trans_b=True)
+    call(2 << 20, trans_b=True)  # new buffers, same problem
+    assert len(built) == 1 and len(runs) == 2
+    assert runs[1][:3] == (2 << 20, (2 << 20) + 4096, (2 << 20) + 8192) and runs[1][5] == 1234
+    call(3 << 20, trans_b=False)  # flag
+    call(4 << 20, trans_b=True, w_strides=(2, 64))  # layout (a transposed view): re-checked
+    call((5 << 20) + 2, trans_b=True)  # 16-byte alignment of the pointers
+    call(6 << 20, trans_b=True, activation="gelu")  # epilogue
+    assert len(built) == 5 and len(runs) == 6
