@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/gemm.py [--models smol,8b] [--m 1,8,32,128,512,2048] [--classic]
+    python benchmarks/gemm.py [--models smol,8b] [--m 1,8,32,128,512,2048] [--quick] [--classic]
                               [--host] [--variants skinny:2,skinny:8] [--json PATH] [--smoke]
 
 Tables:
@@ -337,7 +337,10 @@ def main() -> None:
     ap.add_argument("--classic", action="store_true", help="also the classic (K, N) table")
     ap.add_argument("--host", action="store_true", help="also host cost per call")
     ap.add_argument("--variants", default="", help="extra forced configs timed for ours, e.g. skinny:2,skinny:8")
+    ap.add_argument("--quick", action="store_true", help="model tables at M = 1 and 32 only")
     args = ap.parse_args()
+    if args.quick:
+        args.m = "1,32"
     meta: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M")}
     out: dict[str, Any] = {"meta": meta}
     if args.smoke:
