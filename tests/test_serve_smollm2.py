@@ -207,7 +207,7 @@ def test_bad_request_battery_real_model(server: ServerThread) -> None:
     cases += [
         ("/v1/completions", {"prompt": too_long}, "prompt"),
         ("/v1/completions", {"prompt": [1, 49152]}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 127}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 128}, "max_tokens"),  # 1 + 128 > 128
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 150}]},
          "messages"),
     ]
