@@ -385,6 +385,32 @@ def section(res: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
 
 
+def bars(res: dict[str, Any]) -> dict[str, tuple[Any, bool | None]]:
+    """Issue 15's bars from the record: name -> (value, passed; None if not measured)."""
+    def get(*keys: str) -> Any:
+        d: Any = res
+        for k in keys:
+            d = d.get(k) if isinstance(d, dict) else None
+        return d
+
+    out: dict[str, tuple[Any, bool | None]] = {}
+    tps, p99 = get("levels", "64", "tokens_per_s"), get("levels", "64", "itl_p99_ms")
+    out["64 clients >= 10,000 tokens/s"] = (tps, None if tps is None else tps >= 10_000)
+    out["64 clients p99 inter-token <= 50 ms"] = (p99, None if p99 is None else p99 <= 50)
+    r = get("compare", "ratio_vs_hf_continuous_batching")
+    out[">= 5x transformers continuous batching"] = (r, None if r is None else r >= 5)
+    wrong, slots = get("cancel", "completed_wrong"), get("cancel", "slots_in_use_end")
+    out["cancel: completed results correct"] = (wrong, None if wrong is None else wrong == 0)
+    out["cancel: zero KV slots in use at the end"] = (slots, None if slots is None else slots == 0)
+    b, a = get("cancel", "before", "pool_used_mb"), get("cancel", "after", "pool_used_mb")
+    out["cancel: GPU memory back to its level"] = (
+        (b, a), None if b is None or a is None else a <= b + 1)
+    b, a = get("cancel", "before", "rss_mb"), get("cancel", "after", "rss_mb")
+    out["cancel: RSS back to its level (+32 MB)"] = (
+        (b, a), None if b is None or a is None else a <= b + 32)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--smoke", action="store_true", help="cpu backend, tiny work (CI)")
@@ -519,16 +545,21 @@ def main(argv: list[str] | None = None) -> int:
 
     section(res, "cancel", cancel)
 
-    if not args.smoke and not args.no_kv:
-        section(res, "kv", lambda: kv_capacity(lm))
-        print("kv:", res["kv"], flush=True)
+    if args.json:  # what we have so far, in case a later section takes the process down
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
     if not args.smoke and not args.no_http:
-        del engine
         http_reqs = workload(random.Random(3), 128, vocab, plen, nnew)
         section(res, "http", lambda: bench_http(path, http_reqs, 64, 64, 1024))
         if "tokens_per_s" in res["http"]:
             show("http 64 clients", {**res["http"], "loop_worst_gap_ms": float("nan")})
+    if not args.smoke and not args.no_kv:  # last: it takes (and frees) most of the GPU memory
+        section(res, "kv", lambda: kv_capacity(lm))
+        print("kv:", res["kv"], flush=True)
 
+    res["bars"] = bars(res)
+    for name, (value, passed) in res["bars"].items():
+        print(f"{'PASS' if passed else 'FAIL' if passed is False else 'SKIP'} {name}: {value}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
