@@ -19,6 +19,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -84,6 +85,11 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._app.state.serve.draining = True
         super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+            # uvicorn re-raises a captured signal after the graceful shutdown (exit status
+            # -15); a drained SIGTERM is a clean stop here: status 0
+            captured.remove(sig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
