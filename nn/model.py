@@ -238,6 +238,7 @@ class CausalLM:
         self._cont = np.zeros((n,), bool)  # row continues from the last decode step
         self._dirty = True
         self._graphs: dict[int, Any] = {}
+        self._step_thunks: dict[int, list[Callable[[], DeviceOp[Any]]]] = {}
         self._busy = False  # a generate/stream is running (see generation)
         self._bucket_list = buckets(max_batch)
 
@@ -376,19 +377,27 @@ class CausalLM:
 
     def _step_op(self, b: int) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
+        th = self._step_thunks.get(b)
+        if th is None:  # the views and thunks of a bucket are built once
+            th = self._step_thunks[b] = self._build_step(b)
+        return chain(th)
+
+    def _build_step(self, b: int) -> list[Callable[[], DeviceOp[Any]]]:
         vw = self._arena.views(b, 1)
         st, kl, inc, tok = self._start[:b], self._kv_len[:b], self._inc[:b], self._tokens[:b]
         logits = self._logits[:b]
+        temp, top_k, top_p = self._temperature[:b], self._top_k[:b], self._top_p[:b]
+        seed, counter = self._seed[:b], self._counter[:b]
         th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(tok, vw["resid"])]
-        th += self._layers_chain(vw, lambda i: self.cache.rows(i, 0, b), st, kl)
+        rows = [self.cache.rows(i, 0, b) for i in range(len(self.layers))]
+        th += self._layers_chain(vw, lambda i: rows[i], st, kl)
         th += self._head(vw["down"], vw["resid"], vw["normed"], logits)
         th += [
-            lambda: kernels.sample(logits, self._temperature[:b], self._top_k[:b], self._top_p[:b],
-                                   self._seed[:b], self._counter[:b], out=tok),
+            lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok),
             lambda: kernels.add(st, inc, out=st),
             lambda: kernels.add(kl, inc, out=kl),
         ]
-        return chain(th)
+        return th
 
     # -- public forward ----------------------------------------------------------------------
     def logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
