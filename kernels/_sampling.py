@@ -25,8 +25,8 @@ from deviceops._tensor import Tensor
 
 from ._launch import KernelOp
 from ._linear import check_out, noop
+from ._multi_op import Outputs, multi_op
 from ._norms import CTYPE, tk_function
-from ._transformer import Outputs, multi_op
 
 __all__ = ["sample", "sample_reference", "uniform"]
 

@@ -23,19 +23,20 @@ serves every decode step. Floating tensors are float32, float16 or bfloat16, C-c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from deviceops._context import ExecutionContext
-from deviceops._dtypes import FLOATING, int32
+from deviceops._dtypes import int32
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
-from deviceops._tensor import Tensor, allocate, check_device
+from deviceops._tensor import Tensor
 
-from ._launch import KernelOp, as_tensor, contiguous, is_deferred
-from ._linear import check_out, noop, require_tensors, same_device
+from ._launch import KernelOp
+from ._linear import check_out, noop
+from ._multi_op import Outputs, distinct, floating, multi_op, same
 from ._norms import CTYPE, MOVE_TYPES, norm_cuda, tk_function, vec_width
 
 __all__ = ["add_rms_norm", "merge_heads", "rope", "rope_kv_write", "swiglu"]
@@ -113,70 +114,7 @@ def add_rms_norm_reference(x: np.ndarray, residual: np.ndarray, weight: np.ndarr
     return np.asarray(s64 * inv * weight.astype(np.float64)).astype(x.dtype), s
 
 
-# -- a kernel op with several outputs --------------------------------------------------------
-
-Outputs = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
-MultiCheck = Callable[[Mapping[str, Tensor | None]], Outputs]
-Body = Callable[[ExecutionContext, dict[str, Tensor]], None]
-
-
-def multi_op(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
-             result: Callable[[dict[str, Any]], Any],
-             defaults: Mapping[str, str] | None = None) -> KernelOp:
-    """A KernelOp whose outputs are the keys ``check`` returns (allocated when ``None``).
-
-    ``defaults`` maps an output left ``None`` to another argument it then aliases (e.g.
-    ``residual_out`` -> ``residual``). ``result(values)`` builds the op's output from the
-    argument values as given (allocated outputs filled in).
-    """
-    keys = tuple(args)
-    vals = tuple(args[k] for k in keys)
-    dflt = dict(defaults or {})
-    require_tensors(name, args)  # None for a required tensor: TypeError naming it (issue 16)
-
-    def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
-        ts = {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}
-        for k, src in dflt.items():
-            if ts[k] is None:
-                ts[k] = ts[src]
-        return ts
-
-    def full_check(ts: Mapping[str, Tensor | None]) -> Outputs:
-        for k, t in ts.items():
-            if t is not None:
-                contiguous(t, name, k)
-        same_device(name, ts)
-        return check(ts)
-
-    early = None if any(is_deferred(v) for v in vals) else full_check(tensors(vals))
-
-    def run(ctx: ExecutionContext, *vs: Any) -> Any:
-        ts = tensors(vs)
-        outs = early if early is not None else full_check(ts)
-        stream = ctx.stream
-        for t in ts.values():
-            if t is not None:
-                check_device(t, stream, name)
-        given = dict(zip(keys, vs, strict=True))
-        for k, src in dflt.items():
-            if given[k] is None:
-                given[k] = given[src]
-        for k, (shape, dt) in outs.items():
-            if given[k] is None:
-                given[k] = ts[k] = allocate(stream, shape, dt, name)
-        body(ctx, {k: t for k, t in ts.items() if t is not None})
-        return result(given)
-
-    return KernelOp(name, run, vals)
-
-
 # -- checks ----------------------------------------------------------------------------------
-
-
-def _floating(name: str, what: str, t: Tensor) -> None:
-    if t.dtype not in FLOATING:
-        raise DTypeError(f"{name}: {what} has dtype {t.dtype}; supported: float32, float16, "
-                         "bfloat16", op=name)
 
 
 def _start(name: str, start: Tensor, batch: int, what: str) -> None:
@@ -186,23 +124,6 @@ def _start(name: str, start: Tensor, batch: int, what: str) -> None:
     if start.shape != (batch,):
         raise ShapeError(f"{name}: start has shape {start.shape}, expected ({batch},) for "
                          f"{what}", op=name)
-
-
-def _same(name: str, what: str, t: Tensor, shape: tuple[int, ...], dtype: np.dtype[Any],
-          why: str) -> None:
-    if t.shape != shape:
-        raise ShapeError(f"{name}: {what} has shape {t.shape}, expected {shape} ({why})", op=name)
-    if t.dtype != dtype:
-        raise DTypeError(f"{name}: {what} has dtype {t.dtype}, expected {dtype} ({why})", op=name)
-
-
-def _distinct(name: str, ts: Mapping[str, Tensor | None], pairs: tuple[tuple[str, str], ...],
-              fix: str) -> None:
-    for a, b in pairs:
-        ta, tb = ts.get(a), ts.get(b)
-        if ta is not None and tb is not None and ta._storage is tb._storage:
-            raise ShapeError(f"{name}: {a} {ta.shape} shares memory with {b} {tb.shape}; {fix}",
-                             op=name)
 
 
 def _theta(name: str, theta: float) -> float:
@@ -246,7 +167,7 @@ def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> Kern
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         xt, st = ts["x"], ts["start"]
         assert xt is not None and st is not None
-        _floating(name, "x", xt)
+        floating(name, "x", xt)
         if xt.ndim != 4 or xt.shape[-1] % 2 or xt.shape[-1] < 2:
             raise ShapeError(f"{name}: x has shape {xt.shape}; expected (B, L, H, D) with D even",
                              op=name)
@@ -317,7 +238,7 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         qt, st, kc, vc = ts["qkv"], ts["start"], ts["k_cache"], ts["v_cache"]
         assert qt is not None and st is not None and kc is not None and vc is not None
-        _floating(name, "qkv", qt)
+        floating(name, "qkv", qt)
         nh = hq + 2 * hkv
         if qt.ndim != 3 or qt.shape[-1] % nh or (qt.shape[-1] // nh) % 2 or qt.shape[-1] == 0:
             raise ShapeError(
@@ -329,12 +250,12 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
         if kc.ndim != 4 or kc.shape[0] != b or kc.shape[1] != hkv or kc.shape[3] != d:
             raise ShapeError(f"{name}: k_cache has shape {kc.shape}, expected ({b}, {hkv}, S, {d}) "
                              f"for qkv {qt.shape} with n_kv_heads={hkv}", op=name)
-        _same(name, "k_cache", kc, kc.shape, qt.dtype, f"the dtype of qkv {qt.dtype}")
-        _same(name, "v_cache", vc, kc.shape, qt.dtype, f"k_cache is {kc.shape} {kc.dtype}")
+        same(name, "k_cache", kc, kc.shape, qt.dtype, f"the dtype of qkv {qt.dtype}")
+        same(name, "v_cache", vc, kc.shape, qt.dtype, f"k_cache is {kc.shape} {kc.dtype}")
         oshape = (b, hq, length, d)
         if ts["q_out"] is not None:
-            _same(name, "q_out", ts["q_out"], oshape, qt.dtype, f"q heads of qkv {qt.shape} as (B, Hq, L, D)")
-        _distinct(name, ts, (("k_cache", "v_cache"), ("q_out", "qkv"), ("k_cache", "qkv"),
+            same(name, "q_out", ts["q_out"], oshape, qt.dtype, f"q heads of qkv {qt.shape} as (B, Hq, L, D)")
+        distinct(name, ts, (("k_cache", "v_cache"), ("q_out", "qkv"), ("k_cache", "qkv"),
                              ("v_cache", "qkv"), ("q_out", "k_cache"), ("q_out", "v_cache")),
                   "use separate tensors")
         return {"q_out": (oshape, qt.dtype)}
@@ -397,7 +318,7 @@ def merge_heads(x: Any, *, out: Any = None) -> KernelOp:
         b, h, length, d = xt.shape
         oshape = (b, length, h * d)
         check_out(name, ts["out"], oshape, xt.dtype, f"x {xt.shape} as (B, L, H * D)")
-        _distinct(name, ts, (("out", "x"),), "merge_heads cannot run in place")
+        distinct(name, ts, (("out", "x"),), "merge_heads cannot run in place")
         return {"out": (oshape, xt.dtype)}
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
@@ -450,13 +371,13 @@ def swiglu(gate_up: Any, *, out: Any = None) -> KernelOp:
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         gt = ts["gate_up"]
         assert gt is not None
-        _floating(name, "gate_up", gt)
+        floating(name, "gate_up", gt)
         if gt.ndim < 1 or gt.shape[-1] % 2 or gt.shape[-1] < 2:
             raise ShapeError(f"{name}: gate_up has shape {gt.shape}; expected (..., 2F) with the "
                              "gate in the first half of the last dim, up in the second", op=name)
         oshape = (*gt.shape[:-1], gt.shape[-1] // 2)
         check_out(name, ts["out"], oshape, gt.dtype, f"half the last dim of gate_up {gt.shape}")
-        _distinct(name, ts, (("out", "gate_up"),), "write to a separate tensor")
+        distinct(name, ts, (("out", "gate_up"),), "write to a separate tensor")
         return {"out": (oshape, gt.dtype)}
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
@@ -521,19 +442,19 @@ def add_rms_norm(x: Any, residual: Any, weight: Any, *, eps: float = 1e-6, out: 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         xt, rt, wt = ts["x"], ts["residual"], ts["weight"]
         assert xt is not None and rt is not None and wt is not None
-        _floating(name, "x", xt)
+        floating(name, "x", xt)
         if xt.ndim < 1 or xt.shape[-1] < 1:
             raise ShapeError(f"{name}: x has shape {xt.shape}; it needs a last dim >= 1", op=name)
         if xt.shape[-1] > 2**31 - 1:
             raise ShapeError(f"{name}: x rows of {xt.shape[-1]} elements are too long", op=name)
         why = f"the shape and dtype of x {xt.shape} {xt.dtype}"
-        _same(name, "residual", rt, xt.shape, xt.dtype, why)
-        _same(name, "weight", wt, (xt.shape[-1],), xt.dtype, f"the last dim of x {xt.shape}")
+        same(name, "residual", rt, xt.shape, xt.dtype, why)
+        same(name, "weight", wt, (xt.shape[-1],), xt.dtype, f"the last dim of x {xt.shape}")
         check_out(name, ts["out"], xt.shape, xt.dtype, why)
         ro = ts["residual_out"]
         assert ro is not None  # (defaults to residual)
-        _same(name, "residual_out", ro, xt.shape, xt.dtype, why)
-        _distinct(name, ts, (("out", "residual_out"), ("out", "residual"), ("out", "weight"),
+        same(name, "residual_out", ro, xt.shape, xt.dtype, why)
+        distinct(name, ts, (("out", "residual_out"), ("out", "residual"), ("out", "weight"),
                              ("residual_out", "weight")),
                   "out may be x, residual_out may be residual or x; nothing else may overlap")
         return {"out": (xt.shape, xt.dtype)}
