@@ -2,8 +2,9 @@
 default device (the cpu backend in CI, cuda on a GPU machine), against independent float64
 NumPy written here, on odd shapes, fresh random inputs, outputs poisoned with NaN first;
 argument forms, in-place use, every argument check's error (raised before any launch), and
-graph capture. GPU-only checks (the fast rms_norm geometry on every path, a chi-square test
-of the sampler's distribution) are marked ``gpu``.
+graph capture. On cuda the same tests cover every launch geometry of the norm kernel and
+both paths of the sampler (shared-memory candidate list, whole row); a chi-square test of
+the sampler's empirical distribution is marked ``gpu``.
 """
 
 from __future__ import annotations
