@@ -14,7 +14,11 @@ ordered, as on a GPU. Semantics follow CUDA's:
   event recorded after it. ``synchronize()`` clears it.
 * an error travels along event waits: a stream that waits on an event recorded
   after a failure takes that error too (so a failing ``zip`` branch reaches the
-  join), as a CUDA error reaches every later synchronization.
+  join), as a CUDA error reaches every later synchronization. A stream
+  synchronize reports an error once: other streams holding the same error (the
+  branch, after the join reported it) drop it instead of raising it later on
+  unrelated work; a zip join takes its branches' errors over. Event (future)
+  synchronizes always raise their error.
 * the tensors a failed task writes remember the failure; a task reading them
   fails with an error naming the failed producer (``deviceops._launch``).
 * ``synchronize()`` from the stream's own worker (inside a host task on it)
@@ -25,6 +29,7 @@ ordered, as on a GPU. Semantics follow CUDA's:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -43,18 +48,26 @@ __all__ = ["CpuEvent", "CpuStream"]
 _STOP = object()
 
 
+def _mark_reported(err: BaseException) -> None:
+    """An error is reported once by a stream synchronize: a stream that only received it
+    through an event wait (e.g. a zip branch's error, reported at the join) drops it."""
+    with contextlib.suppress(AttributeError):
+        err._deviceops_reported = True  # type: ignore[attr-defined]
+
+
 class _Forward(Exception):
     """Raised by a task to make its stream take ``error`` as is (an error from another stream)."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, seq: int) -> None:
         super().__init__(str(error))
         self.error = error
+        self.seq = seq  # the op number (on the receiving stream) it is charged to
 
 
 class CpuEvent(Event):
     """An event of a :class:`CpuStream`."""
 
-    __slots__ = ("_callbacks", "_done", "_lock", "error")
+    __slots__ = ("_callbacks", "_done", "_lock", "_tail", "error", "take")
 
     def __init__(self, stream: Stream, seq: int, capture: CaptureState | None) -> None:
         super().__init__(stream, seq, capture)
@@ -62,6 +75,8 @@ class CpuEvent(Event):
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self.error: BaseException | None = None
+        self._tail = -1  # the worker's submitted count once this event was put
+        self.take = False  # a wait on it takes the error over (a zip join), see _wait
 
     def _fire(self, error: BaseException | None) -> None:
         self.error = error
@@ -78,15 +93,18 @@ class CpuEvent(Event):
         self._done.wait()
         if self.capture is None and self.stream.done_seq < self.seq:
             self.stream.done_seq = self.seq
-        if self.error is not None:
-            # Reported once, as CUDA reports a non-sticky error to the next
-            # synchronizing call: the stream is usable again afterwards.
+        err = self.error
+        if err is not None:
+            # The stream's error is reported once, as CUDA reports a non-sticky error to
+            # the next synchronizing call: the stream is usable again afterwards. The
+            # event raises it at every synchronize (as a future's result() does).
             worker = getattr(self.stream, "_worker", None)
             if worker is not None:
                 with worker.cond:
-                    if worker.error is self.error:
+                    if worker.error is err:
                         worker.error = None
-            raise self.error
+            _mark_reported(err)
+            raise err
 
     def when_complete(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -105,6 +123,7 @@ class _Worker:
         self.submitted = 0
         self.completed = 0
         self.error: BaseException | None = None
+        self.error_seq = 0  # the op number (seq) of the failed work, see absorb_after
         self.stopped = False
         self.device = device
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
@@ -133,6 +152,7 @@ class _Worker:
         except _Forward as fwd:
             if self.error is None:
                 self.error = fwd.error
+                self.error_seq = fwd.seq
         except BaseException as exc:
             if self.error is None:
                 err = LaunchError(
@@ -142,6 +162,7 @@ class _Worker:
                 )
                 err.__cause__ = exc
                 self.error = err
+                self.error_seq = getattr(exc, "_deviceops_seq", 0)
         with self.cond:
             self.completed += 1
             self.cond.notify_all()
@@ -179,6 +200,22 @@ class CpuStream(Stream):
         if self.capture is None:
             worker = self._worker
             self._worker.put(lambda: ev._fire(worker.error), "record_event")
+            ev._tail = worker.submitted
+        return ev
+
+    def record_event(self) -> Event:
+        """An event at the current end of the queue.
+
+        Reused only if nothing at all was put on the queue since: not even an event
+        wait or a failure check, which count no op (``seq``) but can carry an error.
+        """
+        ev = self._last_event
+        if (ev is not None and ev.seq == self.seq and ev.capture is self.capture
+                and ev.error is None and (self.capture is not None
+                                          or ev._tail == self._worker.submitted)):  # type: ignore[attr-defined]
+            return ev
+        ev = self._record()
+        self._last_event_ref = weakref.ref(ev)
         return ev
 
     def _wait(self, event: Event) -> None:
@@ -186,13 +223,38 @@ class CpuStream(Stream):
             return  # in-graph dependency: capture replays tasks in enqueue order
         assert isinstance(event, CpuEvent)
         done = event._done
+        seq = self.seq + 1  # charged to the op being enqueued
+
+        take = event.take
+        src = event.stream._worker  # type: ignore[attr-defined]
 
         def wait() -> None:
             done.wait()
-            if event.error is not None:
-                raise _Forward(event.error)
+            err = event.error
+            if err is not None:
+                if take:  # a zip join: the branch's failure is now the join's, not the branch's
+                    with src.cond:
+                        if src.error is err:
+                            src.error = None
+                raise _Forward(err, seq)
 
         self.enqueue(wait, "wait_event")
+
+    def absorb_after(self, seq: int) -> None:
+        """Drop (at this point of the queue) a pending error of an op numbered after ``seq``.
+
+        Called when enqueueing an op failed on the host: that op already raised, so a
+        device failure of the part of it already enqueued is its own, not a later op's.
+        """
+        if self.capture is not None:
+            return
+        worker = self._worker
+
+        def absorb() -> None:
+            if worker.error is not None and worker.error_seq > seq:
+                worker.error = None
+
+        self._worker.put(absorb, "absorb_error")
 
     def latch_error(self) -> list[BaseException | None]:
         """A box that, once the queue reaches this point, holds the stream's error then."""
@@ -208,10 +270,15 @@ class CpuStream(Stream):
     def check_latch(self, box: list[BaseException | None], what: str) -> None:
         """Fail this stream, at this point of its queue, with the error ``box`` latched."""
 
+        seq = self.seq + 1  # charged to the op being enqueued
+
         def check() -> None:
             err = box[0]
-            if err is not None:
-                raise _Forward(err)
+            if err is not None:  # a fresh error per consumer: each one reports it
+                again = LaunchError(f"{what}: {err}", op=getattr(err, "op", None),
+                                    device=getattr(err, "device", None))
+                again.__cause__ = err
+                raise _Forward(again, seq)
 
         self.enqueue(check, f"check {what}")
 
@@ -235,7 +302,8 @@ class CpuStream(Stream):
             while w.completed < target:
                 w.cond.wait()
             err, w.error = w.error, None
-        if err is not None:
+        if err is not None and not getattr(err, "_deviceops_reported", False):
+            _mark_reported(err)
             raise err
 
 

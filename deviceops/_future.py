@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._errors import DeviceError
 from ._tensor import failed_output_error, output_failure
 
 if TYPE_CHECKING:
@@ -34,12 +35,13 @@ class DeviceFuture(Generic[T]):
         (4,)
     """
 
-    __slots__ = ("_event", "_exc", "_out", "stream")
+    __slots__ = ("_event", "_exc", "_op", "_out", "stream")
 
     def __init__(self) -> None:
         self._out: Any = None
         self._exc: BaseException | None = None
         self._event: Event | None = None
+        self._op: Any = None  # the scheduled op (named in a device error's note)
         self.stream: Stream | None = None
 
     @classmethod
@@ -81,7 +83,14 @@ class DeviceFuture(Generic[T]):
         assert self._event is not None
         if timeout is not None:
             self._wait_until(time.monotonic() + timeout)
-        self._event.synchronize()
+        try:
+            self._event.synchronize()
+        except DeviceError as exc:
+            if self._op is not None:
+                exc.add_note(f"deviceops: raised by the device work of {self._op._describe()} "
+                             f"(or of work it waited for) on {self.stream!r}")
+                self._op = None  # noted once
+            raise
         failed = output_failure(self._out)
         if failed is not None:
             raise failed_output_error(f"DeviceFuture on {self.stream!r}", failed)

@@ -52,7 +52,7 @@ def launch(
         for st in rs:
             if st.fail[0] is not None:
                 raise poisoned_input(name, st.fail[0])
-        stream.enqueue(_guarded(cpu_fn, name, rs, ws), name)  # type: ignore[attr-defined]
+        stream.enqueue(_guarded(cpu_fn, name, rs, ws, stream.seq + 1), name)  # type: ignore[attr-defined]
     else:
         try:
             cuda_fn(stream.native)  # type: ignore[attr-defined]
@@ -82,7 +82,7 @@ def poisoned_input(name: str, failed: tuple[str, BaseException]) -> LaunchError:
 
 
 def _guarded(fn: Callable[[], None], name: str, rs: list[Storage],
-             ws: list[Storage]) -> Callable[[], None]:
+             ws: list[Storage], seq: int) -> Callable[[], None]:
     """cpu: ``fn`` that refuses failed inputs and marks its outputs failed when it fails.
 
     Holds the storages' failure cells, not the storages (their lifetime is the
@@ -98,12 +98,14 @@ def _guarded(fn: Callable[[], None], name: str, rs: list[Storage],
                 err = poisoned_input(name, f)
                 for w in wcells:
                     w[0] = f
+                err._deviceops_seq = seq  # type: ignore[attr-defined]
                 raise err
         try:
             fn()
         except BaseException as exc:
             for w in wcells:
                 w[0] = (name, exc)
+            exc._deviceops_seq = seq  # type: ignore[attr-defined]  # (see CpuStream.absorb_after)
             raise
         for w in wcells:
             if w[0] is not None:

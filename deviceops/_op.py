@@ -106,8 +106,13 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
     ctx = ExecutionContext(stream, policy)
     with enqueue_lock:
         guard.active = op
+        seq0 = stream.seq
         try:
             return op._exec(ctx)
+        except BaseException:
+            if stream.device.is_cpu:  # the op raised: device failures of its partial work are its own
+                stream.absorb_after(seq0)  # type: ignore[attr-defined]
+            raise
         finally:
             guard.active = None
 
@@ -148,8 +153,8 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
         except BaseException as exc:
             root._failed(exc)
             raise
-        out = root._finish(ctx, [v])
-        return out._exec(ctx) if root._tail else out  # type: ignore[no-any-return]
+        out: Any = root._finish(ctx, [v])
+        return out._exec(ctx) if root._tail else out
     stream_id = ctx.stream.id
     stack = [_Frame(root, deps)]
     try:
@@ -332,7 +337,9 @@ class DeviceOp(Generic[T]):
             out = _run(self, stream, policy, "schedule()")
         except Exception as exc:
             return _future_cls()._failed(exc, stream)
-        return _future_cls()._pending(out, stream, stream.record_event())
+        fut = _future_cls()._pending(out, stream, stream.record_event())
+        fut._op = self
+        return fut
 
     def __await__(self) -> Generator[Any, None, T]:
         return _await_op(self).__await__()
@@ -384,7 +391,8 @@ def _finish_sync(op: DeviceOp[Any], stream: Stream, out: Any) -> None:
     try:
         stream.synchronize()
     except DeviceError as exc:
-        exc.add_note(f"deviceops: raised by the device work of {op._describe()} on {stream!r}")
+        exc.add_note(f"deviceops: raised by the device work of {op._describe()} (or of work it "
+                     f"waited for) on {stream!r}")
         raise
     _check_output(out, op)
 
@@ -610,19 +618,26 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
             fork = home.record_event()
             for s in others.values():
                 s.wait_event(fork)
+        marks = [(s, s.seq) for s in others.values()]
         outs = []
         try:
             for op, s in _bzip(ops, streams):
                 outs.append(op._exec(ctx if s is home else ctx.on(s)))
+        except BaseException:
+            if home.device.is_cpu:  # the zip raised: its branches' device failures are its own
+                for s, q in marks:
+                    s.absorb_after(q)  # type: ignore[attr-defined]
+            raise
         finally:
             # Join every branch back, also when one failed to enqueue: the
             # home stream must not run ahead of work already on the others.
             # A failure the device reports on a branch reaches the home stream
             # through this wait (cpu: the event carries the branch's error).
             for s in others.values():
-                home.wait_event(s.record_event())
-            for op in ops[len(outs) + 1:]:
-                op._consume()
+                ev = s.record_event()
+                if home.device.is_cpu and s.device.is_cpu:
+                    ev.take = True  # type: ignore[attr-defined]  # the join takes the branch's error
+                home.wait_event(ev)
         self._streams = [s.id for s in streams]
         return tuple(outs)
 

@@ -55,6 +55,9 @@ class Event(ABC):
     """
 
     __slots__ = ("__weakref__", "capture", "seq", "stream")
+    # cpu backend: the stream's failure when the event fired (see _cpu_backend); an
+    # event carrying one is not reused for later work (it would report it again)
+    error: BaseException | None = None
 
     def __init__(self, stream: Stream, seq: int, capture: CaptureState | None) -> None:
         self.stream = stream
@@ -156,7 +159,7 @@ class Stream(ABC):
         """An event at the current end of the queue (reused if nothing new was enqueued)."""
         ref = self._last_event_ref
         ev = ref() if ref is not None else None
-        if ev is not None and ev.seq == self.seq and ev.capture is self.capture:
+        if ev is not None and ev.seq == self.seq and ev.capture is self.capture and ev.error is None:
             return ev
         ev = self._record()
         self._last_event_ref = weakref.ref(ev)
