@@ -117,10 +117,10 @@ class CudaEvent(Event):
         if st == 0:
             self._completed()
             return True
-        if st == _NOT_READY:
-            return False
-        raise_driver_error(_runtime().CUDARuntimeError(st), "event query", str(self.stream.device))
-        return True  # unreachable: raise_driver_error raised
+        # Otherwise a device fault (sticky error): the event will never complete normally.
+        # Say "done" so that a waiter goes on to synchronize(), which raises the error where
+        # the op that waited is known (its future's result(), sync()): query never raises.
+        return st != _NOT_READY
 
     def synchronize(self) -> None:
         if self.done:
