@@ -124,17 +124,6 @@ def _check_output(out: Any, op: DeviceOp[Any]) -> None:
         raise failed_output_error(op._describe(), failed)
 
 
-class _Frame:
-    """One op of an iterative execution: its dependencies and their values so far."""
-
-    __slots__ = ("deps", "node", "vals")
-
-    def __init__(self, node: DeviceOp[Any], deps: tuple[DeviceOp[Any], ...]) -> None:
-        self.node = node
-        self.deps = deps
-        self.vals: list[Any] = []
-
-
 def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
     """Execute ``root`` (already marked executed) and its argument DAG without recursion.
 
@@ -143,6 +132,7 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
     dependencies are walked with an explicit stack, so a DAG nested 100,000 deep
     through kernel arguments, ``map``/``inspect``/``then`` chains or ``shared``
     does not hit Python's recursion limit. Other ops (``zip``) execute as usual.
+    A ``_tail`` op's ``_finish`` returns the op to execute in its place (``then``).
     """
     deps = root._deps(ctx)
     if not deps:
@@ -155,44 +145,52 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
             raise
         out: Any = root._finish(ctx, [v])
         return out._exec(ctx) if root._tail else out
-    stream_id = ctx.stream.id
-    stack = [_Frame(root, deps)]
+    sid = ctx.stream.id
+    stack: list[list[Any]] = [[root, deps, []]]  # frames: [op, its deps, their values so far]
     try:
         while True:
             fr = stack[-1]
-            vals = fr.vals
+            vals = fr[2]
+            deps = fr[1]
             i = len(vals)
-            if i < len(fr.deps):
-                k = fr.deps[i]
-                if not k._iterative:
+            if i < len(deps):
+                k = deps[i]
+                if k._iterative:
+                    if k._state == _DONE and not k._multi_use:
+                        k._exec(ctx)  # raises the "already executed" error
+                    k._state = _DONE
+                    k._ran_on = sid
+                    kd = k._deps(ctx)
+                    if kd:
+                        stack.append([k, kd, []])
+                        continue
+                    vals.append(k._finish(ctx, []))  # (an op without deps is not a tail)
+                else:
                     vals.append(k._exec(ctx))
-                    continue
-                if k._state == _DONE and not k._multi_use:
-                    k._exec(ctx)  # raises the "already executed" error
-                k._state = _DONE
-                k._ran_on = stream_id
-                kd = k._deps(ctx)
-                if kd:
-                    stack.append(_Frame(k, kd))
-                    continue
-                out = k._finish(ctx, [])
-                if k._tail:
-                    stack.append(_Frame(_PASS, (out,)))
-                    continue
-                vals.append(out)
                 continue
             stack.pop()
-            node = fr.node
+            node = fr[0]
             out = node._finish(ctx, vals)
-            if node._tail:
-                stack.append(_Frame(_PASS, (out,)))
-                continue
+            if node._tail:  # execute the returned op in node's place
+                nxt = out
+                if nxt._iterative:
+                    if nxt._state == _DONE and not nxt._multi_use:
+                        nxt._exec(ctx)
+                    nxt._state = _DONE
+                    nxt._ran_on = sid
+                    kd = nxt._deps(ctx)
+                    if kd:
+                        stack.append([nxt, kd, []])
+                        continue
+                    out = nxt._finish(ctx, [])
+                else:
+                    out = nxt._exec(ctx)
             if not stack:
                 return out
-            stack[-1].vals.append(out)
+            stack[-1][2].append(out)
     except BaseException as exc:
         for fr in stack:
-            fr.node._failed(exc)
+            fr[0]._failed(exc)
         raise
 
 
@@ -359,17 +357,20 @@ class DeviceOp(Generic[T]):
     # -- combinators --------------------------------------------------------------------
     def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:
         """Bind: ``fn(output)`` returns the next op, run after this one on the same stream."""
-        _callable("then", fn, "a function taking the output and returning the next DeviceOp")
+        if not callable(fn):
+            _not_callable("then", fn, "a function taking the output and returning the next DeviceOp")
         return _Then(self._adopt(("then", fn)), fn)
 
     def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
         """Transform the output handle on the host (no device work)."""
-        _callable("map", fn, "a function taking the output and returning the new value")
+        if not callable(fn):
+            _not_callable("map", fn, "a function taking the output and returning the new value")
         return _Map(self._adopt(("map", fn)), fn)
 
     def inspect(self, fn: Callable[[T], object]) -> DeviceOp[T]:
         """Call ``fn(output)`` when enqueued (e.g. to log) and pass the output on."""
-        _callable("inspect", fn, "a function taking the output (its result is ignored)")
+        if not callable(fn):
+            _not_callable("inspect", fn, "a function taking the output (its result is ignored)")
         return _Inspect(self._adopt(("inspect", fn)), fn)
 
     def shared(self) -> SharedOp[T]:
@@ -397,23 +398,9 @@ def _finish_sync(op: DeviceOp[Any], stream: Stream, out: Any) -> None:
     _check_output(out, op)
 
 
-def _callable(what: str, fn: Any, expected: str) -> None:
-    if not callable(fn):
-        raise TypeError(f"{what}: fn must be callable ({expected}), got {type(fn).__name__} "
-                        f"{fn!r}; pass a function or lambda")
-
-
-class _Pass(DeviceOp[Any]):
-    """The frame of an op executed in another op's place (see ``_drive``)."""
-
-    __slots__ = ()
-
-    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
-        return vals[0]
-
-
-_PASS = _Pass()
-_PASS._state = _DONE
+def _not_callable(what: str, fn: Any, expected: str) -> None:
+    raise TypeError(f"{what}: fn must be callable ({expected}), got {type(fn).__name__} "
+                    f"{fn!r}; pass a function or lambda")
 
 
 class _Value(DeviceOp[T]):
@@ -440,22 +427,27 @@ def _fn_name(fn: Callable[..., Any]) -> str:
 
 
 class _Then(DeviceOp[U]):
-    __slots__ = ("_fn", "_next", "_src")
+    __slots__ = ("_fn", "_next", "_src", "_srcs")
     _iterative = True
     _tail = True
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], DeviceOp[U]]) -> None:
         super().__init__()
         self._src = src
+        self._srcs = (src,)
         self._fn = fn
         self._next: DeviceOp[U] | None = None
 
     def _execute(self, ctx: ExecutionContext) -> U:
         # a.then(f1).then(f2)...: nested through _src; _drive walks it without recursion.
+        src = self._src
+        if not src._iterative:  # shallow: no stack
+            nxt: DeviceOp[U] = self._finish(ctx, [src._exec(ctx)])
+            return nxt._exec(ctx)
         return _drive(self, ctx)
 
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
-        return (self._src,)
+        return self._srcs
 
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
         nxt = self._fn(vals[0])
@@ -475,19 +467,23 @@ class _Then(DeviceOp[U]):
 
 
 class _Map(DeviceOp[U]):
-    __slots__ = ("_fn", "_src")
+    __slots__ = ("_fn", "_src", "_srcs")
     _iterative = True
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], U]) -> None:
         super().__init__()
         self._src = src
+        self._srcs = (src,)
         self._fn = fn
 
     def _execute(self, ctx: ExecutionContext) -> U:
+        src = self._src
+        if not src._iterative:  # shallow: no stack
+            return self._fn(src._exec(ctx))
         return _drive(self, ctx)
 
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
-        return (self._src,)
+        return self._srcs
 
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> U:
         return self._fn(vals[0])
@@ -500,19 +496,25 @@ class _Map(DeviceOp[U]):
 
 
 class _Inspect(DeviceOp[T]):
-    __slots__ = ("_fn", "_src")
+    __slots__ = ("_fn", "_src", "_srcs")
     _iterative = True
 
     def __init__(self, src: DeviceOp[T], fn: Callable[[T], object]) -> None:
         super().__init__()
         self._src = src
+        self._srcs = (src,)
         self._fn = fn
 
     def _execute(self, ctx: ExecutionContext) -> T:
+        src = self._src
+        if not src._iterative:  # shallow: no stack
+            out = src._exec(ctx)
+            self._fn(out)
+            return out
         return _drive(self, ctx)
 
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
-        return (self._src,)
+        return self._srcs
 
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> T:
         out: T = vals[0]
@@ -683,12 +685,13 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:
 
 
 class _Index(DeviceOp[Any]):
-    __slots__ = ("_i", "_n", "_src")
+    __slots__ = ("_i", "_n", "_src", "_srcs")
     _iterative = True
 
     def __init__(self, src: SharedOp[Any], i: int, n: int) -> None:
         super().__init__()
         self._src = src
+        self._srcs = (src,)
         self._i = i
         self._n = n
 
@@ -696,7 +699,7 @@ class _Index(DeviceOp[Any]):
         return _drive(self, ctx)
 
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
-        return (self._src,)
+        return self._srcs
 
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
         out = vals[0]
