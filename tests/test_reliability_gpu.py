@@ -61,15 +61,14 @@ CHILD = textwrap.dedent('''
             trio.run(main)
         elif mode == "shared":
             s = trap_op(x).shared()
-            errs = 0
+            errs = []
             for _ in range(3):
                 try:
                     s.sync()
                 except DeviceError as exc:
-                    errs += 1
-                    last = exc
-            print(f"SHARED_ERRORS {errs}")
-            raise last
+                    errs.append(exc)
+            print(f"SHARED_ERRORS {len(errs)}")
+            raise errs[0]
         print("NOT REPORTED")
         sys.exit(1)
     except DeviceError as exc:
