@@ -5,6 +5,8 @@
 # Usage (GPU machine, repo root): OUT=/some/dir bash tools/reliability_gpu_run.sh
 OUT=${OUT:-/tmp/rel_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+python3 -c "import trio" 2>/dev/null || { [ -d build/wheels_rel ] && python3 -m pip install -q --no-index \
+  --no-deps --target /tmp/site build/wheels_rel/*.whl > "$OUT/pip_w.log" 2>&1 && export PYTHONPATH=/tmp/site; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -3 "$OUT/pip.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t "tests + kernel-cache warm-up (the sweep's cases without a sanitizer)"
