@@ -356,7 +356,7 @@ def _check_array(array: Any, device: Device | None) -> Device:
 
     if isinstance(array, np.ndarray):
         kind = "cpu"
-    elif hasattr(array, "__cuda_array_interface__") and hasattr(array, "device"):
+    elif type(array).__module__.split(".")[0] == "cupy":
         kind = "cuda"
     else:
         raise TypeError(f"Tensor: array must be a NumPy (cpu) or CuPy (cuda) array, got "
