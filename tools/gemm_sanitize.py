@@ -1,6 +1,6 @@
 """Shape sweep for ``compute-sanitizer --tool memcheck`` over every GEMM path (GPU only).
 
-Usage: ``compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/gemm_sanitize.py``.
+Usage: ``compute-sanitizer --tool memcheck --error-exitcode 3 python3 tools/gemm_sanitize.py``.
 Each case runs once on small odd shapes (tails in M, N, K; batches; split-K; every
 sm_90 config, sm_80, tf32, SIMT, the skinny kernel; b as (K, N) and, with trans_b, as
 (N, K)) and is checked against the NumPy reference.

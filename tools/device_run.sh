@@ -1,6 +1,6 @@
 #!/bin/bash
 # One batched device run: install, then the core benchmarks, JSON into $OUT.
-# Usage (on the GPU machine, repo root): OUT=/some/dir bash benchmarks/device_run.sh [names...]
+# Usage (on the GPU machine, repo root): OUT=/some/dir bash tools/device_run.sh [names...]
 set -o pipefail
 OUT=${OUT:-/tmp/deviceops_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

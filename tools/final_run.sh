@@ -3,7 +3,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/deviceops_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-bash benchmarks/device_run.sh overhead graph_replay overlap await_latency 2>&1 | grep -v "^# \(cpu\|knobs\)"
+bash tools/device_run.sh overhead graph_replay overlap await_latency 2>&1 | grep -v "^# \(cpu\|knobs\)"
 export PYTHONPATH=/tmp/site
 for ex in demo async_pipeline graph_decode_loop; do
     echo "=== example $ex"; timeout 120 python3 examples/$ex.py 2>&1 | tail -12; echo "rc=$?"

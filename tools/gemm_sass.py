@@ -1,7 +1,7 @@
 """Compile every GEMM kernel variant with nvcc (sm_90a) and report registers, spills and
 the tensor-core / local-memory instructions in its SASS (needs nvcc and cuobjdump).
 
-Usage: ``python benchmarks/gemm_sass.py [OUTDIR]``.
+Usage: ``python tools/gemm_sass.py [OUTDIR]``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Device-side quick check: sm_90 kernel variants vs a float32 torch reference (GPU only).
 
-Usage: ``python benchmarks/attention_check.py [-DATTN_X=1 ...]`` (extra defines per variant set,
+Usage: ``python tools/attention_check.py [-DATTN_X=1 ...]`` (extra defines per variant set,
 separated by ``/``). Prints the relative L2 error of each variant on a few odd shapes.
 """
 

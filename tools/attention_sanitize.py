@@ -1,6 +1,6 @@
 """Shape sweep for compute-sanitizer (memcheck / racecheck) over every attention kernel path.
 
-Usage (GPU): ``compute-sanitizer --tool memcheck python3 benchmarks/attention_sanitize.py``.
+Usage (GPU): ``compute-sanitizer --tool memcheck python3 tools/attention_sanitize.py``.
 Prints one line per case with the relative error against the NumPy reference and exits
 non-zero on a wrong or non-finite result.
 """
