@@ -17,7 +17,7 @@ import pytest
 
 import deviceops
 from deviceops import api, kernels
-from deviceops._errors import CaptureError, DeviceError, DTypeError, LaunchError, ShapeError
+from deviceops._errors import CaptureError, DeviceError, DTypeError, ShapeError
 
 from .conftest import to_np
 
