@@ -217,7 +217,9 @@ def driver(tools: list[str], only: str, timeout: float, json_path: str | None) -
             text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             rc = -1
         m = re.search(r"ERROR SUMMARY: (\d+) error", text)
-        errors = int(m.group(1)) if m else None
+        if m is None:  # racecheck: "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
+            m = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?", text)
+        errors = int(m.group(1)) if m else (0 if rc == 0 else None)  # --error-exitcode 3
         cases = re.findall(r"^CASE (\S+) (\S+) (.*) (OK|MISMATCH|NO CASE)", text, re.M)
         nocase = sorted({c[0] for c in re.findall(r"^CASE (\S+) (\S+) NO CASE", text, re.M)})
         per: dict[str, dict[str, int]] = {}
