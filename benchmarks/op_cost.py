@@ -317,7 +317,7 @@ def device_per_call(c: Ctx, launch: Callable[[], Any], n: int, host_us: float) -
     for _ in range(n):
         launch()
     e1.record(native)
-    hidden = not e_spin.query()  # the spin was still running when the host finished enqueueing
+    hidden = not e_spin.done  # the spin was still running when the host finished enqueueing
     e1.synchronize()
     return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n, hidden
 
