@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -54,7 +53,7 @@ import numpy as np
 from deviceops._errors import DTypeError, ShapeError
 
 from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
-from ._module import load_module, read_source, set_max_dynamic_smem
+from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = [
     "attention_check",
@@ -442,31 +441,6 @@ def _ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------
 # Sources and modules
 # --------------------------------------------------------------------------------------
-
-_INCLUDE = re.compile(r'^\s*#include\s+"(attn_[A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
-
-
-@functools.cache
-def expanded_source(name: str) -> str:
-    """Kernel source ``name`` with its ``#include "attn_*.cuh"`` lines inlined.
-
-    NVRTC gets one self-contained text, so CuPy's on-disk cache (keyed by the text) sees
-    header edits.
-    """
-    seen: set[str] = set()
-
-    def expand(text: str) -> str:
-        def repl(m: re.Match[str]) -> str:
-            inc = m.group(1)
-            if inc in seen:
-                return ""
-            seen.add(inc)
-            return expand(read_source(inc))
-
-        return _INCLUDE.sub(repl, text)
-
-    return expand(read_source(name))
-
 
 #: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
 #: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.

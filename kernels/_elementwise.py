@@ -44,7 +44,7 @@ from deviceops._tensor import (
 
 from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
 from ._launch import KernelOp, as_tensor, contiguous
-from ._module import load_module, read_source
+from ._module import expanded_source, load_module
 
 __all__ = ["add", "mul", "saxpy"]
 
@@ -59,7 +59,7 @@ def _function(device_index: int, kernel: str, dtype: np.dtype[Any]) -> Any:
     fn = _funcs.get(key)
     if fn is None:
         names = tuple(f"{k}<{_CTYPE[d]}>" for k in _KERNELS for d in _CTYPE)
-        mod = load_module(read_source("elementwise.cu"), device_id=device_index, name_expressions=names)
+        mod = load_module(expanded_source("elementwise.cu"), device_id=device_index, name_expressions=names)
         fn = _funcs[key] = mod.get_function(f"{kernel}<{_CTYPE[dtype]}>")
     return fn
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,34 +27,16 @@ from deviceops._errors import DriverError, ShapeError
 
 from . import _gemm as G
 from ._fastlaunch import Launcher
-from ._module import load_module, read_source, set_max_dynamic_smem
+from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = ["expanded_source", "gemm_cuda"]
 
 # --------------------------------------------------------------------------- modules
 
-_INCLUDE = re.compile(r'^\s*#include\s+"(gemm_[A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
 _kcache: dict[tuple[Any, ...], Any] = {}
 _lcache: dict[tuple[Any, ...], Launcher] = {}
 _dev_info: dict[int, tuple[int, int]] = {}
 _lock = threading.Lock()
-
-
-def expanded_source(name: str) -> str:
-    """Kernel source ``name`` with its ``#include "gemm_*.cuh"`` lines inlined (once each)."""
-    seen: set[str] = set()
-
-    def expand(text: str) -> str:
-        def rep(mt: re.Match[str]) -> str:
-            inc = mt.group(1)
-            if inc in seen:
-                return ""
-            seen.add(inc)
-            return expand(read_source(inc))
-
-        return _INCLUDE.sub(rep, text)
-
-    return expand(read_source(name))
 
 
 def _device_info(device_id: int) -> tuple[int, int]:

@@ -21,6 +21,7 @@ stream they are handed.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,31 @@ def read_source(name: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"deviceops kernel source {name!r} not found at {path}")
     return path.read_text()
+
+
+_INCLUDE = re.compile(r'^\s*#include\s+"([A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def expanded_source(name: str) -> str:
+    """Kernel source ``name`` with its ``#include "x.cuh"`` lines inlined (each header once).
+
+    NVRTC gets one self-contained text (no include paths), so CuPy's on-disk cache, keyed
+    by the text, also sees header edits.
+    """
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def inline(m: re.Match[str]) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return ""
+            seen.add(inc)
+            return expand(read_source(inc))
+
+        return _INCLUDE.sub(inline, text)
+
+    return expand(read_source(name))
 
 
 def device_arch(device_id: int) -> str:

@@ -38,7 +38,7 @@ from deviceops._tensor import Tensor
 from ._gemm import _act_np
 from ._launch import KernelOp
 from ._linear import Check, build_op, check_out, noop
-from ._module import load_module, read_source
+from ._module import expanded_source, load_module
 from ._norms import norm_cuda
 
 __all__ = ["argmax", "embedding", "gelu", "layer_norm", "rms_norm", "silu", "softmax"]
@@ -115,7 +115,7 @@ def _function(device_index: int, expr: str) -> Any:
     key = (device_index, expr)
     fn = _funcs.get(key)
     if fn is None:
-        mod = load_module(read_source("nn_ops.cu"), device_id=device_index, name_expressions=_names())
+        mod = load_module(expanded_source("nn_ops.cu"), device_id=device_index, name_expressions=_names())
         fn = _funcs[key] = mod.get_function(expr)
     return fn
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from deviceops._dtypes import bfloat16, float16, float32
 
-from ._module import load_module, read_source
+from ._module import expanded_source, load_module, read_source
 
 __all__ = ["CTYPE", "MOVE_TYPES", "norm_cuda", "norm_geometry", "tk_function", "vec_width"]
 
@@ -58,7 +58,7 @@ def tk_function(device_index: int, expr: str) -> Any:
     key = (device_index, expr)
     fn = _funcs.get(key)
     if fn is None:
-        src = read_source("transformer.cu") + "\n" + read_source("sampling.cu")
+        src = expanded_source("transformer.cu") + "\n" + read_source("sampling.cu")
         mod = load_module(src, device_id=device_index, name_expressions=_names())
         fn = _funcs[key] = mod.get_function(expr)
     return fn

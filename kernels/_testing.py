@@ -19,7 +19,7 @@ from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
 from ._launch import KernelOp
-from ._module import load_module, read_source
+from ._module import expanded_source, load_module
 
 __all__ = ["slow_copy"]
 
@@ -31,7 +31,7 @@ def _kernel(index: int) -> Any:
     if index not in _fn:
         import cupy
 
-        mod = load_module(read_source("elementwise.cu"), device_id=index,
+        mod = load_module(expanded_source("elementwise.cu"), device_id=index,
                           name_expressions=("saxpy<float>",))
         _fn[index] = mod.get_function("slow_copy")
         _clock_khz[index] = int(cupy.cuda.Device(index).attributes["ClockRate"])

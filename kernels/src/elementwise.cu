@@ -9,30 +9,11 @@
 // block (bx, by) handles the tile rows [by*tr, by*tr+tr) x cols [bx*tc, bx*tc+tc),
 // threads stride over the tr*tc elements of the tile; grid.y folds when > 65535.
 
-struct f16 { unsigned short x; };
-struct bf16 { unsigned short x; };
+#include "float16_types.cuh"
 
-__device__ __forceinline__ float ld(float v) { return v; }
-__device__ __forceinline__ float ld(f16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
-    return f;
-}
-__device__ __forceinline__ float ld(bf16 v) { return __uint_as_float(((unsigned)v.x) << 16); }
+// Integer storage computes in double (saxpy), truncated back toward zero on store.
 __device__ __forceinline__ double ld(int v) { return (double)v; }
 __device__ __forceinline__ double ld(long long v) { return (double)v; }
-
-__device__ __forceinline__ void st(float& d, float v) { d = v; }
-__device__ __forceinline__ void st(f16& d, float v) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    d.x = h;
-}
-__device__ __forceinline__ void st(bf16& d, float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    d.x = h;
-}
 __device__ __forceinline__ void st(int& d, double v) { d = (int)v; }
 __device__ __forceinline__ void st(long long& d, double v) { d = (long long)v; }
 
