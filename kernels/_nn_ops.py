@@ -101,7 +101,7 @@ _BITS = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 
 
 def _names() -> tuple[str, ...]:
-    names = [f"{k}<{c}>" for k in ("rms_norm", "layer_norm", "softmax", "gelu", "silu")
+    names = [f"{k}<{c}>" for k in ("layer_norm", "softmax", "gelu", "silu")
              for c in _CTYPE.values()]
     names += [f"argmax<{c}, {i}>" for c in _CTYPE.values() for i in _ITYPE.values()]
     names += [f"embedding<{e}, {i}>" for e in _BITS.values() for i in _ITYPE.values()]

@@ -1,4 +1,4 @@
-// Neural-network kernels: rms_norm, layer_norm, softmax, argmax (row-wise over the last
+// Neural-network kernels: layer_norm, softmax, argmax (row-wise over the last
 // dim), gelu, silu (elementwise) and embedding (row gather).
 //
 // Storage types for the 16-bit floats are plain structs converted with PTX `cvt` (no
@@ -60,22 +60,6 @@ __device__ __forceinline__ float group_max(float v, int tpr, float* sh) {
         if (r >= rows) continue; /* whole warps only (warp mode); never in block mode */  \
         const T* xr = x + r * cols;                                                       \
         T* orow = out + r * cols;
-
-// out = x / sqrt(mean(x^2) + eps) * w
-template <typename T>
-__global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, long long rows, int cols,
-                         float eps, int tpr) {
-    ROW_LOOP
-        float ss = 0.f;
-        for (int c = t; c < cols; c += tpr) {
-            const float v = ld(xr[c]);
-            ss += v * v;
-        }
-        ss = group_sum(ss, tpr, sh);
-        const float inv = rsqrtf(ss / (float)cols + eps);
-        for (int c = t; c < cols; c += tpr) st(orow[c], ld(xr[c]) * inv * ld(w[c]));
-    }
-}
 
 // out = (x - mean) / sqrt(var + eps) * w + b   (biased variance, two passes)
 template <typename T>
