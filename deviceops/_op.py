@@ -124,6 +124,19 @@ def _check_output(out: Any, op: DeviceOp[Any]) -> None:
         raise failed_output_error(op._describe(), failed)
 
 
+def _begin(op: DeviceOp[Any], ctx: ExecutionContext, sid: int) -> tuple[DeviceOp[Any], ...]:
+    """Mark an ``_iterative`` op executed on stream ``sid``; return the ops it needs first.
+
+    A second execution of a single-use op goes through ``_exec``, which raises the
+    "already executed" error.
+    """
+    if op._state == _DONE and not op._multi_use:
+        op._exec(ctx)
+    op._state = _DONE
+    op._ran_on = sid
+    return op._deps(ctx)
+
+
 def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
     """Execute ``root`` (already marked executed) and its argument DAG without recursion.
 
@@ -156,11 +169,7 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
             if i < len(deps):
                 k = deps[i]
                 if k._iterative:
-                    if k._state == _DONE and not k._multi_use:
-                        k._exec(ctx)  # raises the "already executed" error
-                    k._state = _DONE
-                    k._ran_on = sid
-                    kd = k._deps(ctx)
+                    kd = _begin(k, ctx, sid)
                     if kd:
                         stack.append([k, kd, []])
                         continue
@@ -174,11 +183,7 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
             if node._tail:  # execute the returned op in node's place
                 nxt = out
                 if nxt._iterative:
-                    if nxt._state == _DONE and not nxt._multi_use:
-                        nxt._exec(ctx)
-                    nxt._state = _DONE
-                    nxt._ran_on = sid
-                    kd = nxt._deps(ctx)
+                    kd = _begin(nxt, ctx, sid)
                     if kd:
                         stack.append([nxt, kd, []])
                         continue

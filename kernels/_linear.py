@@ -132,6 +132,15 @@ def same_device(name: str, ts: Mapping[str, Tensor | None]) -> None:
             raise DeviceError(f"{name}: {k} is on {t.device} but {k0} is on {t0.device}", op=name)
 
 
+def checked(name: str, ts: Mapping[str, Tensor | None], check: Callable[[Any], Any]) -> Any:
+    """Every given tensor C-contiguous and on one device, then ``check(ts)``'s result."""
+    for k, t in ts.items():
+        if t is not None:
+            contiguous(t, name, k)
+    same_device(name, ts)
+    return check(ts)
+
+
 def check_out(name: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtype[Any],
               why: str) -> None:
     """Validate a caller-provided output against the expected shape and dtype."""
@@ -188,11 +197,8 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
         return {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}
 
     def full_check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
-        for k, t in ts.items():
-            if t is not None:
-                contiguous(t, name, k)
-        same_device(name, ts)
-        return check(ts)
+        out: tuple[tuple[int, ...], np.dtype[Any]] = checked(name, ts, check)
+        return out
 
     early = None if any(is_deferred(v) for v in vals) else full_check(tensors(vals))
 

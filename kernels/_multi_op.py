@@ -18,8 +18,8 @@ from deviceops._dtypes import FLOATING
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._tensor import Tensor, allocate, check_device
 
-from ._launch import KernelOp, as_tensor, contiguous, is_deferred
-from ._linear import require_tensors, same_device
+from ._launch import KernelOp, as_tensor, is_deferred
+from ._linear import checked, require_tensors
 
 __all__ = ["Body", "MultiCheck", "Outputs", "distinct", "floating", "multi_op", "same"]
 
@@ -50,11 +50,8 @@ def multi_op(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
         return ts
 
     def full_check(ts: Mapping[str, Tensor | None]) -> Outputs:
-        for k, t in ts.items():
-            if t is not None:
-                contiguous(t, name, k)
-        same_device(name, ts)
-        return check(ts)
+        out: Outputs = checked(name, ts, check)
+        return out
 
     early = None if any(is_deferred(v) for v in vals) else full_check(tensors(vals))
 
