@@ -220,6 +220,17 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const size_t kv_row0 = ((size_t)b * Hkv + hk) * Lk;
 #endif
   constexpr int STEP = NWARP * KPW * UK;
+  // Row of key j of this (b, hk) in K/V: through the block table when paged (an entry
+  // outside the pool is clamped into it), else contiguous from kv_row0.
+  auto kv_row = [&](int j) -> size_t {
+#if ATTN_PAGED
+    const int lb = j / block_size;
+    const int phys = min(max(__ldg(bt + lb), 0), num_blocks - 1);
+    return (size_t)phys * blk_rows + head_off + (j - lb * block_size);
+#else
+    return kv_row0 + j;
+#endif
+  };
   // K/V rows of keys base .. base+UK-1 of this lane group (zeros past ke).
   auto load_step = [&](int base, Row8 (&kr)[UK], Row8 (&vr)[UK]) {
 #pragma unroll
@@ -228,13 +239,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       zero8(vr[u]);
       const int j = base + u;
       if (lane_ok && j < ke) {
-#if ATTN_PAGED
-        const int lb = j / block_size;
-        const int phys = min(max(__ldg(bt + lb), 0), num_blocks - 1);
-        const size_t row = (size_t)phys * blk_rows + head_off + (j - lb * block_size);
-#else
-        const size_t row = kv_row0 + j;
-#endif
+        const size_t row = kv_row(j);
         ld8(K + row * DH + sl * 8, kr[u]);
         ld8(V + row * DH + sl * 8, vr[u]);
       }
@@ -247,13 +252,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     for (int u = 0; u < UK; ++u) {
       const int j = base + u;
       if (lane_ok && j < ke) {
-#if ATTN_PAGED
-        const int lb = j / block_size;
-        const int phys = min(max(__ldg(bt + lb), 0), num_blocks - 1);
-        const size_t row = (size_t)phys * blk_rows + head_off + (j - lb * block_size);
-#else
-        const size_t row = kv_row0 + j;
-#endif
+        const size_t row = kv_row(j);
         asm volatile("prefetch.global.L2 [%0];" ::"l"(K + row * DH + sl * 8));
         asm volatile("prefetch.global.L2 [%0];" ::"l"(V + row * DH + sl * 8));
       }
