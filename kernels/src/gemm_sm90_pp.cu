@@ -28,81 +28,8 @@
 #endif
 // GEMM_EPI_PLAIN = 1: alpha == 1, beta == 0, no bias, no activation (the host checks):
 // the epilogue only converts and stores.
-#ifndef GEMM_EPI_PLAIN
-#define GEMM_EPI_PLAIN 0
-#endif
 #define BM 128  // rows of one consumer's tile
-#define BK 64
-#ifndef GEMM_TRANS_B
-#define GEMM_TRANS_B 0
-#endif
-// B descriptor of k16 step kk: MN-major [BN/64][64 k][64 n], or (GEMM_TRANS_B, b given
-// (N, K)) K-major [BN][64 k] with one 128-byte swizzled row per n, exactly like A.
-#if GEMM_TRANS_B
-#define B_DESC(sb, kk) make_desc((sb) + (kk) * 32, 16, 1024)
-#else
-#define B_DESC(sb, kk) make_desc((sb) + (kk) * (16 * 128), BK * 128, 1024)
-#endif
-#define A_BYTES (BM * BK * 2)
-#define B_BYTES (BK * BN * 2)
-#define STAGE_BYTES (A_BYTES + B_BYTES)
-#define NTHREADS (128 * (NCW + 1))
-#define NACC (BN / 2)
-
-#define CAT3_(a, b, c) a##b##c
-#define CAT3(a, b, c) CAT3_(a, b, c)
-#if GEMM_BF16
-#define WGMMA CAT3(wgmma_m64n, BN, k16_bf16)
-#else
-#define WGMMA CAT3(wgmma_m64n, BN, k16_f16)
-#endif
-
-struct __align__(64) TmaDesc {
-  u64 v[16];
-};
-
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
-  u64 d = (u64)((saddr & 0x3FFFF) >> 4);
-  d |= (u64)((lbo >> 4) & 0x3FFF) << 16;
-  d |= (u64)((sbo >> 4) & 0x3FFF) << 32;
-  d |= (u64)1 << 62;  // 128-byte swizzle
-  return d;
-}
-
-__device__ __forceinline__ void tma_load3(u32 dst, const TmaDesc* tm, u32 bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
-      "l"(tm), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// Linear tile index -> (batch, split, m-tile, n-tile); GROUP_M m-tiles share each n sweep.
-__device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int splits, int& bz, int& sp, int& tm,
-                                            int& tn) {
-  const int per = tiles_m * tiles_n;
-  const int local = t % per;
-  const int rest = t / per;
-  sp = rest % splits;
-  bz = rest / splits;
-  const int group = local / (GROUP_M * tiles_n);
-  const int first_m = group * GROUP_M;
-  const int gsz = min(tiles_m - first_m, GROUP_M);
-  const int in = local % (GROUP_M * tiles_n);
-  tm = first_m + in % gsz;
-  tn = in / gsz;
-}
+#include "gemm_sm90_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     gemm_sm90_pp(const __grid_constant__ TmaDesc tmA,  // a as (K, M, batch) [inner first]
