@@ -9,8 +9,8 @@ references below. Sampling is in :mod:`._sampling`.
 |--------------------------------------------------------------|-------------------------------------------------|
 | ``rope(x, start, *, theta, out)``                            | Llama "rotate half" RoPE of ``(B, L, H, D)``    |
 | ``rope_kv_write(qkv, start, k_cache, v_cache, *, n_heads,`` | split ``(B, L, (Hq + 2 Hkv) D)``; RoPE(q) to    |
-| ``n_kv_heads, theta, q_out)``                                | ``q_out``; RoPE(k), v into the caches at        |
-|                                                              | positions ``start[b] + i``                      |
+| ``n_kv_heads, theta, q_out, block_table)``                   | ``q_out``; RoPE(k), v into the caches at        |
+|                                                              | positions ``start[b] + i`` (paged: block table) |
 | ``merge_heads(x, *, out)``                                   | ``(B, H, L, D) -> (B, L, H * D)``               |
 | ``swiglu(gate_up, *, out)``                                  | ``silu(gate_up[..., :F]) * gate_up[..., F:]``   |
 | ``add_rms_norm(x, residual, weight, *, eps, out,``          | ``s = x + residual`` (to ``residual_out``),     |
@@ -72,8 +72,12 @@ def rope_reference(x: np.ndarray, start: np.ndarray, theta: float) -> np.ndarray
 
 def rope_kv_write_reference(qkv: np.ndarray, start: np.ndarray, k_cache: np.ndarray,
                             v_cache: np.ndarray, q_out: np.ndarray, n_heads: int,
-                            n_kv_heads: int, theta: float) -> None:
-    """Write RoPE(q) to ``q_out`` and RoPE(k), v to the caches (in place; see rope_kv_write)."""
+                            n_kv_heads: int, theta: float,
+                            block_table: np.ndarray | None = None) -> None:
+    """Write RoPE(q) to ``q_out`` and RoPE(k), v to the caches (in place; see rope_kv_write).
+
+    With ``block_table`` ``(B, MB)`` the caches are a block pool ``(NB, Hkv, BS, D)``.
+    """
     b_, l_, w = qkv.shape
     d = w // (n_heads + 2 * n_kv_heads)
     heads = qkv.reshape(b_, l_, n_heads + 2 * n_kv_heads, d).astype(np.float64)
@@ -87,9 +91,17 @@ def rope_kv_write_reference(qkv: np.ndarray, start: np.ndarray, k_cache: np.ndar
     for b in range(b_):
         for i in range(l_):
             p = int(pos[b, i])
-            if 0 <= p < s_len:
-                k_cache[b, :, p] = k[b, i]
-                v_cache[b, :, p] = v[b, i]
+            if block_table is None:
+                if 0 <= p < s_len:
+                    k_cache[b, :, p] = k[b, i]
+                    v_cache[b, :, p] = v[b, i]
+                continue
+            if not 0 <= p < block_table.shape[1] * s_len:
+                continue
+            blk = int(block_table[b, p // s_len])
+            if 0 <= blk < k_cache.shape[0]:
+                k_cache[blk, :, p % s_len] = k[b, i]
+                v_cache[blk, :, p % s_len] = v[b, i]
 
 
 def merge_heads_reference(x: np.ndarray) -> np.ndarray:
@@ -203,7 +215,8 @@ def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> Kern
 
 
 def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: int,
-                  n_kv_heads: int, theta: float = 10000.0, q_out: Any = None) -> KernelOp:
+                  n_kv_heads: int, theta: float = 10000.0, q_out: Any = None,
+                  block_table: Any = None) -> KernelOp:
     """Split a fused QKV projection, rotate q and k, write k and v into a KV cache.
 
     ``qkv`` holds, for each token, ``n_heads`` q heads, then ``n_kv_heads`` k heads, then
@@ -214,14 +227,24 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
     that token; its q is still written), so a finished row of a batch cannot write out of
     bounds. One kernel launch does all of it.
 
+    **Paged cache** (``block_table`` given, flash_attention's paged layout): the caches are
+    a block pool ``(num_blocks, n_kv_heads, block_size, D)`` and ``block_table`` int32
+    ``(B, max_blocks)`` in device memory maps row ``b``'s position ``pos`` to
+    ``k_cache[block_table[b, pos // block_size], :, pos % block_size]``. Skipped (as
+    above): ``pos`` outside ``[0, max_blocks * block_size)``, and a block id outside
+    ``[0, num_blocks)`` (``-1`` marks a block not allocated). The table is read on the
+    device only, so one captured graph serves any allocation.
+
     Args:
         qkv: ``(B, L, (n_heads + 2 n_kv_heads) * D)`` (float32, float16, bfloat16), D even.
         start: int32 ``(B,)`` in device memory.
         k_cache, v_cache: ``(B, n_kv_heads, S, D)`` of qkv's dtype (flash_attention's k/v
-            layout); written in place.
+            layout); with ``block_table``, ``(num_blocks, n_kv_heads, block_size, D)``;
+            written in place.
         n_heads, n_kv_heads: query and key/value head counts (``n_heads % n_kv_heads == 0``).
         theta: the RoPE base (``> 1``).
         q_out: optional ``(B, n_heads, L, D)`` of qkv's dtype; allocated if ``None``.
+        block_table: optional int32 ``(B, max_blocks)`` (``max_blocks >= 1``): paged cache.
 
     Returns:
         A :class:`KernelOp` producing ``q_out`` in the form given.
@@ -237,6 +260,7 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         qt, st, kc, vc = ts["qkv"], ts["start"], ts["k_cache"], ts["v_cache"]
+        bt = ts["block_table"]
         assert qt is not None and st is not None and kc is not None and vc is not None
         floating(name, "qkv", qt)
         nh = hq + 2 * hkv
@@ -247,7 +271,9 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
         b, length, w = qt.shape
         d = w // nh
         _start(name, st, b, f"qkv {qt.shape}")
-        if kc.ndim != 4 or kc.shape[0] != b or kc.shape[1] != hkv or kc.shape[3] != d:
+        if bt is not None:
+            _block_table(name, bt, b, kc, hkv, d, qt.shape)
+        elif kc.ndim != 4 or kc.shape[0] != b or kc.shape[1] != hkv or kc.shape[3] != d:
             raise ShapeError(f"{name}: k_cache has shape {kc.shape}, expected ({b}, {hkv}, S, {d}) "
                              f"for qkv {qt.shape} with n_kv_heads={hkv}", op=name)
         same(name, "k_cache", kc, kc.shape, qt.dtype, f"the dtype of qkv {qt.dtype}")
@@ -256,16 +282,20 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
         if ts["q_out"] is not None:
             same(name, "q_out", ts["q_out"], oshape, qt.dtype, f"q heads of qkv {qt.shape} as (B, Hq, L, D)")
         distinct(name, ts, (("k_cache", "v_cache"), ("q_out", "qkv"), ("k_cache", "qkv"),
-                             ("v_cache", "qkv"), ("q_out", "k_cache"), ("q_out", "v_cache")),
+                             ("v_cache", "qkv"), ("q_out", "k_cache"), ("q_out", "v_cache"),
+                             ("block_table", "k_cache"), ("block_table", "v_cache"),
+                             ("block_table", "q_out")),
                   "use separate tensors")
         return {"q_out": (oshape, qt.dtype)}
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
         qt, st, kc, vc, qo = ts["qkv"], ts["start"], ts["k_cache"], ts["v_cache"], ts["q_out"]
         qa, sa, ka, va, oa = qt.array, st.array, kc.array, vc.array, qo.array
+        bt = ts.get("block_table")
+        ba = None if bt is None else bt.array
 
         def cpu() -> None:
-            rope_kv_write_reference(qa, sa, ka, va, oa, hq, hkv, th)
+            rope_kv_write_reference(qa, sa, ka, va, oa, hq, hkv, th, ba)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:
@@ -275,18 +305,40 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
             n_tok = b * length
             units = n_tok * ((hq + hkv) * (d // 2 // vec) + hkv * (d // vec))
             fn = tk_function(ctx.device.index, f"rope_kv_write<{CTYPE[qt.dtype]}, {vec}>")
+            if ba is None:
+                paged: tuple[Any, ...] = (np.uint64(0), np.int32(0), np.int64(0))
+            else:
+                paged = (ba, np.int32(ba.shape[1]), np.int64(kc.shape[0]))
             args = (oa, ka, va, qa, sa, np.int64(n_tok), np.int32(length), np.int32(hq),
-                    np.int32(hkv), np.int32(d), np.int64(kc.shape[2]), np.float64(math.log2(th)))
+                    np.int32(hkv), np.int32(d), np.int64(kc.shape[2]), np.float64(math.log2(th)),
+                    *paged)
             grid = _grid(units)
 
             def cuda(native: Any) -> None:
                 if units > 0:
                     fn((grid,), (_THREADS,), args, stream=native)
 
-        launch(ctx, name, (qt, st), (qo, kc, vc), cpu, cuda)
+        reads = (qt, st) if bt is None else (qt, st, bt)
+        launch(ctx, name, reads, (qo, kc, vc), cpu, cuda)
 
     return multi_op(name, {"qkv": qkv, "start": start, "k_cache": k_cache, "v_cache": v_cache,
-                           "q_out": q_out}, check, body, lambda v: v["q_out"])
+                           "q_out": q_out, "block_table": block_table}, check, body,
+                    lambda v: v["q_out"])
+
+
+def _block_table(name: str, bt: Tensor, b: int, kc: Tensor, hkv: int, d: int,
+                 qkv_shape: tuple[int, ...]) -> None:
+    """Checks of a paged rope_kv_write: the table ``(B, max_blocks)`` int32, the pool's shape."""
+    if bt.dtype != int32:
+        raise DTypeError(f"{name}: block_table has dtype {bt.dtype}; it must be int32 "
+                         "(B, max_blocks) block ids in device memory", op=name)
+    if bt.ndim != 2 or bt.shape[0] != b or bt.shape[1] < 1:
+        raise ShapeError(f"{name}: block_table has shape {bt.shape}, expected ({b}, max_blocks) "
+                         f"with max_blocks >= 1 for qkv {qkv_shape}", op=name)
+    if kc.ndim != 4 or kc.shape[0] < 1 or kc.shape[1] != hkv or kc.shape[2] < 1 or kc.shape[3] != d:
+        raise ShapeError(f"{name}: k_cache has shape {kc.shape}, expected the block pool "
+                         f"(num_blocks, {hkv}, block_size, {d}) for qkv {qkv_shape} with "
+                         f"n_kv_heads={hkv} (paged: block_table given)", op=name)
 
 
 # -- merge_heads, swiglu ---------------------------------------------------------------------

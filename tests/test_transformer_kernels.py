@@ -203,6 +203,95 @@ def test_rope_kv_write_matches_float64(dtype: str, stream: deviceops.Stream) -> 
     _kv_case(rng, dtype, 3, 4, 2, 1, 8, 6, np.array([4, -2, 100], np.int32), stream)
 
 
+def _paged_case(rng: np.random.Generator, dtype: str, b: int, length: int, hq: int, hkv: int,
+                d: int, bs: int, nb: int, table: np.ndarray, starts: np.ndarray,
+                stream: deviceops.Stream) -> None:
+    """Paged rope_kv_write against float64 loops: pool (NB, Hkv, BS, D), table (B, MB)."""
+    mb = table.shape[1]
+    qkvh = rand(rng, (b, length, (hq + 2 * hkv) * d), dtype)
+    kc0, vc0 = rand(rng, (nb, hkv, bs, d), dtype), rand(rng, (nb, hkv, bs, d), dtype)
+    kc, vc = dev_t(kc0, stream), dev_t(vc0, stream)
+    q_out = poisoned((b, hq, length, d), dtype, stream)
+    theta = 500.0
+    op = kernels.rope_kv_write(dev_t(qkvh, stream), dev_t(starts, stream), kc, vc, n_heads=hq,
+                               n_kv_heads=hkv, theta=theta, q_out=q_out,
+                               block_table=dev_t(table, stream))
+    assert op.sync_on(stream) is q_out
+    heads = f64(qkvh).reshape(b, length, hq + 2 * hkv, d)
+    pos = starts[:, None].astype(np.float64) + np.arange(length)  # (B, L)
+    q_ref = rope64(heads[:, :, :hq], pos[:, :, None], theta).transpose(0, 2, 1, 3)
+    close(to_np(q_out), q_ref, dtype)
+    k_rot = rope64(heads[:, :, hq:hq + hkv], pos[:, :, None], theta)  # (B, L, Hkv, D)
+    k_ref, v_ref = f64(kc0).copy(), f64(vc0).copy()
+    written = np.zeros((nb, bs), bool)
+    for bi in range(b):
+        for i in range(length):
+            p = int(pos[bi, i])
+            if not 0 <= p < mb * bs:
+                continue
+            blk = int(table[bi, p // bs])
+            if 0 <= blk < nb:
+                k_ref[blk, :, p % bs] = k_rot[bi, i]
+                v_ref[blk, :, p % bs] = heads[bi, i, hq + hkv:]
+                written[blk, p % bs] = True
+    kg, vg = f64(to_np(kc)), f64(to_np(vc))
+    close(kg.transpose(0, 2, 1, 3)[written], k_ref.transpose(0, 2, 1, 3)[written], dtype)
+    # every slot not written keeps its bits; v is copied exactly
+    np.testing.assert_array_equal(kg.transpose(0, 2, 1, 3)[~written],
+                                  k_ref.transpose(0, 2, 1, 3)[~written])
+    np.testing.assert_array_equal(vg, v_ref)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rope_kv_write_paged_matches_float64(dtype: str, stream: deviceops.Stream) -> None:
+    rng = np.random.default_rng()
+    # (B, L, Hq, Hkv, D, block_size, num_blocks, max_blocks): decode, prefill, odd sizes
+    for b, length, hq, hkv, d, bs, nb, mb in [(1, 1, 1, 1, 2, 1, 3, 2), (3, 1, 9, 3, 64, 16, 11, 3),
+                                              (2, 7, 6, 2, 6, 5, 9, 4), (2, 13, 4, 4, 128, 7, 8, 3),
+                                              (1, 5, 3, 1, 34, 3, 4, 4)]:
+        table = rng.permutation(nb)[: b * mb].reshape(b, mb) if nb >= b * mb else \
+            rng.integers(0, nb, (b, mb))
+        table = table.astype(np.int32)
+        for starts in (np.zeros(b, np.int32), rng.integers(0, mb * bs, b).astype(np.int32)):
+            _paged_case(rng, dtype, b, length, hq, hkv, d, bs, nb, table, starts, stream)
+    # skipped: negative and past-the-pool block ids, positions < 0 or >= max_blocks * block_size
+    table = np.array([[2, -1, 0], [7, 1, 3], [4, 5, -3]], np.int32)
+    _paged_case(rng, dtype, 3, 6, 2, 1, 8, 4, 6, table, np.array([1, -3, 9], np.int32), stream)
+    _paged_case(rng, dtype, 3, 2, 2, 1, 8, 4, 6, table, np.array([11, 12, 7], np.int32), stream)
+
+
+def test_rope_kv_write_paged_errors(stream: deviceops.Stream) -> None:
+    qkv = z((2, 3, 5 * 8))  # Hq 3, Hkv 1, D 8
+    st = z((2,), "int32")
+    kc, vc = z((6, 1, 4, 8)), z((6, 1, 4, 8))  # pool of 6 blocks of 4 positions
+    bt = z((2, 3), "int32")
+    seq = stream.seq
+    kw: dict[str, Any] = {"n_heads": 3, "n_kv_heads": 1}
+    with pytest.raises(DTypeError, match=r"rope_kv_write.*block_table.*float32.*int32"):
+        kernels.rope_kv_write(qkv, st, kc, vc, block_table=z((2, 3)), **kw)
+    with pytest.raises(ShapeError, match=r"block_table.*\(3, 3\).*\(2, max_blocks\)"):
+        kernels.rope_kv_write(qkv, st, kc, vc, block_table=z((3, 3), "int32"), **kw)
+    with pytest.raises(ShapeError, match=r"block_table.*\(2, 0\)"):
+        kernels.rope_kv_write(qkv, st, kc, vc, block_table=z((2, 0), "int32"), **kw)
+    with pytest.raises(ShapeError, match=r"k_cache.*\(6, 2, 4, 8\).*block pool.*\(num_blocks, 1"):
+        kernels.rope_kv_write(qkv, st, z((6, 2, 4, 8)), vc, block_table=bt, **kw)
+    with pytest.raises(ShapeError, match=r"v_cache.*\(6, 1, 5, 8\)"):
+        kernels.rope_kv_write(qkv, st, kc, z((6, 1, 5, 8)), block_table=bt, **kw)
+    with pytest.raises(TypeError, match=r"block_table"):
+        kernels.rope_kv_write(qkv, st, kc, vc, block_table=np.zeros((2, 3), np.int32), **kw)
+    assert stream.seq == seq
+    # a pool with more blocks than rows is fine only with a table (else: k_cache shape error)
+    with pytest.raises(ShapeError, match=r"k_cache.*\(6, 1, 4, 8\).*\(2, 1, S, 8\)"):
+        kernels.rope_kv_write(qkv, st, kc, vc, **kw)
+    q = kernels.rope_kv_write(api.from_host(np.ones((2, 3, 40), np.float32)), st, kc, vc,
+                              block_table=api.from_host(np.array([[4, 1, 0], [2, 3, 5]], np.int32)),
+                              **kw).sync_on(stream)
+    assert q.shape == (2, 3, 3, 8)
+    v = to_np(vc)
+    assert (v[4, :, :3] == 1).all() and (v[2, :, :3] == 1).all() and (v[4, :, 3] == 0).all()
+    assert (v[[0, 1, 3, 5]] == 0).all()
+
+
 def test_rope_kv_write_allocates_and_errors(stream: deviceops.Stream) -> None:
     qkv = z((2, 3, 5 * 8))  # Hq 3, Hkv 1, D 8
     st = z((2,), "int32")

@@ -203,11 +203,15 @@ __global__ void rope(T* out, const T* x, const int* __restrict__ start, long lon
 // qkv (B, L, (Hq + 2 Hkv) D): q heads, k heads, v heads of each token.
 // q_out (B, Hq, L, D) <- rope(q); k_cache/v_cache (B, Hkv, S, D) row start[b] + i <- rope(k), v
 // (skipped where that position is outside [0, S)).
+// Paged (block_table != nullptr): the caches are a block pool (NB, Hkv, BS, D) with S = BS and
+// block_table (B, MB) int32; position p of row b goes to block block_table[b, p / BS], row
+// p % BS; skipped where p is outside [0, MB * BS) or the block id outside [0, NB).
 // Units per token: (Hq + Hkv) heads x D/2/VEC rotated slices, then Hkv x D/VEC copied slices.
 template <typename T, int VEC>
 __global__ void rope_kv_write(T* q_out, T* k_cache, T* v_cache, const T* __restrict__ qkv,
                               const int* __restrict__ start, long long n_tok, int L, int Hq,
-                              int Hkv, int D, long long S, double log2_theta) {
+                              int Hkv, int D, long long S, double log2_theta,
+                              const int* __restrict__ block_table, int MB, long long NB) {
     const int jv_n = D / 2 / VEC, dv_n = D / VEC;
     const int n_rot = (Hq + Hkv) * jv_n;
     const int per_tok = n_rot + Hkv * dv_n;
@@ -221,21 +225,30 @@ __global__ void rope_kv_write(T* q_out, T* k_cache, T* v_cache, const T* __restr
         const long long b = tok / L;
         const long long pos = (long long)start[b] + i;
         const T* row = qkv + tok * W;         // (Hq + 2 Hkv, D)
+        // cache coordinates of this token: (cache row cb, position cp), or none (cb < 0)
+        long long cb = b, cp = pos;
+        if (pos < 0 || pos >= (block_table ? (long long)MB * S : S)) {
+            cb = -1;
+        } else if (block_table) {
+            cb = block_table[b * MB + pos / S];
+            cp = pos % S;
+            if (cb >= NB) cb = -1;
+        }
         if (k < n_rot) {
             const int h = k / jv_n, jv = k - h * jv_n;
             T* dst;
             if (h < Hq) {
                 dst = q_out + ((b * Hq + h) * L + i) * D;
             } else {
-                if (pos < 0 || pos >= S) continue;
-                dst = k_cache + ((b * Hkv + (h - Hq)) * S + pos) * D;
+                if (cb < 0) continue;
+                dst = k_cache + ((cb * Hkv + (h - Hq)) * S + cp) * D;
             }
             rope_slice<T, VEC>(dst, row + h * D, jv * VEC, D, pos, log2_theta);
         } else {
-            if (pos < 0 || pos >= S) continue;
+            if (cb < 0) continue;
             const int kk = k - n_rot, h = kk / dv_n, dv = kk - h * dv_n;
             const T* src = row + (Hq + Hkv + h) * D + dv * VEC;
-            T* dst = v_cache + ((b * Hkv + h) * S + pos) * D + dv * VEC;
+            T* dst = v_cache + ((cb * Hkv + h) * S + cp) * D + dv * VEC;
             if constexpr (sizeof(T) * VEC == 16) {
                 *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
             } else {
