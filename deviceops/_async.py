@@ -135,8 +135,8 @@ def _library() -> str:
 class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
-    __slots__ = ("cost", "depth", "last_drain", "last_n", "lib", "lock", "loop", "notified", "open",
-                 "pressured", "ready", "retry", "used", "waiters", "wake_cost", "window")
+    __slots__ = ("_loop_ref", "cost", "depth", "last_drain", "last_n", "lib", "lock", "notified",
+                 "open", "pressured", "ready", "retry", "used", "waiters", "wake_cost", "window")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
@@ -146,7 +146,9 @@ class _Slice:
         self.waiters: deque[Callable[[], None]] = deque()
         self.retry: deque[Callable[[], None]] = deque()  # admitted, then found no budget left
         self.lib = lib
-        self.loop = loop
+        # weak: a slice must not keep a finished loop alive (nor, through ``ready``, the
+        # events of ops awaited by tasks that were cancelled as the loop ended)
+        self._loop_ref: Callable[[], Any] = _weak(loop)
         # completion side: wake-ups handed over by the completion thread
         self.ready: deque[tuple[Any, _Wakeup]] = deque()  # (event, wake-up) entries
         self.lock = threading.Lock()
@@ -158,9 +160,25 @@ class _Slice:
         self.depth: dict[int, int] = {}
         self.pressured: set[int] = set()
 
+    @property
+    def loop(self) -> Any:
+        """The event loop (asyncio) or trio token; ``RuntimeError`` once it is gone."""
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("deviceops: the event loop of this await has finished")
+        return loop
+
     def deliver(self, entries: list[Any]) -> None:
         """Completion thread: hand over many ``(event, _Wakeup)`` entries at once."""
         _deliver(self, entries)
+
+
+def _weak(loop: Any) -> Callable[[], Any]:
+    """A weak reference to ``loop`` (a strong one for objects that refuse weak references)."""
+    try:
+        return weakref.ref(loop)
+    except TypeError:
+        return (lambda lp: lambda: lp)(loop)
 
 
 # id(loop) -> (weak or strong reference to the loop, its slice)
@@ -193,11 +211,7 @@ def _current() -> tuple[str, _Slice]:
     if last is not None and last[0]() is loop:
         return lib, last[2]
     sl = _slice_for(lib, loop)
-    try:
-        ref: Callable[[], Any] = weakref.ref(loop)
-    except TypeError:
-        ref = (lambda lp: lambda: lp)(loop)
-    _last = (ref, lib, sl)
+    _last = (_weak(loop), lib, sl)
     return lib, sl
 
 
@@ -211,14 +225,15 @@ def _slice_for(lib: str, loop: Any = None) -> _Slice:
             loop = trio.lowlevel.current_trio_token()
     entry = _slices.get(id(loop))
     if entry is None or entry[0]() is not loop:
-        try:
-            ref: Callable[[], Any] = weakref.ref(loop)
-        except TypeError:
-            ref = (lambda lp: lambda: lp)(loop)
-        for key in [k for k, (r, _) in _slices.items() if r() is None]:
+        for key in [k for k, (r, _) in _slices.items() if _finished(r())]:
             del _slices[key]  # loops that are gone
-        entry = _slices[id(loop)] = (ref, _Slice(lib, loop))
+        entry = _slices[id(loop)] = (_weak(loop), _Slice(lib, loop))
     return entry[1]
+
+
+def _finished(loop: Any) -> bool:
+    """Whether a loop of ``_slices`` is gone or closed (its slice can be dropped)."""
+    return loop is None or (isinstance(loop, asyncio.AbstractEventLoop) and loop.is_closed())
 
 
 def _open(sl: _Slice) -> None:
@@ -400,8 +415,10 @@ def _deliver(sl: _Slice, entries: Any) -> None:
             sl.loop.call_soon_threadsafe(_drain, sl, False)
         else:
             sl.loop.run_sync_soon(_drain, sl, False)
-    except RuntimeError:
-        pass  # the loop is closed (trio.RunFinishedError is a RuntimeError): nobody waits
+    except RuntimeError:  # the loop is closed or gone (trio.RunFinishedError is one): nobody waits
+        with sl.lock:
+            sl.ready.clear()  # drop the entries (and their events) now, not with the slice
+            sl.notified = False
 
 
 def _drain(sl: _Slice, continued: bool) -> None:

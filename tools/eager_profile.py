@@ -1,0 +1,81 @@
+"""Host cost of an eager SmolLM2-shaped decode step (random weights), with a cProfile table.
+
+Usage: python tools/eager_profile.py [--device cpu|cuda] [--small] [--steps 40] [--no-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+from deviceops.nn.config import LlamaConfig
+from deviceops.nn.model import CausalLM
+
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5)
+SMALL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=30,
+                    num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def random_model(cfg: LlamaConfig, device: str | None, max_batch: int = 4,
+                 max_seq: int = 256) -> CausalLM:
+    """A CausalLM of ``cfg``'s shapes with random weights (host cost is shape-only)."""
+    rng = np.random.default_rng(0)
+    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32) * 0.02,
+         "model.norm.weight": np.ones(h, np.float32)}
+    shapes = (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+              ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
+              ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n, s in shapes:
+            w[p + n + ".weight"] = rng.standard_normal(s, np.float32) * 0.02
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+    return CausalLM(cfg, w, tokenizer=None, device=device, max_batch=max_batch, max_seq=max_seq)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--small", action="store_true", help="a tiny config (cpu: host cost only)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--no-profile", action="store_true")
+    a = ap.parse_args()
+    m = random_model(SMALL if a.small else SMOLLM2, a.device)
+    s = m.device_stream
+    m.set_sampling(0)
+    m.prefill(0, [1, 2, 3, 4], graph=False)
+    pos = [4]
+
+    def step() -> None:
+        v = m.decode_step([0], [5], [pos[0]], graph=False)
+        m.read(v).sync_on(s)
+        pos[0] += 1
+
+    for _ in range(5):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    dt = (time.perf_counter() - t0) / a.steps
+    print(f"eager decode step: {dt * 1e3:.2f} ms ({m.device}, {m.dtype})")
+    if a.no_profile:
+        return
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(a.steps):
+        step()
+    pr.disable()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumtime").print_stats(45)
+
+
+if __name__ == "__main__":
+    main()
