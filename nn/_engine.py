@@ -2,8 +2,13 @@
 
 Requests join and leave the running batch at every decode step. One engine *step* does:
 
-1. **admit**: queued requests take free KV-cache slots (rows of the model's cache,
-   :class:`~._kvpool.SlotPool`), at most ``max_batch`` running at once;
+1. **admit**: queued requests, in order, take a free batch row (*slot*,
+   :class:`~._kvpool.SlotPool`; at most ``max_batch`` running at once) and, with a paged
+   model (a step model with ``reserve``), the KV blocks of their whole budget,
+   ``min(len(prompt) + max_new_tokens, max_seq)`` positions, **at admission**; a request
+   whose blocks are not free waits at the head of the queue until finished requests give
+   theirs back (so a running request never runs out of KV memory and nothing is
+   preempted). Blocks go back when the request finishes or is cancelled;
 2. **decode**: one token for every running request that has finished its prompt, as one
    batched model step (the model replays a captured decode graph per batch-size bucket);
 3. **prefill**: up to ``prefill_chunk`` prompt tokens of newly admitted requests, a long
@@ -150,6 +155,7 @@ class EngineStats:
     generated_tokens: int
     finished: int
     cancelled: int
+    kv_blocks_total: int = 0
 
 
 class RequestStream:
@@ -283,7 +289,9 @@ class Engine:
         self.max_seq = int(max_seq)
         self.max_queue = int(max_queue) if max_queue is not None else 4 * self.max_batch
         self.prefill_chunk = int(prefill_chunk)
-        self.pool = SlotPool(self.max_batch, self.max_seq)
+        self._reserve = getattr(steps, "reserve", None)  # paged KV: blocks at admission
+        block = int(getattr(steps, "kv_block_size", 16))
+        self.pool = SlotPool(self.max_batch, self.max_seq, block_size=block)
         self._ids = itertools.count(1)
         self._queue: deque[_Request] = deque()
         self._active: list[_Request] = []  # hold slots: prefill or decode, admission order
@@ -317,6 +325,13 @@ class Engine:
         """
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
         req.ignore_eos = bool(ignore_eos)
+        total = int(getattr(self.steps, "kv_blocks_total", 0)) if self._reserve else 0
+        if total and -(-self._budget(req) // self.pool.block_size) > total:
+            raise ValueError(
+                f"Engine: prompt ({len(req.prompt)} tokens) plus max_new_tokens ({req.max_new}) "
+                f"needs more KV blocks than the pool's {total} of {self.pool.block_size} "
+                "positions; lower max_new_tokens or build the model with more kv_blocks"
+            )
         if len(self._queue) >= self.max_queue:
             raise EngineOverloaded(
                 f"Engine: admission queue full ({len(self._queue)} waiting, max_queue="
@@ -365,12 +380,16 @@ class Engine:
     def stats(self) -> EngineStats:
         """Queue, batch and KV occupancy now, and counters since construction."""
         u = self.pool.usage()
+        blocks, total = u.blocks_in_use, 0
+        if self._reserve is not None:  # real block counts of the paged cache
+            blocks = int(getattr(self.steps, "kv_blocks_in_use", blocks))
+            total = int(getattr(self.steps, "kv_blocks_total", 0))
         return EngineStats(
             queued=len(self._queue),
             running=len(self._active),
             slots_in_use=u.slots_in_use,
             kv_tokens_in_use=u.tokens_in_use,
-            kv_blocks_in_use=u.blocks_in_use,
+            kv_blocks_in_use=blocks,
             max_batch=self.max_batch,
             steps=self._steps,
             decode_rows=self._decode_rows,
@@ -378,6 +397,7 @@ class Engine:
             generated_tokens=self._generated,
             finished=self._finished,
             cancelled=self._cancelled,
+            kv_blocks_total=total,
         )
 
     def close(self) -> None:
@@ -557,16 +577,7 @@ class Engine:
         try:
             for req in [r for r in self._active if r.cancelled]:
                 self._finish(req, "cancelled")
-            while self._queue and self.pool.free:
-                req = self._queue.popleft()
-                self._space_freed()
-                if req.cancelled:
-                    self._finish(req, "cancelled")
-                    continue
-                slot = self.pool.acquire()
-                assert slot is not None
-                req.slot, req.state = slot, _PREFILL
-                self._active.append(req)
+            self._admit()
             if not self._active:
                 return
             self._steps += 1
@@ -580,6 +591,35 @@ class Engine:
             self._stepping = False
         for req in [r for r in self._active if r.cancelled]:
             self._finish(req, "cancelled")
+
+    def _admit(self) -> None:
+        """Queued requests, in order, take a slot and (paged) their KV blocks."""
+        while self._queue and self.pool.free:
+            req = self._queue[0]
+            if req.cancelled:
+                self._queue.popleft()
+                self._space_freed()
+                self._finish(req, "cancelled")
+                continue
+            slot = self.pool.acquire()
+            assert slot is not None
+            if self._reserve is not None and not self._reserve(slot, self._budget(req)):
+                self.pool.release(slot)
+                if not self._active:  # nothing will give blocks back: it can never fit
+                    self._queue.popleft()
+                    self._space_freed()
+                    self._finish(req, "error", RuntimeError(
+                        f"Engine: request {req.id} needs {self._budget(req)} positions of KV "
+                        "memory, more than the whole block pool"))
+                    continue
+                return  # wait for blocks (first come, first served)
+            self._queue.popleft()
+            self._space_freed()
+            req.slot, req.state = slot, _PREFILL
+            self._active.append(req)
+
+    def _budget(self, req: _Request) -> int:
+        return min(len(req.prompt) + req.max_new, self.max_seq)
 
     async def _decode(self) -> None:
         rows = [r for r in self._active if r.state == _DECODE]

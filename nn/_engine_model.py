@@ -84,6 +84,26 @@ class CausalLMSteps:
     def release(self, slot: int) -> None:
         self.model.release(slot)
 
+    # -- paged KV (optional StepModel extension the engine uses when present) ---------------
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        """Give ``slot`` KV blocks for ``n_tokens`` positions; False when too few are free."""
+        return bool(self.model.reserve(slot, n_tokens))
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        """KV blocks held by the model's rows."""
+        return int(self.model.blocks.in_use)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """KV blocks the pool can hand out."""
+        return int(self.model.blocks.capacity)
+
+    @property
+    def kv_block_size(self) -> int:
+        """Positions per KV block."""
+        return int(self.model.block_size)
+
 
 def _step_decode(model: Any) -> Any:
     """The model's batched decode step: ``decode_step``, or ``decode(slots, tokens, positions)``

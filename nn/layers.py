@@ -126,24 +126,28 @@ class RotaryAttention:
     theta: float
 
     def ops(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: Tensor,
-            bufs: AttentionBuffers, out: Tensor) -> list[Thunk]:
+            bufs: AttentionBuffers, out: Tensor, block_table: Tensor | None = None) -> list[Thunk]:
         """Thunks of the launches for ``x`` ``(B*L, hidden)`` -> ``out`` ``(B*L, hidden)``.
 
         Args:
             x: normed hidden states of ``B`` rows of ``L`` tokens, ``(B*L, hidden)``.
-            k_cache, v_cache: ``(B, Hkv, S, D)`` (views of the model's cache rows).
+            k_cache, v_cache: ``(B, Hkv, S, D)`` (views of the model's cache rows), or with
+                ``block_table`` the block pools ``(num_blocks, Hkv, block_size, D)``.
             start: int32 ``(B,)``: position of each row's first new token.
             kv_len: int32 ``(B,)``: ``start + L`` (valid keys after the write).
             bufs: the scratch views (see :class:`AttentionBuffers`).
             out: ``(B*L, hidden)``.
+            block_table: optional int32 ``(B, max_blocks)`` in device memory: paged cache
+                (see :func:`deviceops.kernels.rope_kv_write`).
         """
         length = bufs.q.shape[2]
         ops: list[Thunk] = [
             lambda: self.qkv(x, bufs.qkv2),
             lambda: kernels.rope_kv_write(bufs.qkv3, start, k_cache, v_cache, n_heads=self.n_heads,
-                                          n_kv_heads=self.n_kv_heads, theta=self.theta, q_out=bufs.q),
+                                          n_kv_heads=self.n_kv_heads, theta=self.theta, q_out=bufs.q,
+                                          block_table=block_table),
             lambda: kernels.flash_attention(bufs.q, k_cache, v_cache, causal=True, kv_len=kv_len,
-                                            out=bufs.att),
+                                            out=bufs.att, block_table=block_table),
         ]
         if length > 1:  # (B, Hq, L, D) -> (B, L, Hq*D); for L == 1 the layouts coincide
             ops.append(lambda: kernels.merge_heads(bufs.att, out=bufs.merged3))

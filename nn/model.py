@@ -1,17 +1,22 @@
 """CausalLM: a Llama-architecture language model running on deviceops kernels.
 
 The model owns its weights (device tensors; QKV and gate/up fused at load, stored
-``(N, K)`` and used through ``gemm(..., trans_b=True)``), one activation arena, the KV
-cache ``(max_batch, Hkv, max_seq, D)`` per layer and the per-row decode state, all
+``(N, K)`` and used through ``gemm(..., trans_b=True)``), one activation arena, the
+**paged** KV cache (a block pool ``(kv_blocks, Hkv, kv_block_size, D)`` per layer, see
+:mod:`.kv_cache`), the block table ``(max_batch, max_blocks)`` int32 in device memory
+(row ``b`` maps cache row ``b``'s positions to blocks) and the per-row decode state, all
 allocated once. A forward step is a lazy chain of kernel ops writing into them::
 
     embedding -> per layer: add_rms_norm, QKV gemm, rope_kv_write (RoPE + cache write),
     flash_attention(causal, kv_len), merge_heads, O gemm, add_rms_norm, gate/up gemm,
     swiglu, down gemm -> final norm -> LM head (only rows that need logits) -> sample
 
-Prefill runs that chain eagerly with flash attention over the prompt (in chunks of
-``prefill_chunk`` tokens). Decode runs it over the first ``bucket`` cache rows
-(``bucket`` in 1, 2, 4, ..., ``max_batch``) as one CUDA graph per bucket, captured once
+Prefill runs that chain with flash attention over the prompt (in chunks of
+``prefill_chunk`` tokens; on CUDA each chunk is padded to a power of two and replays one
+graph per padded length, whatever the row: ids, positions, the row's block-table row and
+sampling parameters are copied into device buffers the graph reads). Decode runs it over
+the first ``bucket`` cache rows (``bucket`` in 1, 2, 4, ..., ``max_batch``) as one CUDA
+graph per bucket (the block table is read from device memory), captured once
 and replayed per token: positions (``start``), key counts (``kv_len``), the input tokens,
 and the sampling parameters and counters live in device memory, the graph samples the
 next token straight into the token buffer and advances ``start``/``kv_len`` itself, so a
@@ -31,11 +36,17 @@ methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
   feeds ``tokens[i]`` at position ``positions[i]`` of row ``slots[i]`` and samples the
   next one; returns the ``(bucket,)`` token view, row ``slots[i]`` holding row i's token.
   Rows of the bucket that are not in ``slots`` are inactive: they write no KV
-  (position ``max_seq`` is skipped), and their sampling counters are restored when
+  (their position is past every block table: skipped), and their sampling counters are restored when
   they become active. A row continuing from the previous decode step (same slot, next
   position) must be given the token that step sampled: it is already on the device
   and is not uploaded again; any other change uploads the row state (one small copy).
-* ``release(slot)``: forget the row (it becomes inactive at the next decode step).
+* ``reserve(slot, n_tokens) -> bool``: give the row blocks for positions ``[0, n_tokens)``
+  (it keeps those it has; uploads its block-table row); ``False`` (nothing taken) when
+  the pool has too few free blocks. ``prefill``/``decode_step`` reserve what they write
+  themselves (raising :class:`KVCacheFull` when the pool is exhausted), so an explicit
+  reserve is only needed to claim memory up front (the serving engine does, at admission).
+* ``release(slot)``: forget the row (it becomes inactive at the next decode step) and give
+  its blocks back to the pool.
 * ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view (``await`` it or
   ``sync_on(model.device_stream)``).
 
@@ -57,11 +68,15 @@ import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor, api
 
 from .config import LlamaConfig
-from .kv_cache import KVCache
+from .kv_cache import BlockAllocator, KVCache
 from .layers import AttentionBuffers, Embedding, Linear, RMSNorm, RotaryAttention, SwiGLU
 from .tokenizer import ChatTemplate
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "KVCacheFull"]
+
+
+class KVCacheFull(RuntimeError):
+    """The KV block pool has too few free blocks for what a row must write."""
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -174,15 +189,23 @@ class CausalLM:
         max_batch: cache rows (concurrent sequences); ``None``: 32 on CUDA, 4 on cpu.
         max_seq: positions per row; ``None``: ``min(context, 2048)`` on CUDA, 1024 on cpu.
         prefill_chunk: prompt tokens per prefill launch (longer prompts go in chunks).
+        kv_block_size: positions per KV block (the paged cache's unit).
+        kv_blocks: blocks in the pool, the null block included; ``None``: enough for every
+            row at ``max_seq`` (``max_batch * ceil(max_seq / kv_block_size) + 1``). Fewer
+            lets ``max_batch`` rows share less memory (rows hold only the blocks their
+            length needs; see ``reserve``).
 
     Attributes:
-        config, tokenizer, device, dtype, device_stream (the stream every step is enqueued on), max_batch, max_seq, cache.
+        config, tokenizer, device, dtype, device_stream (the stream every step is enqueued
+        on), max_batch, max_seq, cache (the block pools), blocks (the
+        :class:`~.kv_cache.BlockAllocator`), block_size, max_blocks (block-table columns).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], *, tokenizer: Any,
                  chat_template: str | None = None, dtype: str | None = None, device: Any = None,
                  max_batch: int | None = None, max_seq: int | None = None,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, kv_block_size: int = 16,
+                 kv_blocks: int | None = None) -> None:
         dev = _resolve_device(device)
         if dtype is None:
             dtype = "float32" if dev.is_cpu else "float16"
@@ -193,9 +216,16 @@ class CausalLM:
             max_batch = 4 if dev.is_cpu else 32
         if max_seq is None:
             max_seq = min(config.max_position_embeddings, 1024 if dev.is_cpu else 2048)
-        for name, val in (("max_batch", max_batch), ("max_seq", max_seq), ("prefill_chunk", prefill_chunk)):
+        for name, val in (("max_batch", max_batch), ("max_seq", max_seq), ("prefill_chunk", prefill_chunk),
+                          ("kv_block_size", kv_block_size)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"CausalLM: {name}={val!r} must be a positive int")
+        mb = -(-max_seq // kv_block_size)
+        if kv_blocks is None:
+            kv_blocks = max_batch * mb + 1
+        if isinstance(kv_blocks, bool) or not isinstance(kv_blocks, int) or kv_blocks < 2:
+            raise ValueError(f"CausalLM: kv_blocks={kv_blocks!r} must be an int >= 2 (block 0 is "
+                             "the null block)")
         self.config = config
         self.tokenizer = tokenizer
         self.device = dev
@@ -211,9 +241,15 @@ class CausalLM:
             self._template = ChatTemplate(chat_template, bos_token=bos, eos_token=eos)
         self._upload(weights)
         s = self.device_stream
-        self.cache = KVCache.allocate(s, layers=config.num_layers, max_batch=max_batch,
-                                      kv_heads=config.num_kv_heads, max_seq=max_seq,
+        self.block_size = kv_block_size
+        self.max_blocks = mb
+        self._idle = mb * kv_block_size  # an idle row's position: past every table, never written
+        self.cache = KVCache.allocate(s, layers=config.num_layers, num_blocks=kv_blocks,
+                                      kv_heads=config.num_kv_heads, block_size=kv_block_size,
                                       head_dim=config.head_dim, dtype=dtype)
+        self.blocks = BlockAllocator(kv_blocks, kv_block_size, reserved=1)
+        self._table = api.zeros((max_batch, mb), "int32").sync_on(s)  # 0: the null block
+        self._row_blocks: list[list[int]] = [[] for _ in range(max_batch)]
         self._arena = _Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
         self._logits = api.zeros((max(max_batch, 1), config.vocab_size), dtype).sync_on(s)
         # per-row decode state, device: (4, max_batch) int32 rows start, kv_len, inc, token
@@ -225,14 +261,21 @@ class CausalLM:
         self._top_p = api.ones((n,), "float32").sync_on(s)
         self._seed = api.zeros((n,), "int64").sync_on(s)
         self._counter = api.zeros((n,), "int64").sync_on(s)
-        self._pf_pos = api.zeros((3,), "int32").sync_on(s)  # prefill: start, kv_len, last row
-        self._pf_ids = api.zeros((self.prefill_chunk,), "int32").sync_on(s)
+        self._pf_pos = api.zeros((3,), "int32").sync_on(s)  # eager prefill: start, kv_len, last row
+        # graph prefill inputs, one upload per dtype: int32 [ids (chunk) | start, kv_len, last
+        # row, top_k | block-table row (max_blocks)], float32 [temperature, top_p], int64
+        # [seed, counter]; the graph samples into _pf_tok
+        c = self.prefill_chunk
+        self._pf_i32 = api.zeros((c + 4 + mb,), "int32").sync_on(s)
+        self._pf_f32 = api.zeros((2,), "float32").sync_on(s)
+        self._pf_i64 = api.zeros((2,), "int64").sync_on(s)
+        self._pf_tok = api.zeros((1,), "int32").sync_on(s)
         self._pf_row = api.zeros((1, config.hidden_size), dtype).sync_on(s)
-        self._pf_graphs: dict[tuple[int, int], Any] = {}
-        self.max_prefill_graphs = 64  # (slot, padded length) pairs captured at most
+        self._pf_graphs: dict[int, Any] = {}  # padded length -> graph (None: capture refused)
+        self._h_sampling = [(0.0, 0, 1.0, 0)] * n  # host copy: temperature, top_k, top_p, seed
         # host shadow of the device state (see decode)
         self._h_state = np.zeros((4, n), np.int32)
-        self._h_state[0] = max_seq  # inactive: writes skipped
+        self._h_state[0] = self._idle  # inactive: writes skipped
         self._h_state[1] = 1
         self._h_counter = np.zeros((n,), np.int64)
         self._cont = np.zeros((n,), bool)  # row continues from the last decode step
@@ -308,9 +351,10 @@ class CausalLM:
         return self._template.render(messages, add_generation_prompt=True)
 
     # -- forward chains ----------------------------------------------------------------------
-    def _layers_chain(self, vw: dict[str, Any], k_rows: Callable[[int], tuple[Tensor, Tensor]],
-                      start: Tensor, kv_len: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
-        """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``)."""
+    def _layers_chain(self, vw: dict[str, Any], table: Tensor, start: Tensor,
+                      kv_len: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
+        """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``);
+        ``table``: the rows' block-table rows ``(B, max_blocks)``."""
         resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
         th: list[Callable[[], DeviceOp[Any]]] = []
         for i, ly in enumerate(self.layers):
@@ -318,8 +362,8 @@ class CausalLM:
                 th.append(_norm_thunk(ly.norm1, None, resid, normed))
             else:
                 th.append(_norm_thunk(ly.norm1, down, resid, normed))
-            kc, vc = k_rows(i)
-            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o)
+            kc, vc = self.cache.layer(i)
+            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o, block_table=table)
             th.append(_norm_thunk(ly.norm2, o, resid, normed))
             th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
         return th
@@ -358,7 +402,7 @@ class CausalLM:
             lambda: api.memcpy(self._pf_pos, api.from_host(pos)),
             lambda: self.embed(api.from_host(ids_a), vw["resid"]),
         ]
-        th += self._layers_chain(vw, lambda i: self.cache.rows(i, slot, slot + 1), st, kl)
+        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl)
         if all_logits is not None:  # every row's logits (CausalLM.logits)
             th += self._head(vw["down"], vw["resid"], vw["normed"], all_logits[start:start + t])
         else:
@@ -389,8 +433,7 @@ class CausalLM:
         temp, top_k, top_p = self._temperature[:b], self._top_k[:b], self._top_p[:b]
         seed, counter = self._seed[:b], self._counter[:b]
         th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(tok, vw["resid"])]
-        rows = [self.cache.rows(i, 0, b) for i in range(len(self.layers))]
-        th += self._layers_chain(vw, lambda i: rows[i], st, kl)
+        th += self._layers_chain(vw, self._table[:b], st, kl)
         th += self._head(vw["down"], vw["resid"], vw["normed"], logits)
         th += [
             lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok),
@@ -409,6 +452,7 @@ class CausalLM:
         slot = self._check_slot(slot, "logits")
         if len(ids_l) > self.max_seq:
             raise ValueError(f"logits: {len(ids_l)} tokens exceed max_seq={self.max_seq}")
+        self._grow(slot, len(ids_l), "logits")
         n, ch = len(ids_l), self.prefill_chunk
 
         def body(out: Tensor) -> DeviceOp[Any]:
@@ -429,8 +473,48 @@ class CausalLM:
                              (self._top_p, top_p, np.float32), (self._seed, seed, np.int64),
                              (self._counter, 0, np.int64)):
             api.memcpy(dst[r], api.from_host(np.array([val], dt))).async_on(s)
+        self._h_sampling[slot] = (temperature, top_k, top_p, seed)
         self._h_counter[slot] = 0
         self._cont[slot] = False
+
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        """Give row ``slot`` blocks for positions ``[0, n_tokens)`` (keeping those it holds).
+
+        The new blocks' ids go to the row's block-table row on the device (one small copy
+        on :attr:`device_stream`). Returns ``False``, taking nothing, when the pool has too
+        few free blocks.
+
+        Raises:
+            ValueError: bad slot, or ``n_tokens`` outside ``[0, max_seq]``.
+        """
+        slot = self._check_slot(slot, "reserve")
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int | np.integer) or not (
+                0 <= n_tokens <= self.max_seq):
+            raise ValueError(f"reserve: n_tokens={n_tokens!r} must be an int in [0, max_seq="
+                             f"{self.max_seq}]")
+        held = self._row_blocks[slot]
+        need = self.blocks.blocks_for(int(n_tokens)) - len(held)
+        if need <= 0:
+            return True
+        ids = self.blocks.acquire(need)
+        if ids is None:
+            return False
+        held += ids
+        # the whole row: entries past the blocks held go back to the null block
+        api.memcpy(self._table[slot], api.from_host(self._table_row(slot))).async_on(self.device_stream)
+        return True
+
+    def blocks_held(self, slot: int) -> int:
+        """Blocks row ``slot`` holds."""
+        return len(self._row_blocks[self._check_slot(slot, "blocks_held")])
+
+    def _grow(self, slot: int, n_tokens: int, what: str) -> None:
+        if not self.reserve(slot, n_tokens):
+            need = self.blocks.blocks_for(n_tokens) - len(self._row_blocks[slot])
+            raise KVCacheFull(
+                f"{what}: row {slot} needs {need} more KV blocks for {n_tokens} positions, the "
+                f"pool has {self.blocks.free} free of {self.blocks.capacity} (release finished rows, "
+                "or build the model with a larger kv_blocks)")
 
     def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
                 graph: bool | None = None) -> Tensor | None:
@@ -438,9 +522,12 @@ class CausalLM:
 
         Each chunk of up to ``prefill_chunk`` tokens is one forward pass. With ``graph``
         (default: on CUDA) a chunk is padded to a power of two (at least 16) and replays a
-        CUDA graph captured once per (slot, padded length) (the first use runs eagerly and
-        captures): the padding's keys land past the prompt, where nothing attends to them
-        before decode overwrites them. Without it the chunk runs eagerly, unpadded.
+        CUDA graph captured once per padded length, for every row (the first use runs
+        eagerly and captures; the row's ids, positions, block-table row and sampling
+        parameters go to device buffers the graph reads): the padding's keys land past the
+        prompt (in the row's blocks, or the null block past them), where nothing attends to
+        them before decode overwrites them. Without it the chunk runs eagerly, unpadded.
+        The row gets the blocks it writes (see :meth:`reserve`).
 
         Returns:
             With ``sample``: the ``(1,)`` int32 view of the row's token (valid once
@@ -448,6 +535,7 @@ class CausalLM:
 
         Raises:
             ValueError: bad slot or ids, or ``start + len(ids) > max_seq``.
+            KVCacheFull: the pool has too few free blocks (nothing enqueued).
         """
         slot = self._check_slot(slot, "prefill")
         ids_l = self._check_ids(list(ids), "prefill")
@@ -456,6 +544,7 @@ class CausalLM:
                              f"max_seq={self.max_seq} (start must be an int >= 0)")
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         ch = self.prefill_chunk
+        self._grow(slot, start + len(ids_l), "prefill")
         self._cont[slot] = False
         s = self.device_stream
         for a in range(0, len(ids_l), ch):
@@ -479,48 +568,61 @@ class CausalLM:
         return min(p, self.prefill_chunk)
 
     def _prefill_graphed(self, slot: int, part: list[int], start: int, draw: bool) -> bool:
-        """Run one chunk through its (slot, padded length) graph; False: use the eager path."""
+        """Run one chunk through its padded length's graph; False: use the eager path."""
         t = len(part)
         tp = self._pad_len(t)
-        key = (slot, tp)
-        g = self._pf_graphs.get(key, False)
-        if start + tp > self.max_seq or g is None or (
-                g is False and len(self._pf_graphs) >= self.max_prefill_graphs):
+        g = self._pf_graphs.get(tp, False)
+        if start + tp > self._idle or g is None:
             return False
-        s = self.device_stream
-        ids = np.zeros(tp, np.int32)
-        ids[:t] = part
-        api.memcpy(self._pf_ids[:tp], api.from_host(ids)).async_on(s)
-        api.memcpy(self._pf_pos, api.from_host(np.array([start, start + tp, t - 1], np.int32))).async_on(s)
-        r = slice(slot, slot + 1)
-        api.memcpy(self._counter[r], api.from_host(np.array([self._h_counter[slot]], np.int64))).async_on(s)
+        s, c, mb = self.device_stream, self.prefill_chunk, self.max_blocks
+        i32 = np.zeros(c + 4 + mb, np.int32)
+        i32[:t] = part
+        temp, top_k, top_p, seed = self._h_sampling[slot]
+        i32[c:c + 4] = (start, start + tp, t - 1, top_k)
+        i32[c + 4:] = self._table_row(slot)
+        api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
+        api.memcpy(self._pf_f32, api.from_host(np.array([temp, top_p], np.float32))).async_on(s)
+        api.memcpy(self._pf_i64, api.from_host(np.array([seed, self._h_counter[slot]],
+                                                        np.int64))).async_on(s)
         if draw:
             self._h_counter[slot] += 1
         self._h_state[3, slot] = -1  # the graph samples into the row's token either way
-        if g is not False:
+        if g is False:
+            self._prefill_graph_op(tp).sync_on(s)  # this chunk, eagerly; then capture
+            try:
+                self._pf_graphs[tp] = self._prefill_graph_op(tp).graph_on(s)
+            except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates)
+                self._pf_graphs[tp] = None
+        else:
             g.launch()
-            return True
-        self._prefill_graph_op(slot, tp).sync_on(s)  # this chunk, eagerly; then capture
-        try:
-            self._pf_graphs[key] = self._prefill_graph_op(slot, tp).graph_on(s)
-        except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates): stay eager
-            self._pf_graphs[key] = None
+        r = slice(slot, slot + 1)
+        api.memcpy(self._tokens[r], self._pf_tok).async_on(s)
         return True
 
-    def _prefill_graph_op(self, slot: int, tp: int) -> DeviceOp[Any]:
-        """A padded prompt chunk of ``tp`` tokens from device buffers (the op a graph captures):
-        ids ``_pf_ids[:tp]``, ``_pf_pos`` = (start, start + tp, last real row)."""
+    def _table_row(self, slot: int) -> np.ndarray:
+        row = np.zeros(self.max_blocks, np.int32)
+        held = self._row_blocks[slot]
+        row[:len(held)] = held
+        return row
+
+    def _prefill_graph_op(self, tp: int) -> DeviceOp[Any]:
+        """A padded prompt chunk of ``tp`` tokens of any row, from device buffers (the op a
+        graph captures): ``_pf_i32`` = ids, (start, start + tp, last real row, top_k), the
+        row's block-table row; ``_pf_f32`` = (temperature, top_p); ``_pf_i64`` = (seed,
+        counter). The token goes to ``_pf_tok``."""
         vw = self._arena.views(1, tp)
-        st, kl, last = self._pf_pos[0:1], self._pf_pos[1:2], self._pf_pos[2:3]
-        r = slice(slot, slot + 1)
-        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(self._pf_ids[:tp], vw["resid"])]
-        th += self._layers_chain(vw, lambda i: self.cache.rows(i, slot, slot + 1), st, kl)
+        c, mb, b32 = self.prefill_chunk, self.max_blocks, self._pf_i32
+        st, kl, last, top_k = b32[c:c + 1], b32[c + 1:c + 2], b32[c + 2:c + 3], b32[c + 3:c + 4]
+        table = b32[c + 4:c + 4 + mb].reshape((1, mb))
+        temp, top_p = self._pf_f32[0:1], self._pf_f32[1:2]
+        seed, counter = self._pf_i64[0:1], self._pf_i64[1:2]
+        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(b32[:tp], vw["resid"])]
+        th += self._layers_chain(vw, table, st, kl)
         th += [lambda: self.norm.add_norm(vw["down"], vw["resid"], vw["normed"]),
                lambda: kernels.embedding(last, vw["normed"], out=self._pf_row),  # the last real row
                lambda: self.lm_head(self._pf_row, self._logits[0:1]),
-               lambda: kernels.sample(self._logits[0:1], self._temperature[r], self._top_k[r],
-                                      self._top_p[r], self._seed[r], self._counter[r],
-                                      out=self._tokens[r])]
+               lambda: kernels.sample(self._logits[0:1], temp, top_k, top_p, seed, counter,
+                                      out=self._pf_tok)]
         return chain(th)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
@@ -538,6 +640,7 @@ class CausalLM:
 
         Raises:
             ValueError: bad slots, tokens or positions (before anything is enqueued).
+            KVCacheFull: a row needs a block and the pool has none free.
         """
         n = len(slots)
         if n == 0 or len(tokens) != n or len(positions) != n:
@@ -550,6 +653,8 @@ class CausalLM:
         for p in positions:
             if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p < self.max_seq:
                 raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq={self.max_seq})")
+        for x, p in zip(sl, positions, strict=True):
+            self._grow(x, int(p) + 1, "decode_step")
         b = next(x for x in self._bucket_list if x > max(sl))
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         if use_graph and b not in self._graphs:
@@ -564,7 +669,7 @@ class CausalLM:
             want[:, x] = (p, p + 1, 1, t)  # a continuing row's token is the one already there
         idle = ~active[:b]
         want[2, :b][idle] = 0
-        want[0, :b][idle & (want[0, :b] < self.max_seq)] = self.max_seq
+        want[0, :b][idle & (want[0, :b] < self._idle)] = self._idle
         want[1, :b][idle] = 1
         changed = self._dirty or fresh or not np.array_equal(want[:3, :b], self._h_state[:3, :b])
         s = self.device_stream
@@ -591,7 +696,7 @@ class CausalLM:
         """Warm the bucket up eagerly (all rows idle: no KV written) and capture its graph."""
         s = self.device_stream
         idle = self._h_state.copy()
-        idle[0, :b], idle[1, :b], idle[2, :b] = self.max_seq, 1, 0
+        idle[0, :b], idle[1, :b], idle[2, :b] = self._idle, 1, 0
         idle[3, :b][idle[3, :b] < 0] = 0
         api.memcpy(self._state, api.from_host(idle)).async_on(s)
         self._step_op(b).sync_on(s)
@@ -599,9 +704,15 @@ class CausalLM:
         self._dirty = True  # the warm-up advanced the idle rows' counters
 
     def release(self, slot: int) -> None:
-        """Forget row ``slot``: it is idle (writes nothing) from the next decode on."""
+        """Forget row ``slot``: it is idle (writes nothing) from the next decode on, and its
+        blocks go back to the pool (work already enqueued that uses them runs first: the
+        stream orders it before any later write to them)."""
         slot = self._check_slot(slot, "release")
         self._cont[slot] = False
+        held = self._row_blocks[slot]
+        if held:
+            self.blocks.release(held)
+            self._row_blocks[slot] = []
 
     def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
         """The host copy of a token view returned by :meth:`prefill` / :meth:`decode_step`."""
