@@ -35,7 +35,7 @@ import itertools
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -235,6 +235,15 @@ class RequestStream:
             req.cancelled = True  # reaped by the next step (a GC thread must not touch state)
 
 
+def _lazy(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Callable[[], Awaitable[Any]]]:
+    """A ``submit_*`` over a plain async step method: it runs when its result is awaited."""
+
+    def submit(*args: Any, **kw: Any) -> Callable[[], Awaitable[Any]]:
+        return lambda: fn(*args, **kw)
+
+    return submit
+
+
 def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(
         prompt[0], int
@@ -290,8 +299,15 @@ class Engine:
         self.max_queue = int(max_queue) if max_queue is not None else 4 * self.max_batch
         self.prefill_chunk = int(prefill_chunk)
         self._reserve = getattr(steps, "reserve", None)  # paged KV: blocks at admission
+        self._submit_decode: Callable[..., Callable[[], Awaitable[Any]]] = getattr(
+            steps, "submit_decode", None) or _lazy(steps.decode_step)
+        self._submit_prefill: Callable[..., Callable[[], Awaitable[Any]]] = getattr(
+            steps, "submit_prefill", None) or _lazy(steps.prefill)
         block = int(getattr(steps, "kv_block_size", 16))
         self.pool = SlotPool(self.max_batch, self.max_seq, block_size=block)
+        warm = getattr(steps, "warmup", None)
+        if warm is not None:  # graphs captured here, not inside a request's step
+            warm()
         self._ids = itertools.count(1)
         self._queue: deque[_Request] = deque()
         self._active: list[_Request] = []  # hold slots: prefill or decode, admission order
@@ -582,8 +598,7 @@ class Engine:
                 return
             self._steps += 1
             try:
-                await self._decode()
-                await self._prefill()
+                await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
                 for req in list(self._active):
                     self._finish(req, "error", exc)
@@ -621,20 +636,44 @@ class Engine:
     def _budget(self, req: _Request) -> int:
         return min(len(req.prompt) + req.max_new, self.max_seq)
 
-    async def _decode(self) -> None:
+    async def _decode_and_prefill(self) -> None:
+        """Enqueue the decode step, then the prompt chunks of this step's budget, then wait:
+        the device runs them back to back while the host waits once for the decode tokens
+        (read before the prefill work in stream order) and then for the prompts' first
+        tokens. A step model without ``submit_*`` runs them one after another."""
         rows = [r for r in self._active if r.state == _DECODE]
-        if not rows:
-            return
-        toks = await self.steps.decode_step(
-            [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
-        )
-        self._decode_rows += len(rows)
-        for req, tok in zip(rows, toks, strict=True):
-            req.pos += 1
-            self._deliver(req, int(tok))
+        dec = None
+        if rows:
+            dec = self._submit_decode(
+                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
+            )
+        chunks = self._submit_prefills()
+        if dec is not None:
+            toks = await dec()
+            self._decode_rows += len(rows)
+            for req, tok in zip(rows, toks, strict=True):
+                req.pos += 1
+                self._deliver(req, int(tok))
+        for req, n, last, wait in chunks:
+            try:
+                tok = await wait()
+            except Exception as exc:  # this request's prefill failed: only it ends
+                self._finish(req, "error", exc)
+                continue
+            req.prefilled += n
+            self._prefill_tokens += n
+            if req.slot >= 0:
+                self.pool.set_length(req.slot, req.prefilled)
+            if last:
+                if tok is None:
+                    raise RuntimeError("StepModel.prefill(last=True) returned no token")
+                req.state, req.pos = _DECODE, len(req.prompt)
+                self._deliver(req, int(tok))
 
-    async def _prefill(self) -> None:
+    def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
+        """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
         budget = self.prefill_chunk
+        out: list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]] = []
         for req in [r for r in self._active if r.state == _PREFILL]:
             if budget <= 0:
                 break
@@ -644,22 +683,15 @@ class Engine:
             start = req.prefilled
             last = start + n == len(req.prompt)
             try:
-                tok = await self.steps.prefill(
+                wait = self._submit_prefill(
                     req.slot, req.prompt[start : start + n], start, req.params, last=last
                 )
-            except Exception as exc:  # this request's prefill failed: only it ends
+            except Exception as exc:  # refused before anything was enqueued: only it ends
                 self._finish(req, "error", exc)
                 continue
-            await anyio.lowlevel.checkpoint()  # one prompt's enqueue at a time on the loop
-            req.prefilled += n
             budget -= n
-            self._prefill_tokens += n
-            self.pool.set_length(req.slot, req.prefilled)
-            if last:
-                if tok is None:
-                    raise RuntimeError("StepModel.prefill(last=True) returned no token")
-                req.state, req.pos = _DECODE, len(req.prompt)
-                self._deliver(req, int(tok))
+            out.append((req, n, last, wait))
+        return out
 
     def _deliver(self, req: _Request, tok: int) -> None:
         if req.cancelled:

@@ -11,7 +11,7 @@ the stream is ordered after them.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from deviceops.scheduling import SingleStream
@@ -64,25 +64,53 @@ class CausalLMSteps:
 
     async def prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
                       *, last: bool) -> int | None:
+        return await self.submit_prefill(slot, ids, start, params, last=last)()
+
+    async def decode_step(self, slots: Sequence[int], tokens: Sequence[int],
+                          positions: Sequence[int]) -> list[int]:
+        return await self.submit_decode(slots, tokens, positions)()
+
+    # -- pipelined steps (optional StepModel extension the engine uses when present) --------
+    def submit_prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
+                       *, last: bool) -> Callable[[], Awaitable[int | None]]:
+        """Enqueue a prefill chunk now; the returned callable awaits its token (``last``)."""
         m = self.model
         if start == 0:
             m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, seed=params.seed)
         view = m.prefill(slot, list(ids), start, sample=last)
         if not last:
-            return None
-        host = await m.read(view).schedule(self._policy)
-        return int(host[0])
+            return _none
+        fut = m.read(view).schedule(self._policy)
 
-    async def decode_step(self, slots: Sequence[int], tokens: Sequence[int],
-                          positions: Sequence[int]) -> list[int]:
+        async def token() -> int | None:
+            host = await fut
+            return int(host[0])
+
+        return token
+
+    def submit_decode(self, slots: Sequence[int], tokens: Sequence[int],
+                      positions: Sequence[int]) -> Callable[[], Awaitable[list[int]]]:
+        """Enqueue a decode step now; the returned callable awaits the rows' tokens."""
         m = self.model
-        view = self._decode(list(slots), list(tokens), list(positions))
-        host = await m.read(view).schedule(self._policy)
-        return [int(host[s]) for s in slots]
+        rows = list(slots)
+        view = self._decode(rows, list(tokens), list(positions))
+        fut = m.read(view).schedule(self._policy)
+
+        async def result() -> list[int]:
+            host = await fut
+            return [int(host[s]) for s in rows]
+
+        return result
 
     def release(self, slot: int) -> None:
         self.model.release(slot)
+
+    def warmup(self) -> None:
+        """Capture the model's decode and prefill graphs (no-op where it uses none)."""
+        cap = getattr(self.model, "capture_graphs", None)
+        if cap is not None:
+            cap()
 
     # -- paged KV (optional StepModel extension the engine uses when present) ---------------
     def reserve(self, slot: int, n_tokens: int) -> bool:
@@ -103,6 +131,10 @@ class CausalLMSteps:
     def kv_block_size(self) -> int:
         """Positions per KV block."""
         return int(self.model.block_size)
+
+
+async def _none() -> None:
+    return None
 
 
 def _step_decode(model: Any) -> Any:

@@ -703,6 +703,43 @@ class CausalLM:
         self._graphs[b] = self._step_op(b).graph_on(s)
         self._dirty = True  # the warm-up advanced the idle rows' counters
 
+    def capture_graphs(self, *, graph: bool | None = None) -> int:
+        """Capture every decode bucket's graph and every padded prefill length's graph now.
+
+        Otherwise each is captured at its first use, inside a step (an eager run, a stream
+        synchronization and the capture: tens of milliseconds of host time on the caller's
+        thread). Nothing is captured where graphs are not used (``graph`` default: on
+        CUDA only). The warm-up runs write only the null block (prefill) or nothing
+        (decode, all rows idle). Returns the number of graphs captured now.
+        """
+        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
+        if not use_graph:
+            return 0
+        n = 0
+        for b in self._bucket_list:
+            if b not in self._graphs:
+                self._capture(b)
+                n += 1
+        s, c = self.device_stream, self.prefill_chunk
+        tp = 16
+        while True:
+            tp = min(tp, c)
+            if tp not in self._pf_graphs:
+                i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
+                i32[c:c + 3] = (0, tp, tp - 1)
+                api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
+                self._prefill_graph_op(tp).sync_on(s)
+                try:
+                    self._pf_graphs[tp] = self._prefill_graph_op(tp).graph_on(s)
+                    n += 1
+                except deviceops.DeviceError:
+                    self._pf_graphs[tp] = None
+            if tp >= c:
+                break
+            tp *= 2
+        s.synchronize()
+        return n
+
     def release(self, slot: int) -> None:
         """Forget row ``slot``: it is idle (writes nothing) from the next decode on, and its
         blocks go back to the pool (work already enqueued that uses them runs first: the

@@ -60,14 +60,8 @@ def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtyp
         lm = nnx.load_gguf(model, **kw)
     else:
         raise ValueError(f"serve: unknown model {model!r} (use 'smollm2' or a path to a .gguf file)")
-    if not getattr(lm.device, "is_cpu", True):
-        # capture every batch-size bucket's decode graph now, not in a request's step
-        b = 1
-        while True:
-            lm.generate([[100 + i, 200, 300] for i in range(min(b, lm.max_batch))], 2)
-            if b >= lm.max_batch:
-                break
-            b *= 2
+    # every decode bucket's and prefill length's graph is captured now, not in a request's
+    # step (Engine does it at construction)
     engine = Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,
                     prefill_chunk=prefill_chunk)
     gc.collect()
