@@ -17,8 +17,9 @@ One run on the same weights (SmolLM2-135M, the Q4_1 GGUF dequantized to fp16) pr
 * **cancel**: 1,000 requests, 64 concurrent, 30% cancelled at a random token: completed
   greedy results vs ``CausalLM.generate`` of the same prompt, KV slots in use at the end,
   process RSS and GPU memory (CuPy pool) before/after;
-* **kv**: KV bytes per token, how many 2,048-token sequences fit in the free GPU memory,
-  and an allocation of that many (x0.95) to confirm it.
+* **kv**: KV bytes per token and per 16-token block, the free GPU memory (measured), how
+  many 2,048-token sequences fit in it (paged: 128 blocks each), and an allocation of a
+  block pool that size (x0.95) to confirm it.
 
 Bars (issue 15, H100): 64 clients >= 10,000 tokens/s, p99 inter-token <= 50 ms, >= 5x
 transformers' continuous batching.
@@ -349,23 +350,33 @@ def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
 
     c = lm.config
     per_tok = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 2)
+    bs = int(lm.block_size)
+    per_seq_blocks = -(-seq // bs)
     gc.collect()
     cupy.get_default_memory_pool().free_all_blocks()
     free, total = cupy.cuda.runtime.memGetInfo()
     n = max_concurrent_sequences(free, seq, per_tok)
     own = int(lm.cache.nbytes)  # this benchmark's engine cache: reusable for the figure
-    out: dict[str, Any] = {"kv_bytes_per_token": per_tok, "free_gb": free / 1e9, "total_gb": total / 1e9,
-                           "sequences_2048_fit": n, "own_cache_gb": own / 1e9,
+    out: dict[str, Any] = {"kv_bytes_per_token": per_tok, "block_size": bs,
+                           "kv_bytes_per_block": per_tok * bs, "free_gb": free / 1e9,
+                           "total_gb": total / 1e9, "sequences_2048_fit": n,
+                           "own_cache_gb": own / 1e9,
                            "sequences_2048_fit_incl_own_cache": max_concurrent_sequences(
                                free + own, seq, per_tok)}
+    print(f"kv: measured free GPU memory {free / 1e9:.2f} GB of {total / 1e9:.2f} GB; "
+          f"{per_tok:,} B/token, {per_tok * bs:,} B per {bs}-token block -> {n:,} concurrent "
+          f"{seq:,}-token sequences ({per_seq_blocks} blocks each); with this run's own "
+          f"{own / 1e9:.2f} GB pool freed: {out['sequences_2048_fit_incl_own_cache']:,}",
+          flush=True)
     k = int(n * 0.95)
     try:
         t0 = time.perf_counter()
-        cache = KVCache.allocate(lm.device_stream, layers=c.num_layers, max_batch=k,
-                                 kv_heads=c.num_kv_heads, max_seq=seq, head_dim=c.head_dim,
-                                 dtype="float16")
+        cache = KVCache.allocate(lm.device_stream, layers=c.num_layers,
+                                 num_blocks=k * per_seq_blocks + 1, kv_heads=c.num_kv_heads,
+                                 block_size=bs, head_dim=c.head_dim, dtype="float16")
         lm.device_stream.synchronize()
         out["allocated_sequences"] = k
+        out["allocated_blocks"] = cache.num_blocks
         out["allocated_gb"] = cache.nbytes / 1e9
         out["alloc_s"] = time.perf_counter() - t0
         del cache
@@ -374,6 +385,32 @@ def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
     gc.collect()
     cupy.get_default_memory_pool().free_all_blocks()
     return out
+
+
+def random_smollm2(max_batch: int, max_seq: int, kv_blocks: int | None) -> Any:
+    """SmolLM2-135M's shapes, random weights, float16 on GPU 0 (throughput is shape-only)."""
+    import numpy as np
+
+    from deviceops.nn.config import LlamaConfig
+    from deviceops.nn.model import CausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5)
+    rng = np.random.default_rng(0)
+    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32),
+         "model.norm.weight": np.ones(h, np.float32)}
+    shapes = (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+              ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
+              ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n, s in shapes:
+            w[p + n + ".weight"] = rng.standard_normal(s, np.float32) / np.sqrt(s[1])
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+    return CausalLM(cfg, w, tokenizer=None, dtype="float16", device=0, max_batch=max_batch,
+                    max_seq=max_seq, kv_blocks=kv_blocks)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -405,6 +442,9 @@ def bars(res: dict[str, Any]) -> dict[str, tuple[Any, bool | None]]:
     wrong, slots = get("cancel", "completed_wrong"), get("cancel", "slots_in_use_end")
     out["cancel: completed results correct"] = (wrong, None if wrong is None else wrong == 0)
     out["cancel: zero KV slots in use at the end"] = (slots, None if slots is None else slots == 0)
+    blocks = get("cancel", "kv_blocks_in_use_end")
+    out["cancel: zero KV blocks in use at the end"] = (blocks,
+                                                       None if blocks is None else blocks == 0)
     b, a = get("cancel", "before", "pool_used_mb"), get("cancel", "after", "pool_used_mb")
     out["cancel: GPU memory back to its level"] = (
         (b, a), None if b is None or a is None else a <= b + 1)
@@ -427,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-http", action="store_true")
     p.add_argument("--no-kv", action="store_true")
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M's shapes with random weights (no download; no tokenizer: "
+                        "implies --no-transformers --no-http)")
+    p.add_argument("--max-seq", type=int, default=1024)
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: every row at max_seq)")
     args = p.parse_args(argv)
 
     import deviceops
@@ -434,8 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     from deviceops.nn.load import load_gguf
     from deviceops.nn.loader import smollm2_path
 
-    path = args.gguf or (str(smollm2_path()) if not os.path.exists("/tmp/wts/model.gguf")
-                         else "/tmp/wts/model.gguf")
+    if args.random_weights:
+        args.no_transformers = args.no_http = True
+        path = "random-weights"
+    else:
+        path = args.gguf or (str(smollm2_path()) if not os.path.exists("/tmp/wts/model.gguf")
+                             else "/tmp/wts/model.gguf")
     rng = random.Random(0)
     res: dict[str, Any] = {"gguf": path, "argv": sys.argv[1:]}
     levels = [int(x) for x in args.levels.split(",")]
@@ -449,14 +499,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         plen, nnew = (128, 512), (128, 256)
         max_batch = max(levels)
-        lm = load_gguf(path, dtype="float16", device=0, max_batch=max_batch, max_seq=1024,
-                       progress=False)
+        if args.random_weights:
+            lm = random_smollm2(max_batch, args.max_seq, args.kv_blocks)
+        else:
+            lm = load_gguf(path, dtype="float16", device=0, max_batch=max_batch,
+                           max_seq=args.max_seq, progress=False, kv_blocks=args.kv_blocks)
         import cupy
 
         res["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"model: {lm}", flush=True)
+    print(f"model: {lm}; KV pool {lm.cache.num_blocks} blocks of {lm.block_size} "
+          f"({lm.cache.nbytes / 1e9:.2f} GB)", flush=True)
     vocab = lm.config.vocab_size
+    t0 = time.perf_counter()
     engine = Engine(lm, max_batch=max_batch, max_seq=lm.max_seq, max_queue=100_000)
+    print(f"engine: graphs captured in {time.perf_counter() - t0:.1f} s "
+          f"({len(lm._graphs)} decode buckets, {len(lm._pf_graphs)} prefill lengths)", flush=True)
     gc.collect()
     gc.freeze()
 
@@ -540,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             out["first_wrong"] = {"request": i, "first_diff_at": first, "got": got[:first + 3],
                                   "ref": ref[:first + 3]}
         print(f"cancel: {n} requests, {len(cancel_at)} cancelled, {out['completed']} completed, "
-              f"{len(wrong)} differ from CausalLM.generate; slots in use at the end "
-              f"{st.slots_in_use}; RSS {before['rss_mb']:.0f} -> {after['rss_mb']:.0f} MB; "
+              f"{len(wrong)} differ from CausalLM.generate; slots / KV blocks in use at the end "
+              f"{st.slots_in_use} / {st.kv_blocks_in_use}; {r['wall_s']:.1f} s; RSS {before['rss_mb']:.0f} -> {after['rss_mb']:.0f} MB; "
               f"GPU {before.get('pool_used_mb', 0):.0f} -> {after.get('pool_used_mb', 0):.0f} MB",
               flush=True)
         return out
@@ -570,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = isinstance(lv, dict) and "error" not in lv and "error" not in res.get("cancel", {})
     if args.smoke:
         c = res.get("cancel", {})
-        ok = ok and c.get("completed_wrong") == 0 and c.get("slots_in_use_end") == 0
+        ok = ok and c.get("completed_wrong") == 0 and c.get("slots_in_use_end") == 0 \
+            and c.get("kv_blocks_in_use_end") == 0
         print("smoke:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -38,5 +38,6 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
         assert row["loop_worst_gap_ms"] > 0, row
     cancel = rec["cancel"]
     assert cancel["completed_wrong"] == 0 and cancel["slots_in_use_end"] == 0, cancel
+    assert cancel["kv_blocks_in_use_end"] == 0, cancel
     assert cancel["completed"] + cancel["cancelled"] == 6, cancel
     assert rec["compare"]["ours"]["tokens"] == 4, rec["compare"]
