@@ -153,11 +153,11 @@ class Tensor:
         ((2, 3), 'float32')
     """
 
-    __slots__ = ("__weakref__", "_array", "_contig", "_storage")
+    __slots__ = ("__weakref__", "_array", "_sig", "_storage")
 
     def __init__(self, array: Any, device: Device | None = None, *, _storage: Storage | None = None) -> None:
         self._array = array
-        self._contig: bool | None = None
+        self._sig: tuple[tuple[int, ...], np.dtype[Any], Device, bool] | None = None
         self._storage = _storage if _storage is not None else Storage(
             array, _check_array(array, device), None)
 
@@ -167,13 +167,25 @@ class Tensor:
         """The CuPy (cuda) or NumPy (cpu) array holding the data."""
         return self._array
 
+    def signature(self) -> tuple[tuple[int, ...], np.dtype[Any], Device, bool]:
+        """``(shape, dtype, device, C-contiguous)``, computed once (a tensor's array never
+        changes): what a kernel's argument checks depend on, and part of its plan-cache key."""
+        sig = self._sig
+        if sig is None:
+            a = self._array
+            sig = self._sig = (tuple(a.shape), np.dtype(a.dtype), self._storage.device,
+                               bool(a.flags.c_contiguous))
+        return sig
+
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._array.shape)
+        sig = self._sig
+        return (sig if sig is not None else self.signature())[0]
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self._array.dtype)
+        sig = self._sig
+        return (sig if sig is not None else self.signature())[1]
 
     @property
     def device(self) -> Device:
@@ -200,10 +212,8 @@ class Tensor:
     @property
     def is_contiguous(self) -> bool:
         """True if the data is C-contiguous (computed once: a tensor's layout never changes)."""
-        c = self._contig
-        if c is None:
-            c = self._contig = bool(self._array.flags.c_contiguous)
-        return c
+        sig = self._sig
+        return (sig if sig is not None else self.signature())[3]
 
     # -- views ------------------------------------------------------------------
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
@@ -265,7 +275,7 @@ class Tensor:
         if not isinstance(tile_shape, tuple | list):
             raise ShapeError(f"partition: tile shape {tile_shape!r} is not a tuple of ints, e.g. "
                              f"{tuple(1 for _ in self.shape)}", op="partition")
-        return Partition(self, tuple(_dim(t, "partition", tile_shape) for t in tile_shape))
+        return Partition(self, tuple(tile_shape))  # validated there
 
     def to_host(self) -> DeviceOp[np.ndarray]:
         """A DeviceOp giving a NumPy copy of the data (valid once its stream reaches it)."""
@@ -329,16 +339,17 @@ class Partition:
         if not isinstance(tile_shape, tuple | list):
             raise ShapeError(f"partition: tile shape {tile_shape!r} is not a tuple of ints",
                              op="partition")
-        tile_shape = tuple(_dim(t, "partition", tile_shape) for t in tile_shape)
-        if len(tile_shape) != tensor.ndim or any(int(t) < 1 for t in tile_shape):
+        tiles = tuple(_dim(t, "partition", tile_shape) for t in tile_shape)
+        shape = tensor.shape
+        if len(tiles) != len(shape) or any(t < 1 for t in tiles):
             raise ShapeError(
-                f"partition: tile shape {tile_shape} does not fit tensor shape {tensor.shape}; "
-                f"give {tensor.ndim} positive tile sizes",
+                f"partition: tile shape {tiles} does not fit tensor shape {shape}; "
+                f"give {len(shape)} positive tile sizes",
                 op="partition",
             )
         self.tensor = tensor
-        self.tile_shape = tuple(int(t) for t in tile_shape)
-        self.grid = tuple(-(-n // t) for n, t in zip(tensor.shape, self.tile_shape, strict=True))
+        self.tile_shape = tiles
+        self.grid = tuple(-(-n // t) for n, t in zip(shape, tiles, strict=True))
 
     def unpartition(self) -> Tensor:
         """The whole tensor again."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -586,6 +587,37 @@ def flash_attention_cuda(
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    bt = block_table
+    key = (q.shape, k.shape, v.shape, out.shape, q.dtype, k.dtype, v.dtype, out.dtype,
+           q.strides, k.strides, v.strides, out.strides, q.device.id,
+           None if kv_len is None else (kv_len.shape, kv_len.dtype, kv_len.strides),
+           None if bt is None else (bt.shape, bt.dtype, bt.strides),
+           bool(causal), scale, None if workspace is None else workspace.nbytes,
+           _sm90_config, _force_splitkv)  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, out, causal, scale, kv_len, bt, workspace, _sm90_config,
+                     _force_splitkv)
+        if len(_plans) >= _PLANS_MAX:
+            del _plans[next(iter(_plans))]
+        _plans[key] = plan
+    for name, a, align in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16),
+                           ("kv_len", kv_len, 4), ("block_table", bt, 4)):
+        if a is not None and a.data.ptr % align:
+            _check_array(name, a, q.device.id, align)  # raises, naming the array
+    plan(q, k, v, out, kv_len, bt, workspace, stream)
+
+
+_PLANS_MAX = 1024
+_Plan = Callable[[Any, Any, Any, Any, Any, Any, Any, Any], None]
+_plans: dict[Any, _Plan] = {}
+
+
+def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, kv_len: Any,
+          block_table: Any, workspace: Any, sm90_config: tuple[int, int, int] | None,
+          force_splitkv: bool) -> _Plan:
+    """Validate one problem and choose its path, kernels, grid and workspace layout, once;
+    return the per-call launch (pointers only)."""
     attention_check(
         q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype,
         out_shape=out.shape, out_dtype=out.dtype,
@@ -610,12 +642,12 @@ def flash_attention_cuda(
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     scale_log2 = np.float32(sc * math.log2(math.e))
     cc, n_sm = _device_info(device_id)
-    i32, u64 = np.int32, np.uint64
-    kvl_ptr = u64(0) if kv_len is None else u64(kv_len.data.ptr)
+    i32 = np.int32
+    causal_i = int(bool(causal))
 
-    if cc == 90 and lq > DECODE_MAX_LQ and not (_force_splitkv or f32 or paged):
+    if cc == 90 and lq > DECODE_MAX_LQ and not (force_splitkv or f32 or paged):
         dp = -(-d // 64) * 64
-        bn, nwg, nstage = _sm90_config or SM90_CONFIGS[dp]
+        bn, nwg, nstage = sm90_config or SM90_CONFIGS[dp]
         fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16, sc > 0)
         bm = 64 * nwg
         n_mblk = -(-lq // bm)
@@ -623,15 +655,18 @@ def flash_attention_cuda(
             raise ShapeError(
                 f"flash_attention: Lq={lq} too long for one launch", op="flash_attention"
             )
-        with stream:
-            fn(
-                (b * hq, n_mblk, 1),
-                (128 * nwg, 1, 1),
-                (q, k, v, out, kvl_ptr, i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
-                 i32(bool(causal)), i32(n_mblk)),
-                shared_mem=_sm90_smem_bytes(dp, bn, nwg, nstage),
-            )  # fmt: skip
-        return
+        grid, block = (b * hq, n_mblk, 1), (128 * nwg, 1, 1)
+        smem = _sm90_smem_bytes(dp, bn, nwg, nstage)
+        tail9: tuple[Any, ...] = (i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
+                                  i32(causal_i), i32(n_mblk))
+
+        def run_sm90(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
+                     stream: Any) -> None:
+            kvl = np.uint64(0) if kv_len is None else np.uint64(kv_len.data.ptr)
+            with stream:
+                fn(grid, block, (q, k, v, out, kvl, *tail9), shared_mem=smem)
+
+        return run_sm90
 
     # Split-KV path (decode, float32, paged, or the portable fallback). n_split is the most
     # splits any row may use (the workspace stride); the kernel splits each row's kv_len.
@@ -640,46 +675,45 @@ def flash_attention_cuda(
     )
     x_blocks = hkv * lq * n_hchunk
     rows = b * hq * lq
-    ws_o_ptr = ws_ml_ptr = 0
+    o_off = ml_off = 0
     if n_split > 1:
         o_off, ml_off, need = _ws_layout(rows, n_split, d)
         if workspace.nbytes < need:
             n_split = 1
-        else:
-            base_ptr = int(workspace.data.ptr)
-            ws_o_ptr, ws_ml_ptr = base_ptr + o_off, base_ptr + ml_off
     if x_blocks > 2**31 - 1 or n_split > 65535 or b > 65535:
         raise ShapeError(
             f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention"
         )
     if paged:
         mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
-        bt_ptr = u64(block_table.data.ptr)
     else:
-        mb, bs, nb, bt_ptr = 0, 0, 0, u64(0)
+        mb, bs, nb = 0, 0, 0
     fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged)
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
     # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
     go = launch_pdl if pdl_enabled(device_id) else _plain_launch
-    sptr = int(stream.ptr)
-    go(
-        fn,
-        (x_blocks, n_split, b),
-        (128, 1, 1),
-        (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), int(out.data.ptr), ws_o_ptr, ws_ml_ptr,
-         int(kvl_ptr), int(bt_ptr), hq, hkv, lq, lk, float(scale_log2), int(bool(causal)),
-         n_split, n_hchunk, mb, bs, nb),
-        sptr,
-    )  # fmt: skip
-    if n_split > 1:
-        go(
-            combine,
-            (rows, 1, 1),
-            (64, 1, 1),
-            (ws_o_ptr, ws_ml_ptr, int(out.data.ptr), int(kvl_ptr), n_split, lk, hq * lq),
-            sptr,
-        )
+    grid, cgrid = (x_blocks, n_split, b), (rows, 1, 1)
+    tail = (hq, hkv, lq, lk, float(scale_log2), causal_i, n_split, n_hchunk, mb, bs, nb)
+    ctail = (n_split, lk, hq * lq)
+
+    def run_splitkv(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
+                    stream: Any) -> None:
+        kvl = 0 if kv_len is None else int(kv_len.data.ptr)
+        btp = 0 if bt is None else int(bt.data.ptr)
+        wo = wml = 0
+        if n_split > 1:
+            base_ptr = int(ws.data.ptr)
+            wo, wml = base_ptr + o_off, base_ptr + ml_off
+        sptr = int(stream.ptr)
+        optr = int(out.data.ptr)
+        go(fn, grid, (128, 1, 1),
+           (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
+           sptr)  # fmt: skip
+        if n_split > 1:
+            go(combine, cgrid, (64, 1, 1), (wo, wml, optr, kvl, *ctail), sptr)
+
+    return run_splitkv
 
 
 def _plain_launch(

@@ -239,8 +239,9 @@ class _ElementwiseOp(KernelOp):
         else:
             ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
         after_access(stream, stream.bump(), rs, wl)
-        if not self._deferred and type(w_arg) is Tensor:
-            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl, flat))
+        if not self._deferred and type(w_arg) in (Tensor, Partition):
+            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl, flat),
+                      _tile_of(w_arg))
         return w_arg
 
     def _launch_general(self, ctx: ExecutionContext, w_arg: Any, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
@@ -298,13 +299,18 @@ def _noop(*_: Any) -> None:
 _memo: dict[str, tuple[Any, ...]] = {}
 
 
-def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: tuple[Any, ...]) -> None:
-    _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan)
+def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: tuple[Any, ...],
+              tile: tuple[int, ...] | None) -> None:
+    _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan,
+                   tile)
 
 
-def _recall(name: str, w: Any, x: Any, y: Any, a: float) -> tuple[Any, ...] | None:
+def _recall(name: str, w: Any, x: Any, y: Any, a: float,
+            tile: tuple[int, ...] | None = None) -> tuple[Any, ...] | None:
+    """The plan of the last launch of ``name`` if it had these tensors, scalar and tiling
+    (``tile``: the output Partition's tile shape, ``None`` for a plain Tensor)."""
     m = _memo.get(name)
-    if m is None or m[3] != a or m[0]() is not w or m[1]() is not x:
+    if m is None or m[3] != a or m[0]() is not w or m[1]() is not x or m[5] != tile:
         return None
     yr = m[2]
     if (yr() if yr is not None else None) is not y:
@@ -329,8 +335,10 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
     """
     if type(a) is not float:
         a = _scalar_arg(a)
-    if type(z) is Tensor and type(x) is Tensor:
-        plan = _recall("saxpy", z, x, None, a)
+    if type(x) is Tensor:
+        tz = type(z)
+        plan = (_recall("saxpy", z, x, None, a) if tz is Tensor else
+                _recall("saxpy", z.tensor, x, None, a, z.tile_shape) if tz is Partition else None)
         if plan is not None:  # identical to the last launch: already validated
             return _ElementwiseOp("saxpy", (z, x), a, False, plan)
     deferred = isinstance(z, DeviceOp) or isinstance(x, DeviceOp)
@@ -382,8 +390,10 @@ def _binary_check(name: str, x: Tensor, y: Tensor, out: Tensor | None) -> None:
 
 
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
-    if type(out) is Tensor and type(x) is Tensor and type(y) is Tensor:
-        plan = _recall(name, out, x, y, 0.0)
+    if type(x) is Tensor and type(y) is Tensor:
+        to = type(out)
+        plan = (_recall(name, out, x, y, 0.0) if to is Tensor else
+                _recall(name, out.tensor, x, y, 0.0, out.tile_shape) if to is Partition else None)
         if plan is not None:  # identical to the last launch: already validated
             return _ElementwiseOp(name, (x, y, out), 0.0, False, plan)
     deferred = isinstance(x, DeviceOp) or isinstance(y, DeviceOp) or isinstance(out, DeviceOp)

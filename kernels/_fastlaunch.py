@@ -6,7 +6,7 @@ tiny launch. The elementwise launchers know their argument types in advance,
 so they call the driver directly through ctypes:
 
 * the argument types are fixed per kernel by a code string
-  (``p`` device pointer, ``f`` float32, ``i`` int32, ``q`` int64);
+  (``p`` device pointer, ``f`` float32, ``d`` float64, ``i`` int32, ``q`` int64);
 * the packed ``kernelParams`` array for a given argument tuple is built once
   and cached (the driver copies the values at launch, so reuse is safe);
 * a launch is one call of CuPy's typed Cython binding of ``cuLaunchKernel``
@@ -26,9 +26,10 @@ from typing import Any
 
 from deviceops._errors import DriverError
 
-__all__ = ["Launcher"]
+__all__ = ["KernelFn", "Launcher", "fast_kernel"]
 
-_CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int32, "q": ctypes.c_int64}
+_CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
+           "q": ctypes.c_int64}
 _CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_INVALID_HANDLE = 400
 _CACHE_LIMIT = 4096
@@ -60,7 +61,7 @@ class Launcher:
 
     def __init__(self, kernel: Any, codes: str, name: str, device_index: int) -> None:
         if any(c not in _CTYPES for c in codes):
-            raise ValueError(f"Launcher({name}): unknown argument code in {codes!r}; use p, f, i, q")
+            raise ValueError(f"Launcher({name}): unknown argument code in {codes!r}; use p, f, d, i, q")
         self._fptr = int(kernel.kernel.ptr)
         self._types = tuple(_CTYPES[c] for c in codes)
         self._cache: dict[tuple[Any, ...], Any] = {}
@@ -107,6 +108,68 @@ class Launcher:
                 exc = again
         raise DriverError(f"launching {self.name} (grid {grid}, block {block}) on cuda:{self.device_index} "
                           f"failed: {exc}", op=self.name, device=f"cuda:{self.device_index}") from exc
+
+
+class KernelFn:
+    """A CuPy ``RawKernel`` with CuPy's call signature, launched through :class:`Launcher`.
+
+    ``fn(grid, block, args, stream=cupy_stream)`` as with the ``RawKernel`` it wraps,
+    without CuPy's per-call argument inspection: the argument codes are derived once per
+    pattern of argument types (a CuPy array is a pointer; ``numpy.float32`` ``f``,
+    ``numpy.float64`` ``d``, ``numpy.int32`` ``i``, ``numpy.int64``/``numpy.uint64`` ``q``), arrays are passed as
+    their device pointers, and the packed parameter block of a repeated argument tuple is
+    reused (:class:`Launcher`). Any other argument type raises ``TypeError`` at once.
+    """
+
+    __slots__ = ("_device_index", "_kernel", "_launchers", "name")
+
+    def __init__(self, kernel: Any, name: str, device_index: int) -> None:
+        self._kernel = kernel
+        self._launchers: dict[tuple[type, ...], Launcher] = {}
+        self._device_index = device_index
+        self.name = name
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], *,
+                 stream: Any, shared_mem: int = 0) -> None:
+        types = tuple(map(type, args))
+        ln = self._launchers.get(types)
+        if ln is None:
+            ln = self._launchers[types] = Launcher(self._kernel, _codes(types, self.name), self.name,
+                                                   self._device_index)
+        vals = tuple(a.data.ptr if t in _ARRAY_TYPES else a for t, a in zip(types, args, strict=True))
+        g = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
+        b = block if len(block) == 3 else (*block, 1, 1)[:3]
+        ln(g, b, vals, stream.ptr, shared_mem)  # type: ignore[arg-type]
+
+
+_ARRAY_TYPES: set[type] = set()
+_SCALAR_CODES: dict[type, str] = {}
+
+
+def _codes(types: tuple[type, ...], name: str) -> str:
+    if not _ARRAY_TYPES:
+        import cupy
+        import numpy as np
+
+        _ARRAY_TYPES.add(cupy.ndarray)
+        _SCALAR_CODES.update({np.float32: "f", np.float64: "d", np.int32: "i", np.int64: "q",
+                              np.uint64: "q"})
+    out = []
+    for t in types:
+        if t in _ARRAY_TYPES:
+            out.append("p")
+        elif t in _SCALAR_CODES:
+            out.append(_SCALAR_CODES[t])
+        else:
+            raise TypeError(f"{name}: kernel argument of type {t.__name__} is not supported by the "
+                            "fast launcher; pass a CuPy array, numpy.float32, numpy.float64, "
+                            "numpy.int32, numpy.int64 or numpy.uint64")
+    return "".join(out)
+
+
+def fast_kernel(kernel: Any, name: str, device_index: int) -> KernelFn:
+    """Wrap a CuPy ``RawKernel`` (see :class:`KernelFn`)."""
+    return KernelFn(kernel, name, device_index)
 
 
 # -- programmatic dependent launch (graph capture) -------------------------------
@@ -162,13 +225,30 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
         _cu_launch_ex = fn
     entry = ln._cache.get(args)
     params = entry[0] if entry is not None else ln._pack(args)
+    ckey = (grid, block, stream_ptr)
+    cfg = _configs.get(ckey)
+    if cfg is None:
+        cfg = _pdl_config(grid, block, stream_ptr)
+        if len(_configs) >= _CACHE_LIMIT:
+            del _configs[next(iter(_configs))]
+        _configs[ckey] = cfg
+    rc = _cu_launch_ex(ctypes.byref(cfg[0]), ln._fptr, params, None)
+    if rc:
+        raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
+                          f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
+                          "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
+
+
+# (grid, block, stream) -> (launch config, its attribute): built once, reused (the driver
+# reads them during the call only)
+_configs: dict[tuple[Any, ...], tuple[_Config, _Attr]] = {}
+
+
+def _pdl_config(grid: tuple[int, int, int], block: tuple[int, int, int],
+                stream_ptr: int) -> tuple[_Config, _Attr]:
     attr = _Attr()
     attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.programmatic_stream_serialization_allowed = 1
     cfg = _Config(grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream_ptr,
                   ctypes.pointer(attr), 1)
-    rc = _cu_launch_ex(ctypes.byref(cfg), ln._fptr, params, None)
-    if rc:
-        raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
-                          f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
-                          "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
+    return cfg, attr

@@ -38,6 +38,7 @@ from deviceops._tensor import Partition, Tensor, allocate, check_device
 
 from ._gemm import ACTIVATIONS, gemm_check, gemm_cuda, gemm_reference, gemm_workspace_nbytes
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
+from ._plan import cached, static_key
 
 __all__ = ["gemm", "matmul", "reserve_workspace"]
 
@@ -187,11 +188,56 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
     ``body(ctx, tensors)`` launches. The op produces ``out`` in the form given.
     Every argument not named in ``optional`` is required: ``None`` or a value that is
     not a Tensor/Partition/DeviceOp raises ``TypeError`` naming it, at construction.
+
+    When every argument is a Tensor (or ``None``), the check's result is looked up in the
+    plan cache (:mod:`._plan`) first, and the op launches without re-deriving anything.
     """
     keys = tuple(args)
-    vals = tuple(args[k] for k in keys)
+    vals = tuple(args.values())
     i_out = keys.index("out")
-    require_tensors(name, args, optional)
+    if not plain_args(name, args, optional):
+        return _general_op(name, keys, vals, i_out, check, body)
+    given = {k: v for k, v in args.items() if v is not None}
+    oshape, odt = cached(static_key(check), vals, lambda: checked(name, args, check))
+    first = next(iter(given.values()))
+    dev = first._storage.device
+    out0 = vals[i_out]
+
+    def run(ctx: ExecutionContext, *vs: Any) -> Any:
+        stream = ctx.stream
+        if stream.device is not dev:
+            check_device(first, stream, name)
+        if out0 is not None:
+            body(ctx, given)
+            return out0
+        out_t = allocate(stream, oshape, odt, name)
+        body(ctx, {**given, "out": out_t})
+        return out_t
+
+    return KernelOp.plain(name, run, vals)
+
+
+def plain_args(name: str, args: Mapping[str, Any], optional: tuple[str, ...]) -> bool:
+    """True if every argument is a Tensor or an allowed ``None`` (the plan-cache fast path).
+
+    Raises:
+        TypeError: a required argument is ``None`` or of a wrong kind (see
+            :func:`require_tensors`).
+    """
+    for k, v in args.items():
+        if v is None:
+            if k in optional or k == "out" or k.endswith("_out"):
+                continue
+        elif type(v) is Tensor:
+            continue
+        require_tensors(name, args, optional)  # raises for a bad argument
+        return False
+    return True
+
+
+def _general_op(name: str, keys: tuple[str, ...], vals: tuple[Any, ...], i_out: int,
+                check: Check, body: Body) -> KernelOp:
+    """build_op with Partition or DeviceOp arguments (checked once their values are known)."""
 
     def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
         return {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}

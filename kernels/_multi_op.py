@@ -19,7 +19,8 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._tensor import Tensor, allocate, check_device
 
 from ._launch import KernelOp, as_tensor, is_deferred
-from ._linear import checked, require_tensors
+from ._linear import OPTIONAL_ARGS, checked, plain_args, require_tensors
+from ._plan import cached, static_key
 
 __all__ = ["Body", "MultiCheck", "Outputs", "distinct", "floating", "multi_op", "same"]
 
@@ -38,8 +39,10 @@ def multi_op(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
     argument values as given (allocated outputs filled in).
     """
     keys = tuple(args)
-    vals = tuple(args[k] for k in keys)
+    vals = tuple(args.values())
     dflt = dict(defaults or {})
+    if plain_args(name, args, OPTIONAL_ARGS):
+        return _plain_multi(name, args, check, body, result, dflt)
     require_tensors(name, args)  # None for a required tensor: TypeError naming it (issue 16)
 
     def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
@@ -73,6 +76,38 @@ def multi_op(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
         return result(given)
 
     return KernelOp(name, run, vals)
+
+
+def _plain_multi(name: str, args: dict[str, Any], check: MultiCheck, body: Body,
+                 result: Callable[[dict[str, Any]], Any], dflt: Mapping[str, str]) -> KernelOp:
+    """multi_op when every argument is a Tensor or ``None``: the check's result comes from
+    the plan cache, the launch reuses the argument dict built here."""
+    ts: dict[str, Any] = dict(args)
+    for k, src in dflt.items():
+        if ts[k] is None:
+            ts[k] = ts[src]
+    vals = tuple(ts.values())  # the key sees the defaulted outputs' aliasing too
+    outs = cached(static_key(check), vals, lambda: checked(name, ts, check))
+    given = {k: t for k, t in ts.items() if t is not None}
+    first = next(iter(given.values()))
+    dev = first._storage.device
+    missing = [(k, shape, dt) for k, (shape, dt) in outs.items() if ts[k] is None]
+    res = None if missing else result(ts)
+
+    def run(ctx: ExecutionContext, *vs: Any) -> Any:
+        stream = ctx.stream
+        if stream.device is not dev:
+            check_device(first, stream, name)
+        if not missing:
+            body(ctx, given)
+            return res
+        now = dict(ts)
+        for k, shape, dt in missing:
+            now[k] = allocate(stream, shape, dt, name)
+        body(ctx, {k: t for k, t in now.items() if t is not None})
+        return result(now)
+
+    return KernelOp.plain(name, run, tuple(args.values()))
 
 
 # -- shared checks ---------------------------------------------------------------------------

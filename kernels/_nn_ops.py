@@ -35,6 +35,7 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
+from ._fastlaunch import fast_kernel
 from ._gemm import _act_np
 from ._launch import KernelOp
 from ._linear import Check, build_op, check_out, noop
@@ -116,7 +117,7 @@ def _function(device_index: int, expr: str) -> Any:
     fn = _funcs.get(key)
     if fn is None:
         mod = load_module(expanded_source("nn_ops.cu"), device_id=device_index, name_expressions=_names())
-        fn = _funcs[key] = mod.get_function(expr)
+        fn = _funcs[key] = fast_kernel(mod.get_function(expr), expr, device_index)
     return fn
 
 

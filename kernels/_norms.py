@@ -20,6 +20,7 @@ import numpy as np
 
 from deviceops._dtypes import bfloat16, float16, float32
 
+from ._fastlaunch import fast_kernel
 from ._module import expanded_source, load_module, read_source
 
 __all__ = ["CTYPE", "MOVE_TYPES", "norm_cuda", "norm_geometry", "tk_function", "vec_width"]
@@ -60,7 +61,7 @@ def tk_function(device_index: int, expr: str) -> Any:
     if fn is None:
         src = expanded_source("transformer.cu") + "\n" + read_source("sampling.cu")
         mod = load_module(src, device_id=device_index, name_expressions=_names())
-        fn = _funcs[key] = mod.get_function(expr)
+        fn = _funcs[key] = fast_kernel(mod.get_function(expr), expr, device_index)
     return fn
 
 

@@ -145,4 +145,13 @@ def test_repeated_launches_reuse_plan_and_stay_correct(stream: deviceops.Stream)
         for _ in range(2):
             kernels.add(z, x, out=out).async_on(stream)
         np.testing.assert_array_equal(to_np(out), zh + 14.0 * xh)
+        # the partition form (the README's idiom) is memoized with its tiling
+        for tile in ((128,), (128,), (256,), (100,)):
+            zp = kernels.saxpy(z.partition(tile), 1.0, x).async_on(stream)
+            assert isinstance(zp, deviceops.Partition) and zp.tile_shape == tile
+        kernels.saxpy(z, 1.0, x).async_on(stream)  # the plain form after the tiled ones
+        np.testing.assert_array_equal(to_np(z), zh + 18.0 * xh)
+        for tile in ((64,), (64,), (512,)):
+            kernels.add(z, x, out=out.partition(tile)).async_on(stream)
+        np.testing.assert_array_equal(to_np(out), zh + 19.0 * xh)
         del z, x, out  # the next round's tensors may reuse these ids

@@ -1,0 +1,103 @@
+"""The kernel-check plan cache (kernels/_plan.py): hits, and no stale answer.
+
+A launcher's argument check runs once per (check code + closed-over scalars, tensor
+signatures, alias pattern); these tests pin what must NOT be served from the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deviceops
+from deviceops import DTypeError, ShapeError, Tensor, api, kernels
+from deviceops.kernels import _plan
+
+
+@pytest.fixture
+def s() -> deviceops.Stream:
+    return deviceops.device("cpu").new_stream()
+
+
+def test_repeated_calls_hit(s: deviceops.Stream) -> None:
+    x = api.ones((3, 40)).sync_on(s)
+    w = api.ones((40,)).sync_on(s)
+    o = api.zeros((3, 40)).sync_on(s)
+    _plan.clear()
+    for _ in range(5):
+        kernels.rms_norm(x, w, eps=1e-5, out=o).sync_on(s)
+    st = _plan.stats()
+    assert st["misses"] == 1 and st["hits"] == 4
+    np.testing.assert_allclose(api.to_host(o).sync_on(s), 1.0, rtol=1e-5)
+
+
+def test_closed_over_parameter_is_part_of_the_key(s: deviceops.Stream) -> None:
+    x = api.ones((2, 7)).sync_on(s)
+    a = kernels.argmax(x).sync_on(s)
+    b = kernels.argmax(x, dtype="int64").sync_on(s)
+    assert str(a.dtype) == "int32" and str(b.dtype) == "int64"
+
+
+def test_alias_pattern_is_part_of_the_key(s: deviceops.Stream) -> None:
+    a = api.ones((4, 4)).sync_on(s)
+    b = api.ones((4, 4)).sync_on(s)
+    c = api.zeros((4, 4)).sync_on(s)
+    kernels.gemm(a, b, out=c).sync_on(s)  # cached: distinct storages
+    with pytest.raises(ShapeError, match="shares memory"):
+        kernels.gemm(a, b, out=a)
+
+
+def test_contiguity_is_part_of_the_key(s: deviceops.Stream) -> None:
+    x = api.ones((3, 8)).sync_on(s)
+    o = api.zeros((3, 8)).sync_on(s)
+    kernels.softmax(x, out=o).sync_on(s)
+    nc = Tensor(np.ones((3, 16), np.float32)[:, ::2], deviceops.device("cpu"))
+    assert nc.shape == (3, 8) and not nc.is_contiguous
+    with pytest.raises(ShapeError, match="contiguous"):
+        kernels.softmax(nc, out=o)
+
+
+def test_a_failed_check_is_not_cached(s: deviceops.Stream) -> None:
+    x = api.ones((3, 8)).sync_on(s)
+    bad_w = api.ones((7,)).sync_on(s)
+    for _ in range(2):
+        with pytest.raises(ShapeError):
+            kernels.rms_norm(x, bad_w)
+    w16 = api.ones((8,), "float16").sync_on(s)
+    for _ in range(2):
+        with pytest.raises(DTypeError):
+            kernels.rms_norm(x, w16)
+
+
+def test_static_key_refuses_closures_over_objects() -> None:
+    t = [1, 2]
+
+    def over_list(ts: object) -> object:
+        return t
+
+    k = 3
+
+    def over_int(ts: object) -> object:
+        return k
+
+    assert _plan.static_key(over_list) is None
+    assert _plan.static_key(over_int) == (over_int.__code__, 3)
+
+
+def test_partition_and_deferred_args_are_checked_each_time(s: deviceops.Stream) -> None:
+    x = api.ones((4, 8)).sync_on(s)
+    o = api.zeros((4, 8)).sync_on(s)
+    _plan.clear()
+    kernels.softmax(x.partition((2, 8)), out=o).sync_on(s)
+    kernels.softmax(api.ones((4, 8)), out=o).sync_on(s)
+    assert _plan.stats()["entries"] == 0
+    with pytest.raises(ShapeError):
+        kernels.softmax(api.ones((4, 9)), out=o).sync_on(s)
+
+
+def test_cache_is_bounded(s: deviceops.Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_plan, "LIMIT", 8)
+    _plan.clear()
+    for n in range(1, 20):
+        kernels.softmax(api.ones((1, n)).sync_on(s)).sync_on(s)
+    assert _plan.stats()["entries"] <= 8
