@@ -653,8 +653,10 @@ class CausalLM:
         for p in positions:
             if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p < self.max_seq:
                 raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq={self.max_seq})")
+        bs, rb = self.block_size, self._row_blocks
         for x, p in zip(sl, positions, strict=True):
-            self._grow(x, int(p) + 1, "decode_step")
+            if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
+                self._grow(x, int(p) + 1, "decode_step")
         b = next(x for x in self._bucket_list if x > max(sl))
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         if use_graph and b not in self._graphs:
@@ -715,28 +717,40 @@ class CausalLM:
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         if not use_graph:
             return 0
+        s, c = self.device_stream, self.prefill_chunk
+        lengths, tp = [], 16
+        while True:
+            lengths.append(min(tp, c))
+            if tp >= c:
+                break
+            tp *= 2
+        # eager runs of the largest shapes first: the stream's kernel workspace reaches its
+        # final size before any capture, so every graph shares one workspace
+        idle = self._h_state.copy()
+        idle[0], idle[1], idle[2] = self._idle, 1, 0
+        idle[3][idle[3] < 0] = 0
+        api.memcpy(self._state, api.from_host(idle)).async_on(s)
+        self._step_op(self.max_batch).sync_on(s)
+        self._dirty = True
+        i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
+        for tp in reversed(lengths):
+            i32[c:c + 3] = (0, tp, tp - 1)
+            api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
+            self._prefill_graph_op(tp).sync_on(s)
         n = 0
         for b in self._bucket_list:
             if b not in self._graphs:
                 self._capture(b)
                 n += 1
-        s, c = self.device_stream, self.prefill_chunk
-        tp = 16
-        while True:
-            tp = min(tp, c)
+        for tp in lengths:
             if tp not in self._pf_graphs:
-                i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
                 i32[c:c + 3] = (0, tp, tp - 1)
                 api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
-                self._prefill_graph_op(tp).sync_on(s)
                 try:
                     self._pf_graphs[tp] = self._prefill_graph_op(tp).graph_on(s)
                     n += 1
                 except deviceops.DeviceError:
                     self._pf_graphs[tp] = None
-            if tp >= c:
-                break
-            tp *= 2
         s.synchronize()
         return n
 
