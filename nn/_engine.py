@@ -10,10 +10,18 @@ Requests join and leave the running batch at every decode step. One engine *step
    theirs back (so a running request never runs out of KV memory and nothing is
    preempted). Blocks go back when the request finishes or is cancelled;
 2. **decode**: one token for every running request that has finished its prompt, as one
-   batched model step (the model replays a captured decode graph per batch-size bucket);
+   batched model step (the model replays a captured decode graph per batch-size bucket),
+   every step while any stream is running;
 3. **prefill**: up to ``prefill_chunk`` prompt tokens of newly admitted requests, a long
    prompt in several chunks over several steps, so running streams keep a bounded
    inter-token latency; the last chunk of a prompt samples its first new token.
+
+Steps 2 and 3 are *pipelined* when the step model has ``submit_decode``/``submit_prefill``
+(``CausalLM`` does): the decode and the prompt chunks are all enqueued before the host
+waits, once for the decode tokens (read ahead of the prefill work in stream order) and
+then for the prompts' first tokens, so the device runs them back to back. The model's
+graphs (decode buckets, padded prefill lengths) are captured when the engine is built
+(the step model's ``warmup``), never inside a request's step.
 
 There is no background task: whichever consumer is waiting for a token while no step is
 running *drives* the next step (and hands the role to another waiting consumer when it has

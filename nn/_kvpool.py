@@ -1,23 +1,25 @@
-"""KV memory accounting for the serving :class:`~deviceops.nn.Engine`: cache slots.
+"""KV memory accounting for the serving :class:`~deviceops.nn.Engine`: batch rows (slots).
 
-The model preallocates its KV cache as ``(max_batch, Hkv, max_seq, D)`` per layer; one
-batch row of it (a *slot*) holds one running sequence. :class:`SlotPool` hands slots out
-and takes them back, and keeps the logical occupancy of each slot (how many positions
-its sequence has written) so the server can report KV memory in use.
+The model's KV cache is **paged** (:mod:`.kv_cache`): per layer one block pool
+``(num_blocks, Hkv, block_size, D)`` and a block table ``(max_batch, max_blocks)`` in device
+memory; a running sequence holds one batch row of the table (a *slot*) and the blocks its
+length needs, handed out by the model's :class:`~.kv_cache.BlockAllocator`. The engine
+reserves a request's blocks at admission (``CausalLM.reserve``) and the model gives them
+back on ``release``; ``Engine.stats().kv_blocks_in_use`` is that allocator's real count.
 
-This is **not** paged attention: a request holds a whole ``max_seq`` row from admission
-to release, whatever its length. Occupancy is still reported in ``block_size``-token
-blocks (``blocks_in_use``), the unit a paged cache would allocate, so the figure stays
-comparable if the attention kernel gains a block table (``flash_attention(...,
-block_table=...)``) and the engine switches to a block pool.
+:class:`SlotPool` hands out the batch rows and keeps the logical occupancy of each (how
+many positions its sequence has written; ``blocks_in_use`` here rounds that up per slot,
+what a step model without paged memory reports).
 
 :func:`kv_bytes_per_token` and :func:`max_concurrent_sequences` compute how many
 sequences of a given length fit in a given amount of device memory. SmolLM2-135M in
-float16 needs 23,040 bytes per token, 47.2 MB per 2,048-token sequence: an 80 GB H100
-(85.5e9 bytes; about 84e9 free after the CUDA context and the 0.27 GB of weights) holds
-about 1,780 of them (computed; ``benchmarks/serve.py`` measures the free memory and
-allocates that many). Slot rows and a paged pool give the same count at full length;
-paging only helps sequences shorter than ``max_seq``.
+float16 needs 23,040 bytes per token (368,640 per 16-token block), 47.2 MB per 2,048-token
+sequence (128 blocks). Measured on the H100 (``benchmarks/serve.py``, 2026-11-23): 82.48 GB
+free after the CUDA context, weights and this run's other buffers -> 1,747 concurrent
+2,048-token sequences (1,779 counting the run's own pool), and a pool of 1,659 of them
+(78.3 GB) was allocated. Paging does not change that count at full length; it lets
+shorter sequences hold only the blocks they use, so ``max_batch`` rows can share a pool
+smaller than ``max_batch * max_seq`` positions.
 """
 
 from __future__ import annotations

@@ -44,7 +44,11 @@ class _EngineCollector(Collector):
             "deviceops_engine_max_batch": ("KV slots (max concurrent requests)", st.max_batch),
             "deviceops_kv_slots_in_use": ("KV-cache slots (batch rows) held", st.slots_in_use),
             "deviceops_kv_blocks_in_use": (
-                "16-token KV blocks written by the sequences holding slots", st.kv_blocks_in_use),
+                "KV blocks held by running requests (paged cache; reserved at admission)",
+                st.kv_blocks_in_use),
+            "deviceops_kv_blocks_total": (
+                "KV blocks of the pool (0: a step model without paged memory)",
+                getattr(st, "kv_blocks_total", 0)),
             "deviceops_kv_tokens_in_use": (
                 "KV positions written by the sequences holding slots", st.kv_tokens_in_use),
         }

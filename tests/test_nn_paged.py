@@ -128,7 +128,8 @@ def test_bad_paged_arguments(tmp_path: Path) -> None:
     assert eng.stats().queued == 0
 
 
-def test_engine_admission_waits_for_blocks(paged: Any) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_engine_admission_waits_for_blocks(paged: Any, backend: str) -> None:
     """8 requests on 4 rows whose budgets need 9 to 12 blocks each: at most 3 hold blocks at
     once (29 usable), every result equals the reference, and all blocks come back."""
     from deviceops.nn import Engine
@@ -159,7 +160,7 @@ def test_engine_admission_waits_for_blocks(paged: Any) -> None:
         assert (st.kv_blocks_in_use, st.slots_in_use, st.running, st.queued) == (0, 0, 0, 0)
         return got
 
-    got = anyio.run(main)
+    got = anyio.run(main, backend=backend)
     assert got == want
     assert 2 <= peak["running"] <= 3 and peak["blocks"] <= 29  # blocks, not rows, bound it
     assert m.blocks.in_use == 0
