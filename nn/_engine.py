@@ -632,8 +632,10 @@ class Engine:
                     self._queue.popleft()
                     self._space_freed()
                     self._finish(req, "error", RuntimeError(
-                        f"Engine: request {req.id} needs {self._budget(req)} positions of KV "
-                        "memory, more than the whole block pool"))
+                        f"Engine: request {req.id} needs KV blocks for {self._budget(req)} "
+                        f"positions and no running request will free any ("
+                        f"{getattr(self.steps, 'kv_blocks_in_use', '?')} blocks held outside "
+                        "the engine?); release them or build the model with more kv_blocks"))
                     continue
                 return  # wait for blocks (first come, first served)
             self._queue.popleft()

@@ -98,6 +98,12 @@ class _Rows:
     def active(self) -> list[int]:
         return [i for i, d in enumerate(self.done) if not d]
 
+    def close(self) -> None:
+        """Release the rows still running (an error or an early stop): their KV blocks go back."""
+        for i in self.active():
+            self.done[i] = True
+            self.m.release(i)
+
     def step(self, rows: list[int]) -> Tensor:
         """Enqueue one decode step of ``rows``; returns the token view."""
         toks = [self.out[i][-1] for i in rows]
@@ -163,11 +169,14 @@ def generate(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperat
         for g in range(0, len(prompts), model.max_batch):
             rows = _Rows(model, prompts[g:g + model.max_batch], max_new, stops, sampling, graph)
             if max_new > 0:
-                view = rows.start()
-                rows.accept(model.read(view).sync_on(s), range(len(rows.prompts)))
-                while act := rows.active():
-                    view = rows.step(act)
-                    rows.accept(model.read(view).sync_on(s), act)
+                try:
+                    view = rows.start()
+                    rows.accept(model.read(view).sync_on(s), range(len(rows.prompts)))
+                    while act := rows.active():
+                        view = rows.step(act)
+                        rows.accept(model.read(view).sync_on(s), act)
+                finally:
+                    rows.close()
             results += rows.out
     return results if batch else results[0]
 
@@ -190,10 +199,13 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
         return
     with _Busy(model, what):
         rows = _Rows(model, prompts, max_new, stops, sampling, graph)
-        view = rows.start()
-        for _, tok in rows.accept(await model.read(view), [0]):
-            yield tok
-        while act := rows.active():
-            view = rows.step(act)
-            for _, tok in rows.accept(await model.read(view), act):
+        try:
+            view = rows.start()
+            for _, tok in rows.accept(await model.read(view), [0]):
                 yield tok
+            while act := rows.active():
+                view = rows.step(act)
+                for _, tok in rows.accept(await model.read(view), act):
+                    yield tok
+        finally:
+            rows.close()

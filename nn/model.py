@@ -446,7 +446,8 @@ class CausalLM:
     def logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
         """Prefill logits of ``ids``: a lazy op producing a fresh ``(len(ids), vocab)`` tensor.
 
-        It writes the prompt's keys and values into cache row ``slot`` (default 0).
+        It writes the prompt's keys and values into cache row ``slot`` (default 0), which
+        gets the blocks it needs and keeps them (:meth:`release` gives them back).
         """
         ids_l = self._check_ids(list(ids), "logits")
         slot = self._check_slot(slot, "logits")

@@ -164,3 +164,30 @@ def test_engine_admission_waits_for_blocks(paged: Any, backend: str) -> None:
     assert got == want
     assert 2 <= peak["running"] <= 3 and peak["blocks"] <= 29  # blocks, not rows, bound it
     assert m.blocks.in_use == 0
+
+
+def test_stream_stopped_early_and_failed_generate_give_blocks_back(paged: Any) -> None:
+    m, held = paged
+    p = prompts(m, (8,), 11)[0]
+
+    async def main() -> list[int]:
+        it = m.stream(p, 10)
+        got = []
+        async for t in it:
+            got.append(t)
+            if len(got) == 3:
+                break
+        assert m.blocks.in_use == 4  # positions 0..9 written: 4 blocks of 3
+        await it.aclose()
+        return got
+
+    assert anyio.run(main) == ref_greedy(held, p, 3)
+    assert m.blocks.in_use == 0
+    hog = m.blocks.acquire(m.blocks.free - 2)  # 2 blocks left: the second row cannot prefill
+    assert hog is not None
+    from deviceops.nn.model import KVCacheFull
+
+    with pytest.raises(KVCacheFull):
+        m.generate([p[:3], p], 2)
+    m.blocks.release(hog)
+    assert m.blocks.in_use == 0  # the first row's block came back too
