@@ -21,16 +21,18 @@ from __future__ import annotations
 from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
 from .config import LlamaConfig
 from .generation import generate, stream
-from .kv_cache import KVCache
+from .kv_cache import BlockAllocator, KVCache
 from .load import load_gguf, load_safetensors, smollm2
-from .model import CausalLM
+from .model import CausalLM, KVCacheFull
 
 __all__ = [
+    "BlockAllocator",
     "CausalLM",
     "Engine",
     "EngineClosed",
     "EngineOverloaded",
     "KVCache",
+    "KVCacheFull",
     "LlamaConfig",
     "RequestStream",
     "generate",
