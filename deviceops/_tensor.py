@@ -139,6 +139,12 @@ def after_access(stream: Stream, seq: int, reads: Sequence[Storage], writes: Seq
             cap.note(st, True)
 
 
+# signature -> a small int (Tensor.signature_id); bounded: past the bound, new signatures
+# get none (their kernel checks are then not cached), so the table cannot grow without end
+_SIG_IDS: dict[tuple[Any, ...], int] = {}
+_SIG_IDS_MAX = 1 << 20
+
+
 class Tensor:
     """An n-dimensional array on one device, tracked for cross-stream safety.
 
@@ -153,11 +159,12 @@ class Tensor:
         ((2, 3), 'float32')
     """
 
-    __slots__ = ("__weakref__", "_array", "_sig", "_storage")
+    __slots__ = ("__weakref__", "_array", "_sig", "_sig_id", "_storage")
 
     def __init__(self, array: Any, device: Device | None = None, *, _storage: Storage | None = None) -> None:
         self._array = array
         self._sig: tuple[tuple[int, ...], np.dtype[Any], Device, bool] | None = None
+        self._sig_id = -1  # the signature's interned number (see signature_id), -1: not yet
         self._storage = _storage if _storage is not None else Storage(
             array, _check_array(array, device), None)
 
@@ -176,6 +183,20 @@ class Tensor:
             sig = self._sig = (tuple(a.shape), np.dtype(a.dtype), self._storage.device,
                                bool(a.flags.c_contiguous))
         return sig
+
+    def signature_id(self) -> int:
+        """A small int naming :meth:`signature` (equal ints: equal signatures), or ``-2``
+        when the process has seen more than ``2**20`` distinct signatures (then: none)."""
+        sid = self._sig_id
+        if sid == -1:
+            sig = self.signature()
+            sid = _SIG_IDS.get(sig, -1)
+            if sid == -1:
+                sid = len(_SIG_IDS) if len(_SIG_IDS) < _SIG_IDS_MAX else -2
+                if sid >= 0:
+                    _SIG_IDS[sig] = sid
+            self._sig_id = sid
+        return sid
 
     @property
     def shape(self) -> tuple[int, ...]:

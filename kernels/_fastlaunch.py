@@ -125,21 +125,27 @@ class KernelFn:
 
     def __init__(self, kernel: Any, name: str, device_index: int) -> None:
         self._kernel = kernel
-        self._launchers: dict[tuple[type, ...], Launcher] = {}
+        # argument types -> (launcher, positions of the pointer arguments)
+        self._launchers: dict[tuple[type, ...], tuple[Launcher, tuple[int, ...]]] = {}
         self._device_index = device_index
         self.name = name
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], *,
                  stream: Any, shared_mem: int = 0) -> None:
         types = tuple(map(type, args))
-        ln = self._launchers.get(types)
-        if ln is None:
-            ln = self._launchers[types] = Launcher(self._kernel, _codes(types, self.name), self.name,
-                                                   self._device_index)
-        vals = tuple(a.data.ptr if t in _ARRAY_TYPES else a for t, a in zip(types, args, strict=True))
+        got = self._launchers.get(types)
+        if got is None:
+            codes = _codes(types, self.name)
+            got = self._launchers[types] = (
+                Launcher(self._kernel, codes, self.name, self._device_index),
+                tuple(i for i, c in enumerate(codes) if c == "p"))
+        ln, ptrs = got
+        vals = list(args)
+        for i in ptrs:
+            vals[i] = vals[i].data.ptr
         g = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
         b = block if len(block) == 3 else (*block, 1, 1)[:3]
-        ln(g, b, vals, stream.ptr, shared_mem)  # type: ignore[arg-type]
+        ln(g, b, tuple(vals), stream.ptr, shared_mem)  # type: ignore[arg-type]
 
 
 _ARRAY_TYPES: set[type] = set()

@@ -106,19 +106,35 @@ def norm_cuda(device_index: int, out: Any, x: Any, weight: Any, eps: float,
         eps: added to the mean square.
         residual, residual_out: CuPy arrays of x's shape, or both ``None`` (plain rms_norm).
     """
-    cols = int(x.shape[-1])
-    rows = int(x.size // cols) if cols else 0
-    arrays = tuple(a for a in (out, x, weight, residual, residual_out) if a is not None)
-    vec = vec_width(x.dtype, cols, arrays)
-    blocks, threads, nv = norm_geometry(rows, cols, vec)
-    fn = tk_function(device_index, f"add_rms_norm<{_CTYPE[x.dtype]}, {vec}, {nv}>")
-    null = np.uint64(0)  # a null pointer: no residual
-    res = null if residual is None else residual
-    res_out = null if residual_out is None else residual_out
-    args = (out, res_out, x, res, weight, np.int64(rows), np.int32(cols), np.float32(eps))
+    arrays = (out, x, weight) if residual is None else (out, x, weight, residual, residual_out)
+    misaligned = 0
+    for a in arrays:
+        misaligned |= a.data.ptr
+    key = (device_index, x.dtype, x.shape, (misaligned & 15) == 0)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _norm_plan(device_index, x, arrays)
+    fn, grid, block, rows, cols = plan
+    null = _NULL  # a null pointer: no residual
+    args = (out, null if residual_out is None else residual_out, x,
+            null if residual is None else residual, weight, rows, cols, np.float32(eps))
 
     def cuda(native: Any) -> None:
         if rows > 0:
-            fn((blocks,), (threads,), args, stream=native)
+            fn(grid, block, args, stream=native)
 
     return cuda
+
+
+_NULL = np.uint64(0)
+_plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _norm_plan(device_index: int, x: Any, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(kernel, grid, block, rows, cols) of one (device, dtype, shape, alignment)."""
+    cols = int(x.shape[-1])
+    rows = int(x.size // cols) if cols else 0
+    vec = vec_width(x.dtype, cols, arrays)
+    blocks, threads, nv = norm_geometry(rows, cols, vec)
+    fn = tk_function(device_index, f"add_rms_norm<{_CTYPE[x.dtype]}, {vec}, {nv}>")
+    return fn, (blocks,), (threads,), np.int64(rows), np.int32(cols)

@@ -6,8 +6,9 @@ decides depends only on
 
 * the check's code and the scalar parameters it closes over (``activation``, ``trans_b``,
   the kernel's name, ...): :func:`static_key`;
-* each tensor's shape, dtype, device and C-contiguity (:meth:`Tensor.signature`), and
-  which arguments share storage (the *alias pattern*): :func:`arg_key`.
+* each tensor's shape, dtype, device and C-contiguity (:meth:`Tensor.signature`, interned
+  as a small int), and which arguments share storage (the *alias pattern*, carried by the
+  storages' ids): :func:`arg_key`.
 
 So the first call with a given key runs the full check and stores its result; later calls
 with the same key reuse it: an inference loop that calls the same kernels on the same
@@ -33,7 +34,7 @@ from deviceops._tensor import Tensor
 __all__ = ["LIMIT", "arg_key", "cached", "clear", "static_key", "stats"]
 
 LIMIT = 4096
-_SIMPLE = (str, int, float, bool, bytes, np.dtype, type(None))
+_SIMPLE_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
 _cache: dict[Any, Any] = {}
 _counts = [0, 0]  # hits, misses
 
@@ -43,7 +44,8 @@ def static_key(fn: Callable[..., Any], depth: int = 0) -> Any:
 
     Closed-over functions contribute their own key (two levels deep); simple values
     (str, numbers, dtypes, ``None``, tuples of those) their value. Anything else makes
-    the check uncacheable (``None``).
+    the check uncacheable (``None``). The code object itself is part of the key (its
+    hash is computed by CPython from its identity-relevant fields once per lookup).
     """
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -57,40 +59,46 @@ def static_key(fn: Callable[..., Any], depth: int = 0) -> Any:
             v = c.cell_contents
         except ValueError:  # a cell not yet bound
             return None
-        if isinstance(v, _SIMPLE) or (isinstance(v, tuple)
-                                      and all(isinstance(x, _SIMPLE) for x in v)):
+        t = type(v)
+        if t in _SIMPLE_TYPES:
             parts.append(v)
-        elif isinstance(v, types.FunctionType) and depth < 2:
+        elif t is types.FunctionType and depth < 2:
             k = static_key(v, depth + 1)
             if k is None:
                 return None
             parts.append(k)
+        elif isinstance(v, np.dtype) or (t is tuple and all(type(x) in _SIMPLE_TYPES for x in v)):
+            parts.append(v)
         else:
             return None
     return tuple(parts)
 
 
 def arg_key(vals: Sequence[Any]) -> tuple[Any, ...] | None:
-    """Signatures and alias pattern of ``vals`` (Tensors or ``None``), or ``None`` if another
-    kind of argument (a Partition, a DeviceOp) is among them."""
-    sigs: list[Any] = []
-    stores: list[Any] = []
+    """Signatures and storages of ``vals`` (Tensors or ``None``), or ``None`` if another kind
+    of argument (a Partition, a DeviceOp) is among them.
+
+    Each tensor contributes its interned signature number and ``id`` of its storage. The
+    ids stand for the alias pattern: two live arguments share a storage exactly when their
+    ids are equal, so equal keys mean equal signatures and equal aliasing, which is all a
+    check may depend on (an id reused by a later storage yields a key whose check result
+    is still right for it).
+    """
+    key: list[Any] = []
     for v in vals:
         if v is None:
-            sigs.append(None)
+            key.append(None)
             continue
         if type(v) is not Tensor:
             return None
-        sig = v._sig
-        sigs.append(sig if sig is not None else v.signature())
-        st = v._storage
-        # alias pattern: the index of the first argument sharing this storage
-        for j, o in enumerate(stores):
-            if o is st:
-                sigs.append(j)
-                break
-        stores.append(st)
-    return tuple(sigs)
+        sid = v._sig_id
+        if sid < 0:
+            sid = v.signature_id()
+            if sid < 0:
+                return None
+        key.append(sid)
+        key.append(id(v._storage))
+    return tuple(key)
 
 
 def cached(check_key: Any, vals: Sequence[Any], compute: Callable[[], Any]) -> Any:
