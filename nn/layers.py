@@ -126,7 +126,8 @@ class RotaryAttention:
     theta: float
 
     def ops(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: Tensor,
-            bufs: AttentionBuffers, out: Tensor, block_table: Tensor | None = None) -> list[Thunk]:
+            bufs: AttentionBuffers, out: Tensor, block_table: Tensor | None = None,
+            fresh_kv: tuple[Tensor, Tensor] | None = None) -> list[Thunk]:
         """Thunks of the launches for ``x`` ``(B*L, hidden)`` -> ``out`` ``(B*L, hidden)``.
 
         Args:
@@ -139,6 +140,10 @@ class RotaryAttention:
             out: ``(B*L, hidden)``.
             block_table: optional int32 ``(B, max_blocks)`` in device memory: paged cache
                 (see :func:`deviceops.kernels.rope_kv_write`).
+            fresh_kv: optional contiguous ``(k, v)`` of ``(B, Hkv, L, D)``, for a chunk that
+                starts at position 0 (its keys are all the keys): the keys and values are
+                also written there and attention reads them instead of the (paged) cache,
+                which lets flash_attention use its contiguous prefill kernel.
         """
         length = bufs.q.shape[2]
         ops: list[Thunk] = [
@@ -146,9 +151,20 @@ class RotaryAttention:
             lambda: kernels.rope_kv_write(bufs.qkv3, start, k_cache, v_cache, n_heads=self.n_heads,
                                           n_kv_heads=self.n_kv_heads, theta=self.theta, q_out=bufs.q,
                                           block_table=block_table),
-            lambda: kernels.flash_attention(bufs.q, k_cache, v_cache, causal=True, kv_len=kv_len,
-                                            out=bufs.att, block_table=block_table),
         ]
+        if fresh_kv is None:
+            ops.append(lambda: kernels.flash_attention(bufs.q, k_cache, v_cache, causal=True,
+                                                       kv_len=kv_len, out=bufs.att,
+                                                       block_table=block_table))
+        else:
+            kf, vf = fresh_kv
+            ops += [
+                lambda: kernels.rope_kv_write(bufs.qkv3, start, kf, vf, n_heads=self.n_heads,
+                                              n_kv_heads=self.n_kv_heads, theta=self.theta,
+                                              q_out=bufs.q),
+                lambda: kernels.flash_attention(bufs.q, kf, vf, causal=True, kv_len=kv_len,
+                                                out=bufs.att),
+            ]
         if length > 1:  # (B, Hq, L, D) -> (B, L, Hq*D); for L == 1 the layouts coincide
             ops.append(lambda: kernels.merge_heads(bufs.att, out=bufs.merged3))
         ops.append(lambda: self.o(bufs.merged2, out))

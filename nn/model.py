@@ -13,8 +13,10 @@ allocated once. A forward step is a lazy chain of kernel ops writing into them::
 
 Prefill runs that chain with flash attention over the prompt (in chunks of
 ``prefill_chunk`` tokens; on CUDA each chunk is padded to a power of two and replays one
-graph per padded length, whatever the row: ids, positions, the row's block-table row and
-sampling parameters are copied into device buffers the graph reads). Decode runs it over
+graph per padded length (two: a chunk at position 0 attends over its own keys, kept
+contiguous, so flash attention runs its contiguous prefill kernel; a later chunk reads the
+paged cache), whatever the row: ids, positions, the row's block-table row and sampling
+parameters are copied into device buffers the graph reads). Decode runs it over
 the first ``bucket`` cache rows (``bucket`` in 1, 2, 4, ..., ``max_batch``) as one CUDA
 graph per bucket (the block table is read from device memory), captured once
 and replayed per token: positions (``start``), key counts (``kv_len``), the input tokens,
@@ -132,6 +134,8 @@ class _Arena:
         self.gu = buf(rows * 2 * f)
         self.act = buf(rows * f)
         self.down = buf(rows * h)
+        self.k_fresh = buf(rows * cfg.kv_size)  # a prefill chunk's own keys and values
+        self.v_fresh = buf(rows * cfg.kv_size)
 
     @staticmethod
     def view(t: Tensor, *shape: int) -> Tensor:
@@ -157,6 +161,8 @@ class _Arena:
             "gu": v(self.gu, n, 2 * c.intermediate_size),
             "act": v(self.act, n, c.intermediate_size),
             "down": v(self.down, n, c.hidden_size),
+            "fresh": (v(self.k_fresh, b, c.num_kv_heads, length, c.head_dim),
+                      v(self.v_fresh, b, c.num_kv_heads, length, c.head_dim)),
             "attn": AttentionBuffers(
                 qkv2=v(self.qkv, n, c.qkv_size), qkv3=v(self.qkv, b, length, c.qkv_size),
                 q=v(self.q, b, c.num_heads, length, c.head_dim), att=att,
@@ -271,7 +277,8 @@ class CausalLM:
         self._pf_i64 = api.zeros((2,), "int64").sync_on(s)
         self._pf_tok = api.zeros((1,), "int32").sync_on(s)
         self._pf_row = api.zeros((1, config.hidden_size), dtype).sync_on(s)
-        self._pf_graphs: dict[int, Any] = {}  # padded length -> graph (None: capture refused)
+        # (padded length, chunk at position 0) -> graph (None: capture refused)
+        self._pf_graphs: dict[tuple[int, bool], Any] = {}
         self._h_sampling = [(0.0, 0, 1.0, 0)] * n  # host copy: temperature, top_k, top_p, seed
         # host shadow of the device state (see decode)
         self._h_state = np.zeros((4, n), np.int32)
@@ -351,10 +358,11 @@ class CausalLM:
         return self._template.render(messages, add_generation_prompt=True)
 
     # -- forward chains ----------------------------------------------------------------------
-    def _layers_chain(self, vw: dict[str, Any], table: Tensor, start: Tensor,
-                      kv_len: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
+    def _layers_chain(self, vw: dict[str, Any], table: Tensor, start: Tensor, kv_len: Tensor,
+                      first: bool = False) -> list[Callable[[], DeviceOp[Any]]]:
         """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``);
-        ``table``: the rows' block-table rows ``(B, max_blocks)``."""
+        ``table``: the rows' block-table rows ``(B, max_blocks)``; ``first``: a prompt chunk
+        at position 0 (attention over its own contiguous keys, see ``RotaryAttention.ops``)."""
         resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
         th: list[Callable[[], DeviceOp[Any]]] = []
         for i, ly in enumerate(self.layers):
@@ -363,7 +371,8 @@ class CausalLM:
             else:
                 th.append(_norm_thunk(ly.norm1, down, resid, normed))
             kc, vc = self.cache.layer(i)
-            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o, block_table=table)
+            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o, block_table=table,
+                              fresh_kv=vw["fresh"] if first else None)
             th.append(_norm_thunk(ly.norm2, o, resid, normed))
             th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
         return th
@@ -402,7 +411,7 @@ class CausalLM:
             lambda: api.memcpy(self._pf_pos, api.from_host(pos)),
             lambda: self.embed(api.from_host(ids_a), vw["resid"]),
         ]
-        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl)
+        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl, first=start == 0)
         if all_logits is not None:  # every row's logits (CausalLM.logits)
             th += self._head(vw["down"], vw["resid"], vw["normed"], all_logits[start:start + t])
         else:
@@ -523,8 +532,8 @@ class CausalLM:
 
         Each chunk of up to ``prefill_chunk`` tokens is one forward pass. With ``graph``
         (default: on CUDA) a chunk is padded to a power of two (at least 16) and replays a
-        CUDA graph captured once per padded length, for every row (the first use runs
-        eagerly and captures; the row's ids, positions, block-table row and sampling
+        CUDA graph captured once per padded length and kind of chunk (at position 0 or
+        later), for every row (the first use runs eagerly and captures; the row's ids, positions, block-table row and sampling
         parameters go to device buffers the graph reads): the padding's keys land past the
         prompt (in the row's blocks, or the null block past them), where nothing attends to
         them before decode overwrites them. Without it the chunk runs eagerly, unpadded.
@@ -572,7 +581,8 @@ class CausalLM:
         """Run one chunk through its padded length's graph; False: use the eager path."""
         t = len(part)
         tp = self._pad_len(t)
-        g = self._pf_graphs.get(tp, False)
+        key = (tp, start == 0)
+        g = self._pf_graphs.get(key, False)
         if start + tp > self._idle or g is None:
             return False
         s, c, mb = self.device_stream, self.prefill_chunk, self.max_blocks
@@ -589,11 +599,11 @@ class CausalLM:
             self._h_counter[slot] += 1
         self._h_state[3, slot] = -1  # the graph samples into the row's token either way
         if g is False:
-            self._prefill_graph_op(tp).sync_on(s)  # this chunk, eagerly; then capture
+            self._prefill_graph_op(*key).sync_on(s)  # this chunk, eagerly; then capture
             try:
-                self._pf_graphs[tp] = self._prefill_graph_op(tp).graph_on(s)
+                self._pf_graphs[key] = self._prefill_graph_op(*key).graph_on(s)
             except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates)
-                self._pf_graphs[tp] = None
+                self._pf_graphs[key] = None
         else:
             g.launch()
         r = slice(slot, slot + 1)
@@ -606,11 +616,12 @@ class CausalLM:
         row[:len(held)] = held
         return row
 
-    def _prefill_graph_op(self, tp: int) -> DeviceOp[Any]:
+    def _prefill_graph_op(self, tp: int, first: bool) -> DeviceOp[Any]:
         """A padded prompt chunk of ``tp`` tokens of any row, from device buffers (the op a
         graph captures): ``_pf_i32`` = ids, (start, start + tp, last real row, top_k), the
         row's block-table row; ``_pf_f32`` = (temperature, top_p); ``_pf_i64`` = (seed,
-        counter). The token goes to ``_pf_tok``."""
+        counter). The token goes to ``_pf_tok``. ``first``: the chunk starts at position 0
+        (attention over its own contiguous keys; the keys still go to the row's blocks)."""
         vw = self._arena.views(1, tp)
         c, mb, b32 = self.prefill_chunk, self.max_blocks, self._pf_i32
         st, kl, last, top_k = b32[c:c + 1], b32[c + 1:c + 2], b32[c + 2:c + 3], b32[c + 3:c + 4]
@@ -618,7 +629,7 @@ class CausalLM:
         temp, top_p = self._pf_f32[0:1], self._pf_f32[1:2]
         seed, counter = self._pf_i64[0:1], self._pf_i64[1:2]
         th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(b32[:tp], vw["resid"])]
-        th += self._layers_chain(vw, table, st, kl)
+        th += self._layers_chain(vw, table, st, kl, first)
         th += [lambda: self.norm.add_norm(vw["down"], vw["resid"], vw["normed"]),
                lambda: kernels.embedding(last, vw["normed"], out=self._pf_row),  # the last real row
                lambda: self.lm_head(self._pf_row, self._logits[0:1]),
@@ -734,24 +745,23 @@ class CausalLM:
         self._step_op(self.max_batch).sync_on(s)
         self._dirty = True
         i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
-        for tp in reversed(lengths):
-            i32[c:c + 3] = (0, tp, tp - 1)
+        keys = [(tp, first) for tp in lengths for first in (True, False)]
+        for key in reversed(keys):
+            i32[c:c + 3] = (0, key[0], key[0] - 1)
             api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
-            self._prefill_graph_op(tp).sync_on(s)
+            self._prefill_graph_op(*key).sync_on(s)
         n = 0
         for b in self._bucket_list:
             if b not in self._graphs:
                 self._capture(b)
                 n += 1
-        for tp in lengths:
-            if tp not in self._pf_graphs:
-                i32[c:c + 3] = (0, tp, tp - 1)
-                api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
+        for key in keys:
+            if key not in self._pf_graphs:
                 try:
-                    self._pf_graphs[tp] = self._prefill_graph_op(tp).graph_on(s)
+                    self._pf_graphs[key] = self._prefill_graph_op(*key).graph_on(s)
                     n += 1
                 except deviceops.DeviceError:
-                    self._pf_graphs[tp] = None
+                    self._pf_graphs[key] = None
         s.synchronize()
         return n
 

@@ -63,7 +63,7 @@ def test_scattered_blocks_match_reference_graph_and_eager(paged: Any) -> None:
         assert m.blocks.in_use == 6  # rows released their blocks when done
         assert m.generate(ps, 6, graph=True) == want
         g16 = set(m._pf_graphs)
-        assert g16 == {16}  # one prefill graph, all three rows
+        assert g16 == {(16, True)}  # one prefill graph, all three rows
         assert m.blocks.in_use == 6
     finally:
         m.blocks.release(hold[1::2])

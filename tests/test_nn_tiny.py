@@ -93,7 +93,8 @@ def test_graph_prefill_padded_chunks_equal_eager(tmp_path: Path) -> None:
     for kw in ({}, {"temperature": 1.0, "seed": 2}):
         g = m.generate(prompts[:4], 3, graph=True, **kw)
         assert m.generate(prompts[:4], 3, graph=False, **kw) == g
-    assert set(m._pf_graphs) == {16, 32}  # one graph per padded length, shared by the 4 rows
+    # one graph per padded length and chunk kind (at position 0 or later), shared by the rows
+    assert set(m._pf_graphs) == {(16, True), (32, True), (16, False)}
     # 45 tokens: chunk 32 (graph) + 13 padded to 16 (positions 45..47 in the row's last block)
     assert m.generate(prompts[4], 3, graph=True) == ref_greedy(held, prompts[4], 3)
     s = m.device_stream
