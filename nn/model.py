@@ -59,6 +59,7 @@ the floating-point differences of different GEMM shapes on the GPU).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -280,6 +281,10 @@ class CausalLM:
         # (padded length, chunk at position 0) -> graph (None: capture refused)
         self._pf_graphs: dict[tuple[int, bool], Any] = {}
         self._h_sampling = [(0.0, 0, 1.0, 0)] * n  # host copy: temperature, top_k, top_p, seed
+        # a chunk at position 0 attends over its own contiguous keys (flash_attention's
+        # contiguous prefill kernel); DEVICEOPS_NN_PAGED_PREFILL=1: every chunk reads the
+        # paged cache (set before the first prefill)
+        self.contiguous_first_chunk = os.environ.get("DEVICEOPS_NN_PAGED_PREFILL", "0") != "1"
         # host shadow of the device state (see decode)
         self._h_state = np.zeros((4, n), np.int32)
         self._h_state[0] = self._idle  # inactive: writes skipped
@@ -411,7 +416,8 @@ class CausalLM:
             lambda: api.memcpy(self._pf_pos, api.from_host(pos)),
             lambda: self.embed(api.from_host(ids_a), vw["resid"]),
         ]
-        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl, first=start == 0)
+        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl,
+                                 first=start == 0 and self.contiguous_first_chunk)
         if all_logits is not None:  # every row's logits (CausalLM.logits)
             th += self._head(vw["down"], vw["resid"], vw["normed"], all_logits[start:start + t])
         else:
@@ -581,7 +587,7 @@ class CausalLM:
         """Run one chunk through its padded length's graph; False: use the eager path."""
         t = len(part)
         tp = self._pad_len(t)
-        key = (tp, start == 0)
+        key = (tp, start == 0 and self.contiguous_first_chunk)
         g = self._pf_graphs.get(key, False)
         if start + tp > self._idle or g is None:
             return False
@@ -745,7 +751,8 @@ class CausalLM:
         self._step_op(self.max_batch).sync_on(s)
         self._dirty = True
         i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
-        keys = [(tp, first) for tp in lengths for first in (True, False)]
+        kinds = (True, False) if self.contiguous_first_chunk else (False,)
+        keys = [(tp, first) for tp in lengths for first in kinds]
         for key in reversed(keys):
             i32[c:c + 3] = (0, key[0], key[0] - 1)
             api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)

@@ -191,3 +191,20 @@ def test_stream_stopped_early_and_failed_generate_give_blocks_back(paged: Any) -
         m.generate([p[:3], p], 2)
     m.blocks.release(hog)
     assert m.blocks.in_use == 0  # the first row's block came back too
+
+
+def test_paged_prefill_switch_equals_contiguous_first_chunk(paged: Any) -> None:
+    """DEVICEOPS_NN_PAGED_PREFILL's switch: every chunk through the paged cache gives the
+    same tokens (graph and eager) as the contiguous first chunk."""
+    m, held = paged
+    ps = prompts(m, (7, 20, 2), 4)
+    want = [ref_greedy(held, p, 5) for p in ps]
+    assert m.contiguous_first_chunk
+    try:
+        m.contiguous_first_chunk = False
+        assert m.generate(ps, 5, graph=False) == want
+        assert m.generate(ps, 5, graph=True) == want
+        assert (16, False) in m._pf_graphs  # (chunks of 16)
+    finally:
+        m.contiguous_first_chunk = True
+    assert m.generate(ps, 5, graph=True) == want and m.blocks.in_use == 0
