@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._dtypes import normalize_dtype
-from ._errors import DeviceError, DTypeError, ShapeError
+from ._errors import DeviceError, DriverError, DTypeError, ShapeError
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -496,22 +496,38 @@ def _oom(op: str, shape: tuple[int, ...], dt: np.dtype[Any], dev: Device, free: 
         op=op, device=str(dev))
 
 
+_cupy: Any = None
+
+
 def _cuda_empty(stream: Any, shape: tuple[int, ...], dt: np.dtype[Any], op: str = "allocate") -> Any:
-    import cupy
+    """``cupy.empty`` from the device's memory pool, ordered on ``stream`` (CuPy's pool
+    hands out memory per current stream), with the device made current only if needed."""
+    global _cupy
+    if _cupy is None:
+        import cupy as _cp
 
-    from ._cuda_backend import cuda_errors
-
+        _cupy = _cp
+    cupy = _cupy
+    rt = cupy.cuda.runtime
+    index = stream.device.index
+    prev = rt.getDevice()
     try:
-        with cuda_errors("allocate", str(stream.device)), cupy.cuda.Device(stream.device.index), \
-                stream.native:
+        if prev != index:
+            rt.setDevice(index)
+        with stream.native:
             return cupy.empty(shape, dt)
     except cupy.cuda.memory.OutOfMemoryError as exc:
         try:
-            with cupy.cuda.Device(stream.device.index):
-                free: int | None = int(cupy.cuda.runtime.memGetInfo()[0])
+            free: int | None = int(rt.memGetInfo()[0])
         except Exception:
             free = None
         raise _oom(op, shape, dt, stream.device, free) from exc
+    except (rt.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
+        raise DriverError(f"allocate on {stream.device}: {exc}", op="allocate",
+                          device=str(stream.device)) from exc
+    finally:
+        if prev != index:
+            rt.setDevice(prev)
 
 
 def output_failure(out: Any) -> tuple[str, BaseException] | None:

@@ -179,6 +179,9 @@ class _ElementwiseOp(KernelOp):
             return _drive(self, ctx)
         plan = self._plan
         stream = ctx.stream
+        # a 7-tuple plan is an allocating launch's (see _alloc_memo), an 8-tuple a memo's
+        if plan is not None and len(plan) == 7 and plan[0] is stream.device and _trace.current is None:
+            return self._alloc_launch(stream, plan)
         if plan is not None and plan[0] is stream.device and _trace.current is None:
             # the launch plan of an identical earlier launch (see _memo)
             _, pln, pgrid, pblock, pargs, prs, pwl, pflat = plan
@@ -190,6 +193,16 @@ class _ElementwiseOp(KernelOp):
             after_access(stream, stream.bump(), prs, pwl)
             return self._args[0] if self._name == "saxpy" else self._args[2]
         return self._body(ctx, self._args)
+
+    def _alloc_launch(self, stream: Any, plan: tuple[Any, ...]) -> Tensor:
+        """An allocating ``add``/``mul`` whose inputs and launch plan match an earlier one."""
+        _, ln, grid, block, tail, rs, shape_dt = plan
+        w = allocate(stream, shape_dt[0], shape_dt[1], self._name)
+        wl = (w._storage,)
+        before_access(stream, rs, wl)
+        ln(grid, block, (w._array.data.ptr, *tail), stream.native.ptr)
+        after_access(stream, stream.bump(), rs, wl)
+        return w
 
     def _body(self, ctx: ExecutionContext, vals: Any) -> Any:
         name = self._name
@@ -239,7 +252,10 @@ class _ElementwiseOp(KernelOp):
         else:
             ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
         after_access(stream, stream.bump(), rs, wl)
-        if not self._deferred and type(w_arg) in (Tensor, Partition):
+        if not self._deferred and y is not None and self._args[2] is None:  # allocated out
+            _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), (
+                stream.device, ln, grid, block, args[1:], rs, (wa.shape, wa.dtype)))
+        elif not self._deferred and type(w_arg) in (Tensor, Partition):
             _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl, flat),
                       _tile_of(w_arg))
         return w_arg
@@ -303,6 +319,17 @@ def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan:
               tile: tuple[int, ...] | None) -> None:
     _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan,
                    tile)
+
+
+# allocating add/mul: the last launch's inputs (weakly) and its plan less the output
+_alloc_memo: dict[str, tuple[Any, Any, tuple[Any, ...]]] = {}
+
+
+def _recall_alloc(name: str, x: Tensor, y: Tensor) -> tuple[Any, ...] | None:
+    m = _alloc_memo.get(name)
+    if m is None or m[0]() is not x or m[1]() is not y:
+        return None
+    return m[2]
 
 
 def _recall(name: str, w: Any, x: Any, y: Any, a: float,
@@ -391,6 +418,10 @@ def _binary_check(name: str, x: Tensor, y: Tensor, out: Tensor | None) -> None:
 
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
     if type(x) is Tensor and type(y) is Tensor:
+        if out is None:
+            plan = _recall_alloc(name, x, y)
+            if plan is not None:  # the inputs of the last allocating launch: validated
+                return _ElementwiseOp(name, (x, y, None), 0.0, False, plan)
         to = type(out)
         plan = (_recall(name, out, x, y, 0.0) if to is Tensor else
                 _recall(name, out.tensor, x, y, 0.0, out.tile_shape) if to is Partition else None)

@@ -154,4 +154,12 @@ def test_repeated_launches_reuse_plan_and_stay_correct(stream: deviceops.Stream)
         for tile in ((64,), (64,), (512,)):
             kernels.add(z, x, out=out.partition(tile)).async_on(stream)
         np.testing.assert_array_equal(to_np(out), zh + 19.0 * xh)
+        # allocating add/mul repeated on the same inputs (the allocation memo): fresh outputs
+        outs = [kernels.add(z, x).async_on(stream) for _ in range(3)]
+        outs += [kernels.mul(z, x).async_on(stream) for _ in range(2)]
+        assert len({id(o) for o in outs}) == 5
+        for o in outs[:3]:
+            np.testing.assert_array_equal(to_np(o), zh + 19.0 * xh)
+        for o in outs[3:]:
+            np.testing.assert_array_equal(to_np(o), (zh + 18.0 * xh) * xh)
         del z, x, out  # the next round's tensors may reuse these ids
