@@ -120,8 +120,11 @@ class KernelOp(DeviceOp[Any]):
         return _drive(self, ctx)
 
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        dpos = self._dpos
+        if not dpos:
+            return ()
         args = self._args
-        return tuple(args[i] for i in self._dpos)
+        return tuple(args[i] for i in dpos)
 
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
         if not vals:

@@ -434,6 +434,16 @@ class CausalLM:
                                        self._top_p[r], self._seed[r], self._counter[r],
                                        out=self._tokens[r])]
 
+    def _run_eager(self, b: int) -> None:
+        """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
+        as :meth:`_step_op`, each enqueued on :attr:`device_stream` as it is built."""
+        th = self._step_thunks.get(b)
+        if th is None:
+            th = self._step_thunks[b] = self._build_step(b)
+        s = self.device_stream
+        for make in th:
+            make().async_on(s)
+
     def _step_op(self, b: int) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
         th = self._step_thunks.get(b)
@@ -702,7 +712,7 @@ class CausalLM:
         if use_graph:
             self._graphs[b].launch()
         else:
-            self._step_op(b).async_on(s)
+            self._run_eager(b)
         # advance the shadow: active rows moved one position and drew one number
         want[0, sl] += 1
         want[1, sl] += 1
