@@ -89,6 +89,10 @@ def _cases(name: str, rng: np.random.Generator, dt: str) -> list[Case] | None:
         ins = {"q": f(2, 2, 1, 64), "k": f(2, 2, 50, 64), "v": f(2, 2, 50, 64), "kv_len": i32([17, 50])}
         out.append(("decode kv_len", ins, lambda t: K.flash_attention(t["q"], t["k"], t["v"],
                                                                      kv_len=t["kv_len"])))
+        ins = {"q": f(2, 2, 1, 64), "k": f(6, 2, 16, 64), "v": f(6, 2, 16, 64),
+               "kv_len": i32([20, 45]), "bt": i32([[1, 3, 5], [2, 4, 0]])}
+        out.append(("decode paged (pool 6x16, table 2x3)", ins, lambda t: K.flash_attention(
+            t["q"], t["k"], t["v"], kv_len=t["kv_len"], block_table=t["bt"])))
     elif name in ("rms_norm", "layer_norm"):
         fn = getattr(K, name)
         for r, c in [(1, 1), (3, 37), (5, 1000), (2, 4099)]:
@@ -122,7 +126,14 @@ def _cases(name: str, rng: np.random.Generator, dt: str) -> list[Case] | None:
                "k": f(b, hkv, s, d), "v": f(b, hkv, s, d)}
         out.append(("B2 L3 Hq4 Hkv2 D16 S9 (one row past the end)", ins,
                     lambda t: K.rope_kv_write(t["qkv"], t["s"], t["k"], t["v"], n_heads=hq,
-                                              n_kv_heads=hkv)))
+                                              n_kv_heads=hkv).map(
+                        lambda q, t=t: (q, t["k"], t["v"]))))  # the caches are compared too
+        ins = {"qkv": f(b, length, (hq + 2 * hkv) * d), "s": i32([0, 7]),
+               "k": f(6, hkv, 4, d), "v": f(6, hkv, 4, d), "bt": i32([[1, 3, 5], [2, 4, 0]])}
+        out.append(("paged: pool 6x4, table 2x3", ins,
+                    lambda t: K.rope_kv_write(t["qkv"], t["s"], t["k"], t["v"], n_heads=hq,
+                                              n_kv_heads=hkv, block_table=t["bt"]).map(
+                        lambda q, t=t: (q, t["k"], t["v"]))))
     elif name == "add_rms_norm":
         for r, c in [(1, 1), (3, 37), (2, 4099)]:
             ins = {"x": f(r, c), "res": f(r, c), "w": f(c)}
