@@ -391,28 +391,11 @@ def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
 
 def random_smollm2(max_batch: int, max_seq: int, kv_blocks: int | None) -> Any:
     """SmolLM2-135M's shapes, random weights, float16 on GPU 0 (throughput is shape-only)."""
-    import numpy as np
 
-    from deviceops.nn.config import LlamaConfig
-    from deviceops.nn.model import CausalLM
+    from deviceops import nn
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5)
-    rng = np.random.default_rng(0)
-    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32),
-         "model.norm.weight": np.ones(h, np.float32)}
-    shapes = (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
-              ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
-              ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)))
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for n, s in shapes:
-            w[p + n + ".weight"] = rng.standard_normal(s, np.float32) / np.sqrt(s[1])
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-    return CausalLM(cfg, w, tokenizer=None, dtype="float16", device=0, max_batch=max_batch,
-                    max_seq=max_seq, kv_blocks=kv_blocks)
+    return nn.random_model(dtype="float16", device=0, max_batch=max_batch, max_seq=max_seq,
+                           kv_blocks=kv_blocks)
 
 
 # -- main -------------------------------------------------------------------------------------

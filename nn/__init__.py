@@ -22,7 +22,7 @@ from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
 from .config import LlamaConfig
 from .generation import generate, stream
 from .kv_cache import BlockAllocator, KVCache
-from .load import load_gguf, load_safetensors, smollm2
+from .load import load_gguf, load_safetensors, random_model, random_weights, smollm2
 from .model import CausalLM, KVCacheFull
 
 __all__ = [
@@ -38,6 +38,8 @@ __all__ = [
     "generate",
     "load_gguf",
     "load_safetensors",
+    "random_model",
+    "random_weights",
     "smollm2",
     "stream",
 ]

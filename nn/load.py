@@ -1,15 +1,54 @@
-"""Public constructors: :func:`load_gguf`, :func:`smollm2`, :func:`load_safetensors`."""
+"""Public constructors: :func:`load_gguf`, :func:`smollm2`, :func:`load_safetensors`, and
+:func:`random_model` (a model of a given shape with random weights, for tests and host-cost
+benchmarks that need no download)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .loader import Checkpoint, read_gguf, read_safetensors, smollm2_path
+import numpy as np
+
+from .config import LlamaConfig
+from .loader import Checkpoint, expected_shapes, read_gguf, read_safetensors, smollm2_path
 from .model import CausalLM
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
-__all__ = ["load_gguf", "load_safetensors", "smollm2"]
+__all__ = ["load_gguf", "load_safetensors", "random_model", "random_weights", "smollm2"]
+
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           rope_theta=1e5, max_position_embeddings=8192, name="smollm2-135m-shape")
+
+
+def random_weights(config: LlamaConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 weights of every tensor ``config`` needs (Hugging Face names), random.
+
+    Matrices are ``N(0, 1/fan_in)`` (activations keep their scale through 30 layers), the
+    embedding ``N(0, 1)``, norm weights ones: numerically tame, meaningless text.
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith("embed_tokens.weight"):
+            out[name] = rng.standard_normal(shape, np.float32)
+        else:
+            out[name] = rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(shape[1]))
+    return out
+
+
+def random_model(config: LlamaConfig | None = None, *, seed: int = 0, **kw: Any) -> CausalLM:
+    """A :class:`CausalLM` of ``config``'s shapes (default: SmolLM2-135M's) with
+    :func:`random_weights` and no tokenizer; ``kw`` as for :class:`CausalLM` (``dtype``,
+    ``device``, ``max_batch``, ``max_seq``, ``kv_blocks``, ...).
+
+    Example:
+        >>> m = nn.random_model(nn.LlamaConfig(64, 32, 48, 2, 4, 2, 8), device="cpu")
+    """
+    cfg = SMOLLM2_135M if config is None else config
+    return CausalLM(cfg, random_weights(cfg, seed=seed), tokenizer=None, **kw)
 
 
 def _model(ck: Checkpoint, tokenizer: Any, **kw: Any) -> CausalLM:

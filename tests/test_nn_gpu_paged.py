@@ -22,26 +22,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
 def random_model(device: Any, dtype: str, *, layers: int = 30, **kw: Any) -> Any:
-    from deviceops.nn.config import LlamaConfig
-    from deviceops.nn.model import CausalLM
+    from deviceops.nn import LlamaConfig, random_model
 
     cfg = LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536,
                       num_layers=layers, num_heads=9, num_kv_heads=3, head_dim=64,
                       rope_theta=1e5)
-    rng = np.random.default_rng(0)
-    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32),
-         "model.norm.weight": np.ones(h, np.float32)}
-    shapes = (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
-              ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
-              ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)))
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for n, s in shapes:
-            w[p + n + ".weight"] = rng.standard_normal(s, np.float32) / np.sqrt(s[1])
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-    return CausalLM(cfg, w, tokenizer=None, dtype=dtype, device=device, **kw)
+    return random_model(cfg, dtype=dtype, device=device, **kw)
 
 
 def _cuda() -> None:

@@ -159,3 +159,22 @@ def test_load_safetensors_hf_layout(tmp_path: Path) -> None:
         nn.load_safetensors(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         nn.load_safetensors(tmp_path / "nope")
+
+
+def test_random_weights_and_model() -> None:
+    """nn.random_weights covers every tensor a config needs, seeded; random_model runs."""
+    from deviceops import nn
+    from deviceops.nn.loader import check_weights
+
+    cfg = nn.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    w = nn.random_weights(cfg, seed=3)
+    check_weights(cfg, w, "random", "test")  # raises on a missing or mis-shaped tensor
+    assert all(a.dtype == np.float32 for a in w.values())
+    again = nn.random_weights(cfg, seed=3)
+    assert all(np.array_equal(w[k], again[k]) for k in w)
+    assert not np.array_equal(w["model.layers.0.mlp.up_proj.weight"],
+                              nn.random_weights(cfg, seed=4)["model.layers.0.mlp.up_proj.weight"])
+    m = nn.random_model(cfg, device="cpu", max_batch=2, max_seq=32)
+    out = m.generate([1, 2, 3], max_new_tokens=4)
+    assert len(out) == 4 and all(0 <= t < 64 for t in out)

@@ -10,13 +10,12 @@ import cProfile
 import pstats
 import time
 
-import numpy as np
-
+from deviceops import nn
 from deviceops.nn.config import LlamaConfig
+from deviceops.nn.load import SMOLLM2_135M
 from deviceops.nn.model import CausalLM
 
-SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5)
+SMOLLM2 = SMOLLM2_135M
 SMALL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=30,
                     num_heads=4, num_kv_heads=2, head_dim=16)
 
@@ -24,20 +23,7 @@ SMALL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_l
 def random_model(cfg: LlamaConfig, device: str | None, max_batch: int = 4,
                  max_seq: int = 256) -> CausalLM:
     """A CausalLM of ``cfg``'s shapes with random weights (host cost is shape-only)."""
-    rng = np.random.default_rng(0)
-    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32) * 0.02,
-         "model.norm.weight": np.ones(h, np.float32)}
-    shapes = (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
-              ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
-              ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)))
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for n, s in shapes:
-            w[p + n + ".weight"] = rng.standard_normal(s, np.float32) * 0.02
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-    return CausalLM(cfg, w, tokenizer=None, device=device, max_batch=max_batch, max_seq=max_seq)
+    return nn.random_model(cfg, device=device, max_batch=max_batch, max_seq=max_seq)
 
 
 def main() -> None:
