@@ -67,6 +67,7 @@ from _common import (
 
 import deviceops
 from deviceops import kernels
+from deviceops.kernels.testing import slow_copy
 
 trio: Any
 try:
@@ -304,7 +305,7 @@ class LoadCase:
         self.xs = [deviceops.Tensor(self.xbig.array[i], dev) for i in range(n)]
         self.lat = [float("nan")] * n
         # compile the blocking kernel now, not inside the ticker window
-        kernels.slow_copy(self.zs[0], self.zs[0], 0.0).sync_on(self.stream)
+        slow_copy(self.zs[0], self.zs[0], 0.0).sync_on(self.stream)
         self.ready = 0
         self.done = 0
         self.peak = 0
@@ -336,7 +337,7 @@ class LoadCase:
         for st in dict.fromkeys(streams):
             src = deviceops.api.zeros((256,)).sync_on(st)
             dst = deviceops.api.zeros((256,)).sync_on(st)
-            kernels.slow_copy(dst, src, block).async_on(st)
+            slow_copy(dst, src, block).async_on(st)
 
     async def ticker(self, sleep: Callable[[float], Awaitable[Any]]) -> None:
         from deviceops import _async  # the loop's per-stream in-flight counts (diagnostic only)

@@ -25,7 +25,7 @@ import numpy as np
 
 import deviceops
 from deviceops import api
-from deviceops.kernels import slow_copy
+from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import SingleStream, StreamPoolRoundRobin
 
 

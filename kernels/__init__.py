@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from ._attention_op import flash_attention
 from ._elementwise import add, mul, saxpy
+from ._gemm_op import gemm, matmul
 from ._launch import KernelOp
-from ._linear import gemm, matmul, reserve_workspace
 from ._nn_ops import argmax, embedding, gelu, layer_norm, rms_norm, silu, softmax
 from ._sampling import sample
-from ._testing import slow_copy
 from ._transformer import add_rms_norm, merge_heads, rope, rope_kv_write, swiglu
+from ._workspace import reserve_workspace
 
 __all__ = [
     "KernelOp",
@@ -36,7 +36,6 @@ __all__ = [
     "sample",
     "saxpy",
     "silu",
-    "slow_copy",
     "softmax",
     "swiglu",
 ]

@@ -11,7 +11,7 @@ in decode with a KV cache). The ``cpu`` backend runs
 :func:`._attention.flash_attention_cuda` on the executing stream.
 
 The decode path (``Lq <= 8``) splits the keys across blocks using the stream's kernel
-workspace; see :mod:`._linear` for how it is sized and why an op captured into a graph
+workspace; see :mod:`._workspace` for how it is sized and why an op captured into a graph
 on a stream that never ran it raises :class:`~deviceops.CaptureError` (fix: a warm-up run
 on that stream, or :func:`reserve_workspace`).
 """
@@ -35,8 +35,9 @@ from ._attention import (
     attention_workspace_nbytes,
     flash_attention_cuda,
 )
+from ._builder import build_op
 from ._launch import KernelOp
-from ._linear import build_op, workspace_for
+from ._workspace import workspace_for
 
 __all__ = ["flash_attention"]
 

@@ -1,7 +1,7 @@
 """A kernel op with several outputs (or an output that defaults to an input), and the
 argument checks the transformer kernels share.
 
-:func:`multi_op` generalises :func:`._linear.build_op` (one ``out``) to ops such as
+:func:`multi_op` generalises :func:`._builder.build_op` (one ``out``) to ops such as
 ``add_rms_norm`` (``out`` and ``residual_out``, the latter defaulting to ``residual``) and
 ``rope_kv_write`` (``q_out`` allocated, the caches written in place).
 """
@@ -18,8 +18,8 @@ from deviceops._dtypes import FLOATING
 from deviceops._errors import DTypeError, ShapeError
 from deviceops._tensor import Tensor, allocate, check_device
 
+from ._builder import OPTIONAL_ARGS, checked, plain_args, require_tensors
 from ._launch import KernelOp, as_tensor, is_deferred
-from ._linear import OPTIONAL_ARGS, checked, plain_args, require_tensors
 from ._plan import cached, static_key
 
 __all__ = ["Body", "MultiCheck", "Outputs", "distinct", "floating", "multi_op", "same"]

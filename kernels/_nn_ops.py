@@ -35,10 +35,10 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
+from ._builder import Check, build_op, check_out, noop
 from ._fastlaunch import fast_kernel
 from ._gemm import _act_np
 from ._launch import KernelOp
-from ._linear import Check, build_op, check_out, noop
 from ._module import expanded_source, load_module
 from ._norms import norm_cuda
 

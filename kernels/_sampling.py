@@ -23,8 +23,8 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
+from ._builder import check_out, noop
 from ._launch import KernelOp
-from ._linear import check_out, noop
 from ._multi_op import Outputs, multi_op
 from ._norms import CTYPE, tk_function
 

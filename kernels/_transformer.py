@@ -34,8 +34,8 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
+from ._builder import check_out, noop
 from ._launch import KernelOp
-from ._linear import check_out, noop
 from ._multi_op import Outputs, distinct, floating, multi_op, same
 from ._norms import CTYPE, MOVE_TYPES, norm_cuda, tk_function, vec_width
 

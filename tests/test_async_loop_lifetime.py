@@ -17,7 +17,7 @@ import trio
 import deviceops
 from deviceops import _async, api
 from deviceops._stream import Event
-from deviceops.kernels._testing import slow_copy
+from deviceops.kernels.testing import slow_copy
 
 
 def _live_events() -> int:

@@ -170,7 +170,7 @@ def test_graph_keeps_tensors_alive(dev: deviceops.Device) -> None:
 
 
 def test_launch_is_ordered_after_other_streams(dev: deviceops.Device) -> None:
-    from deviceops.kernels._testing import slow_copy
+    from deviceops.kernels.testing import slow_copy
 
     a, b = dev.new_stream(), dev.new_stream()
     inp = api.zeros((256,)).sync_on(a)

@@ -16,7 +16,7 @@ import pytest
 import deviceops
 from deviceops import api, kernels
 from deviceops._tensor import parked_count
-from deviceops.kernels._testing import slow_copy
+from deviceops.kernels.testing import slow_copy
 
 from .conftest import to_np
 

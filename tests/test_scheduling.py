@@ -16,7 +16,7 @@ import pytest
 
 import deviceops
 from deviceops import api, kernels
-from deviceops.kernels._testing import slow_copy
+from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import (
     MultiDeviceRoundRobin,
     SchedulingPolicy,

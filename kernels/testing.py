@@ -1,4 +1,5 @@
-"""Kernels that exist to test ordering: deliberately slow readers and writers.
+"""``deviceops.kernels.testing``: kernels that exist to test and demonstrate ordering,
+deliberately slow readers and writers (not part of ``deviceops.kernels``' product API).
 
 ``slow_copy(dst, src, delay_s)`` waits ``delay_s`` on the device (a ``clock64``
 spin on cuda, ``time.sleep`` on the cpu worker) and then copies ``src`` into
