@@ -53,7 +53,7 @@ from _common import (
 
 import deviceops
 from deviceops import api
-from deviceops.kernels._testing import slow_copy
+from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import SingleStream, StreamPoolRoundRobin
 
 ELEMS = 256

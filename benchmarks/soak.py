@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceops
 from deviceops import LaunchError, api, kernels
 from deviceops._stream import Event
-from deviceops.kernels._testing import slow_copy
+from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import StreamPoolRoundRobin
 
 N = 1024
