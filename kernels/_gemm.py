@@ -26,8 +26,6 @@ CUDA paths (chosen by :func:`_plan` once per problem: the plan is cached, see
 :mod:`._gemm_cuda`; no allocation, no synchronisation, every launch on the ``stream``
 handed in, so calls can be captured into CUDA graphs):
 
-* ``gemm_sm90_pp`` (sm_90a): the same with a ping-pong schedule (each consumer warpgroup
-  owns a 128x128 tile; one's epilogue overlaps the other's mainloop).
 * ``gemm_sm90`` (sm_90a only: H100/H200): TMA (``cp.async.bulk.tensor``) + ``mbarrier``
   ring, one producer warpgroup and one or two consumer warpgroups issuing ``wgmma``
   (``setmaxnreg`` rebalances registers), persistent grid, tiles 128x256, 128x128 or
@@ -75,8 +73,6 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
     "128x256": (256, 2, 4),
     "128x128": (128, 2, 6),
     "64x128": (128, 1, 8),
-    # ping-pong schedule (gemm_sm90_pp.cu): each consumer owns a whole 128x128 tile
-    "pp128x128": (128, 2, 6),
 }
 GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
@@ -307,7 +303,7 @@ def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
 
 
 # Relative mainloop efficiency of the sm_90 configs (measured on H100, 2026-11-23).
-_SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65, "pp128x128": 0.0}  # 0: not planned
+_SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65}
 _SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
 _SPLIT_FIXED_US = 1.0  # extra launch + partial round trip of split-K
 

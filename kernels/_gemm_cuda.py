@@ -301,9 +301,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         plain = G.SM90_PLAIN_EPILOGUE and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
         defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={bf16}", f"GEMM_EPI_PLAIN={int(plain)}",
                   f"GEMM_TRANS_B={tb}", *G.SM90_EXTRA_DEFINES)  # fmt: skip
-        pp = cfg.startswith("pp")
-        fn = _kernel(dev, "gemm_sm90_pp.cu" if pp else "gemm_sm90.cu", "gemm_sm90_pp" if pp else "gemm_sm90",
-                     defs90, arch_suffix="a")  # fmt: skip
+        fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
         smem = _sm90_smem(bn, ncw, stages)
         set_max_dynamic_smem(fn, smem)
         bb = batch if b_batched else 1

@@ -2,8 +2,7 @@
 
 Kernel sources live in ``kernels/src`` as CUDA C++ whose hot instructions
 (``mma``, ``wgmma``, ``ldmatrix``, ``cp.async``, TMA, ``mbarrier``) are inline
-PTX, or as plain ``.ptx`` files. They are compiled by NVRTC (or the driver's
-PTX JIT) through CuPy's :class:`cupy.RawModule`.
+PTX. They are compiled by NVRTC through CuPy's :class:`cupy.RawModule`.
 
 Caching happens at two levels:
 
@@ -83,19 +82,16 @@ def load_module(
     options: tuple[str, ...] = (),
     device_id: int = 0,
     name_expressions: tuple[str, ...] | None = None,
-    backend: str = "nvrtc",
     arch_suffix: str = "",
 ) -> Any:
     """Compile (or fetch from cache) a :class:`cupy.RawModule` for ``device_id``.
 
     Args:
-        source: CUDA C++ source text (``backend="nvrtc"``) or PTX text
-            (``backend="ptx"``, loaded by the driver's JIT).
+        source: CUDA C++ source text.
         options: extra NVRTC options, e.g. ``("-std=c++17",)``.
         device_id: the CUDA device whose architecture to compile for.
         name_expressions: template instantiations to compile, as for
             :class:`cupy.RawModule`.
-        backend: ``"nvrtc"`` for C++ source, ``"ptx"`` for PTX text.
         arch_suffix: appended to the architecture, e.g. ``"a"`` for
             ``sm_90a`` (needed by ``wgmma`` and ``setmaxnreg``).
 
@@ -114,31 +110,16 @@ def load_module(
         if mod is not None:
             return mod
         with cupy.cuda.Device(device_id):
-            if backend == "ptx":
-                mod = _load_ptx(source)
-            else:
-                opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
-                mod = cupy.RawModule(
-                    code=source,
-                    options=opts,
-                    backend="nvrtc",
-                    name_expressions=list(name_expressions) if name_expressions else None,
-                )
-                mod.compile()
+            opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
+            mod = cupy.RawModule(
+                code=source,
+                options=opts,
+                backend="nvrtc",
+                name_expressions=list(name_expressions) if name_expressions else None,
+            )
+            mod.compile()
         _modules[key] = mod
         return mod
-
-
-def _load_ptx(ptx: str) -> Any:
-    """Load PTX text through the driver JIT as a CuPy module."""
-    import tempfile
-
-    import cupy
-
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-        path = f.name
-    return cupy.RawModule(path=path)
 
 
 def set_max_dynamic_smem(kernel: Any, nbytes: int) -> None:

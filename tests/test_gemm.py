@@ -292,7 +292,7 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
     if dtype != F32 and rng.random() < 0.6:
         opts = ["sm80", "sm80:3"]
         if cc == 90 and n % 8 == 0 and k % 8 == 0:
-            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2", "pp128x128", "pp128x128:2"]
+            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2"]
         rows = m if b_batched else m * math.prod(batch)
         if trans_b and k % 8 == 0 and rows <= 64:
             opts += ["skinny", "skinny", "skinny:1", "skinny:3"]

@@ -32,11 +32,10 @@ def variants() -> list[Variant]:
                 out.append(("gemm_sm80.cu", "gemm_sm80",
                             (f"WARPS_M={wm}", f"GEMM_TF32={tf32}", f"GEMM_BF16={bf16}", f"GEMM_TRANS_B={tb}"), ""))
         out.append(("gemm_simt.cu", "gemm_simt", (f"GEMM_TRANS_B={tb}",), ""))
-        for cfg, (bn, ncw, st) in _gemm.SM90_CONFIGS.items():
+        for bn, ncw, st in _gemm.SM90_CONFIGS.values():
             for bf16 in (0, 1):
                 for plain in (0, 1):
-                    pp = cfg.startswith("pp")
-                    out.append(("gemm_sm90_pp.cu" if pp else "gemm_sm90.cu", "gemm_sm90_pp" if pp else "gemm_sm90",
+                    out.append(("gemm_sm90.cu", "gemm_sm90",
                                 (f"BN={bn}", f"NCW={ncw}", f"STAGES={st}", f"GEMM_BF16={bf16}",
                                  f"GEMM_EPI_PLAIN={plain}", f"GEMM_TRANS_B={tb}"), "a"))
     for bf16 in (0, 1):

@@ -33,14 +33,14 @@ def main() -> None:
         for dt, kind in [(np.dtype(np.float16), "f16"), (BF16, "bf16")]:
             forces = ["sm80", "sm80:3", None]
             if n % 8 == 0 and k % 8 == 0:
-                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2", "pp128x128", "pp128x128:3"]
+                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2"]
             cases += [(m, n, k, dt, kind, f, (), False) for f in forces]
         cases += [(m, n, k, np.dtype(np.float32), "f32", f, (), False) for f in (None, "simt:3")]
         cases += [(m, n, k, np.dtype(np.float32), "tf32", f, (), False) for f in (None, "sm80:2")]
     cases += [(3, 136, 72, BF16, "bf16", None, (3,), True), (2, 64, 40, np.dtype(np.float16), "f16", None, (2,), False),
               (65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
               (31, 24, 40, np.dtype(np.float32), "f32", None, (3,), True)]  # fmt: skip
-    trans_forces = (None, "sm80", "sm80:3", "128x256", "64x128:3", "pp128x128", "simt:3", "sm80:2")
+    trans_forces = (None, "sm80", "sm80:3", "128x256", "64x128:3", "simt:3", "sm80:2")
     cases = [(*c, False) for c in cases] + [(*c, True) for c in cases if c[5] in trans_forces]
     f16 = np.dtype(np.float16)
     for m, n, k in [(1, 8, 8), (3, 33, 584), (9, 130, 1000), (32, 72, 1536), (64, 24, 40), (17, 200, 72)]:

@@ -19,7 +19,6 @@ from deviceops.kernels import _gemm, _gemm_cuda
 VARIANTS = [
     ("gemm_sm90.cu", f"BN={bn} NCW={ncw} STAGES={st} GEMM_BF16=1") for bn, ncw, st in _gemm.SM90_CONFIGS.values()
 ] + [
-    ("gemm_sm90_pp.cu", "BN=128 NCW=2 STAGES=6 GEMM_BF16=1"),
     ("gemm_sm80.cu", "WARPS_M=2 GEMM_BF16=1"),
     ("gemm_sm80.cu", "WARPS_M=1 GEMM_TF32=1"),
     ("gemm_simt.cu", ""),

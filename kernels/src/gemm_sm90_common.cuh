@@ -1,4 +1,4 @@
-// Shared by the sm_90a GEMMs (gemm_sm90.cu, gemm_sm90_pp.cu): tile constants, the wgmma
+// Used by the sm_90a GEMM (gemm_sm90.cu): tile constants, the wgmma
 // shared-memory descriptor, TMA load, wgmma fences and the tile-order decode. The including
 // file defines BM (rows of one tile), BN, NCW/STAGES/GROUP_M as it needs, before use.
 #ifndef GEMM_EPI_PLAIN
