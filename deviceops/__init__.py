@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 from . import api
+from . import graphs as _graphs  # noqa: F401  (installs the capture hook; see _hooks)
 from ._async import configure_await
 from ._context import ExecutionContext
 from ._device import Device, cuda_available, default_device, device, set_default_device

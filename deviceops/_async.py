@@ -67,6 +67,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import _hooks
 from ._context import guard, refuse_nested
 
 if TYPE_CHECKING:
@@ -503,3 +504,6 @@ def _park(ev: Any, sl: _Slice, lib: str) -> Awaitable[Any]:
     _parked(sl, sid)
     ev.when_complete(_Wakeup(sl, wake_trio))
     return done.wait()
+
+
+_hooks.install(await_op=await_op, await_future=await_future)  # DeviceOp/DeviceFuture.__await__

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import _hooks
 from ._errors import NestedExecutionError
 
 if TYPE_CHECKING:
@@ -49,9 +50,7 @@ class ExecutionContext:
         """
         p = self._policy
         if p is None:
-            from deviceops.scheduling import current_policy
-
-            p = self._policy = current_policy()
+            p = self._policy = _hooks.current_policy()
         return p
 
     @property

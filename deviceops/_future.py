@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from . import _hooks
 from ._errors import DeviceError
 from ._tensor import failed_output_error, output_failure
 
@@ -131,6 +132,4 @@ class DeviceFuture(Generic[T]):
         self._event.when_complete(call)
 
     def __await__(self) -> Generator[Any, None, T]:
-        from ._async import await_future
-
-        return await_future(self).__await__()
+        return _hooks.await_future(self).__await__()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-from ._async import await_op as _await_op
+from . import _hooks
 from ._context import ExecutionContext, enqueue_lock, guard, refuse_nested
 from ._errors import DeviceError, SchedulingError
 from ._tensor import failed_output_error, output_failure
@@ -51,16 +51,9 @@ _FRESH, _OWNED, _DONE = 0, 1, 2
 _bzip = builtins.zip
 
 
-_policy_fn: Any = None
-
-
 def _current_policy() -> SchedulingPolicy:
-    global _policy_fn
-    if _policy_fn is None:  # bound on first use: scheduling imports this module
-        from .scheduling import current_policy
-
-        _policy_fn = current_policy
-    return _policy_fn()
+    policy: SchedulingPolicy = _hooks.current_policy()  # installed by deviceops.scheduling
+    return policy
 
 
 _DeviceFuture: Any = None
@@ -345,19 +338,15 @@ class DeviceOp(Generic[T]):
         return fut
 
     def __await__(self) -> Generator[Any, None, T]:
-        return _await_op(self).__await__()
+        return _hooks.await_op(self).__await__()
 
     def graph(self) -> CudaGraph[T]:
         """Capture this op into a CUDA graph on a stream of the default policy."""
-        from .graphs import capture
-
-        return capture(self, None)
+        return _hooks.capture(self, None)
 
     def graph_on(self, stream: Stream) -> CudaGraph[T]:
         """Capture this op into a CUDA graph on ``stream``."""
-        from .graphs import capture
-
-        return capture(self, stream)
+        return _hooks.capture(self, stream)
 
     # -- combinators --------------------------------------------------------------------
     def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _hooks
 from ._dtypes import normalize_dtype
 from ._errors import DeviceError, DriverError, DTypeError, ShapeError
 
@@ -300,9 +301,8 @@ class Tensor:
 
     def to_host(self) -> DeviceOp[np.ndarray]:
         """A DeviceOp giving a NumPy copy of the data (valid once its stream reaches it)."""
-        from .api import to_host
-
-        return to_host(self)
+        op: DeviceOp[np.ndarray] = _hooks.to_host(self)  # installed by deviceops.api
+        return op
 
     # -- interop ----------------------------------------------------------------
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:

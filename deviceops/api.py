@@ -32,6 +32,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from . import _hooks
 from ._context import ExecutionContext
 from ._device import Device
 from ._device import device as _device
@@ -526,3 +527,6 @@ def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
         return out
 
     return _ApiOp("to_device", run)
+
+
+_hooks.install(to_host=to_host)  # Tensor.to_host()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from deviceops import _hooks
 from deviceops._capture import CaptureState
 from deviceops._context import ExecutionContext, enqueue_lock, guard, refuse_nested
 from deviceops._errors import CaptureError, SchedulingError
@@ -230,3 +231,4 @@ def host_task(fn: Any, name: str = "host_func") -> DeviceOp[None]:
     return _ApiOp(name, run)
 
 
+_hooks.install(capture=capture)  # DeviceOp.graph() / graph_on()

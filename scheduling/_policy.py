@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from deviceops import _hooks
 from deviceops._device import default_device
 
 if TYPE_CHECKING:
@@ -102,3 +103,6 @@ def using(policy: SchedulingPolicy) -> Iterator[SchedulingPolicy]:
         yield policy
     finally:
         _override.reset(token)
+
+
+_hooks.install(current_policy=current_policy)  # the core asks through deviceops._hooks
