@@ -53,7 +53,7 @@ import numpy as np
 
 from deviceops._errors import DTypeError, ShapeError
 
-from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
+from ._fastlaunch import Launcher, fast_kernel, launch_pdl, pdl_enabled
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = [
@@ -484,9 +484,9 @@ def _sm90_kernel(
             device_id=device_id,
             arch_suffix="a",
         )
-        fn = mod.get_function("attn_fwd_sm90")
-        set_max_dynamic_smem(fn, _sm90_smem_bytes(dp, bn, nwg, nstage))
-        _kernels[key] = fn
+        raw = mod.get_function("attn_fwd_sm90")
+        set_max_dynamic_smem(raw, _sm90_smem_bytes(dp, bn, nwg, nstage))
+        fn = _kernels[key] = fast_kernel(raw, "attn_fwd_sm90", device_id)
     return fn
 
 
@@ -663,8 +663,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         def run_sm90(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
                      stream: Any) -> None:
             kvl = np.uint64(0) if kv_len is None else np.uint64(kv_len.data.ptr)
-            with stream:
-                fn(grid, block, (q, k, v, out, kvl, *tail9), shared_mem=smem)
+            fn(grid, block, (q, k, v, out, kvl, *tail9), stream=stream, shared_mem=smem)
 
         return run_sm90
 

@@ -1,9 +1,13 @@
-"""A thin ``cuLaunchKernel`` wrapper for the smallest, most frequent kernels.
+"""The one kernel-launch path: a thin ``cuLaunchKernel`` wrapper every deviceops kernel uses.
 
 CuPy's ``RawKernel.__call__`` inspects every argument on every call (array or
 scalar, which dtype, which device) and is the largest single host cost of a
-tiny launch. The elementwise launchers know their argument types in advance,
-so they call the driver directly through ctypes:
+tiny launch. So every launcher (elementwise, gemm, attention, norms, embedding,
+argmax, the transformer kernels, sampling, the test kernels) calls the driver
+directly: :class:`Launcher` with argument codes known in advance, or
+:class:`KernelFn` (CuPy's call signature, codes derived once per argument-type
+pattern), or :func:`launch_pdl` (programmatic dependent launch); :func:`libcuda`
+is the only place the driver library is loaded through ctypes.
 
 * the argument types are fixed per kernel by a code string
   (``p`` device pointer, ``f`` float32, ``d`` float64, ``i`` int32, ``q`` int64);
@@ -26,7 +30,7 @@ from typing import Any
 
 from deviceops._errors import DriverError
 
-__all__ = ["KernelFn", "Launcher", "fast_kernel"]
+__all__ = ["KernelFn", "Launcher", "fast_kernel", "launch_pdl", "libcuda", "pdl_enabled"]
 
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
            "q": ctypes.c_int64}
@@ -34,6 +38,17 @@ _CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_INVALID_HANDLE = 400
 _CACHE_LIMIT = 4096
 _cu_launch: Any = None
+
+
+_libcuda: Any = None
+
+
+def libcuda() -> Any:
+    """The CUDA driver library (``ctypes.CDLL("libcuda.so.1")``), loaded once."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    return _libcuda
 
 
 def _driver_launch() -> Any:
@@ -225,7 +240,7 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
     """``ln(...)`` through ``cuLaunchKernelEx`` with programmatic stream serialization."""
     global _cu_launch_ex
     if _cu_launch_ex is None:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn = libcuda().cuLaunchKernelEx
         fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         _cu_launch_ex = fn

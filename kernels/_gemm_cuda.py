@@ -26,7 +26,7 @@ import numpy as np
 from deviceops._errors import DriverError, ShapeError
 
 from . import _gemm as G
-from ._fastlaunch import Launcher
+from ._fastlaunch import Launcher, libcuda
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = ["expanded_source", "gemm_cuda"]
@@ -115,7 +115,7 @@ def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int]
             _tma_cache.move_to_end(key)
             return hit
     if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda = libcuda()
         _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
     tm = _TmaMap()
     g_dim = (ctypes.c_uint64 * 3)(*dims)
