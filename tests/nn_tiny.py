@@ -188,3 +188,13 @@ def reference_logits(w: dict[str, Any], ids: list[int]) -> np.ndarray:
     x = _rms(x, w["model.norm.weight"], eps)
     head = w.get("lm_head.weight", e)
     return np.asarray(x @ head.T)
+
+
+def reference_greedy(held: dict[str, np.ndarray], ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` from the float64 reference (:func:`reference_logits`)."""
+    seq, out = list(ids), []
+    for _ in range(n):
+        tok = int(np.argmax(reference_logits(held, seq)[-1]))
+        out.append(tok)
+        seq.append(tok)
+    return out

@@ -34,13 +34,7 @@ def paged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, np.n
     return m, held
 
 
-def ref_greedy(held: dict[str, np.ndarray], ids: list[int], n: int) -> list[int]:
-    seq, out = list(ids), []
-    for _ in range(n):
-        tok = int(np.argmax(nn_tiny.reference_logits(held, seq)[-1]))
-        out.append(tok)
-        seq.append(tok)
-    return out
+ref_greedy = nn_tiny.reference_greedy
 
 
 def prompts(m: Any, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
