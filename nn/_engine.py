@@ -31,7 +31,7 @@ cancellation (its KV writes and sampled tokens must be accounted for); the GPU w
 awaited, so the event loop keeps running while a step is on the device, and the cpu
 backend executes it on its stream worker threads.
 
-The model side is the :class:`StepModel` protocol (prefill a prompt chunk into a slot,
+The model side is the :class:`~._requests.StepModel` protocol (prefill a prompt chunk into a slot,
 decode a set of slots, release a slot); :func:`~._engine_model.step_model` adapts a
 ``CausalLM`` to it. Cancellation (``aclose()``, a cancelled consumer task, a dropped
 stream) frees the request's slot at once, or at the end of the step in flight.
@@ -44,13 +44,25 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from ._kvpool import SlotPool
+from ._requests import (
+    _DECODE,
+    _DONE,
+    _PREFILL,
+    _QUEUED,
+    EngineClosed,
+    EngineOverloaded,
+    EngineStats,
+    RequestStream,
+    SamplingParams,
+    StepModel,
+    _Request,
+)
 
 __all__ = [
     "Engine",
@@ -60,187 +72,6 @@ __all__ = [
     "SamplingParams",
     "StepModel",
 ]
-
-
-class EngineOverloaded(RuntimeError):
-    """The admission queue is full (``max_queue`` requests waiting); retry later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed; it accepts no new requests."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling: ``temperature=0`` is greedy; ``top_k=0`` / ``top_p=1`` are off."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@runtime_checkable
-class StepModel(Protocol):
-    """What the engine needs from a model (cache slots are rows ``0 .. max_batch-1``).
-
-    ``prefill`` writes the KV of ``ids`` at positions ``start ..`` of ``slot`` and, when
-    ``last``, returns the token sampled from the last position's logits with ``params``
-    (the first call for a slot has ``start == 0`` and sets the slot's sampling state,
-    seed and counter, as ``CausalLM.generate`` would). ``decode_step`` feeds ``tokens[i]`` at
-    position ``positions[i]`` of ``slots[i]`` and returns one sampled token per row.
-    ``release`` forgets a slot. Both step methods await their device work.
-    """
-
-    @property
-    def max_batch(self) -> int: ...
-
-    @property
-    def max_seq(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def eos_ids(self) -> frozenset[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    async def prefill(
-        self, slot: int, ids: Sequence[int], start: int, params: SamplingParams, *, last: bool
-    ) -> int | None: ...
-
-    async def decode_step(
-        self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
-    ) -> list[int]: ...
-
-    def release(self, slot: int) -> None: ...
-
-
-_QUEUED, _PREFILL, _DECODE, _DONE = range(4)
-
-
-@dataclass(eq=False)
-class _Request:
-    id: int
-    prompt: list[int]
-    max_new: int
-    params: SamplingParams
-    stop: frozenset[int]
-    ignore_eos: bool = False
-    state: int = _QUEUED
-    slot: int = -1
-    prefilled: int = 0
-    pos: int = 0  # position the next decode input token is written at
-    last: int = -1  # the token to feed at the next decode step
-    out: list[int] = field(default_factory=list)
-    buf: deque[int] = field(default_factory=deque)
-    finish_reason: str | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    event: anyio.Event | None = None
-    t_submit: float = 0.0
-    t_first: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.state == _DONE
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot: queue, running batch, KV slots and cumulative counters."""
-
-    queued: int
-    running: int
-    slots_in_use: int
-    kv_tokens_in_use: int
-    kv_blocks_in_use: int
-    max_batch: int
-    steps: int
-    decode_rows: int
-    prefill_tokens: int
-    generated_tokens: int
-    finished: int
-    cancelled: int
-    kv_blocks_total: int = 0
-
-
-class RequestStream:
-    """Async iterator of one request's new token ids (from :meth:`Engine.stream`).
-
-    The request is queued when the stream is created. Iterating drives the engine; it
-    ends after EOS, a stop id (both included), ``max_new_tokens`` or the end of the
-    context. ``aclose()`` (or ``async with``, or cancelling the consuming task) cancels
-    the request and frees its KV slot. After the end, ``finish_reason`` is ``"stop"``,
-    ``"length"`` or ``"cancelled"``; ``tokens`` holds everything generated.
-    """
-
-    def __init__(self, engine: Engine, req: _Request) -> None:
-        self._engine = engine
-        self._req = req
-
-    @property
-    def id(self) -> int:
-        """The engine-wide request id."""
-        return self._req.id
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Number of prompt tokens."""
-        return len(self._req.prompt)
-
-    @property
-    def tokens(self) -> list[int]:
-        """Tokens generated so far."""
-        return list(self._req.out)
-
-    @property
-    def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once finished, else None."""
-        req = self._req
-        if req.finish_reason is None and req.cancelled:
-            return "cancelled"  # its slot is freed at the end of the step in flight
-        return req.finish_reason
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> int:
-        req = self._req
-        try:
-            while True:
-                if req.buf:
-                    return req.buf.popleft()
-                if req.finished:
-                    if req.error is not None:
-                        raise req.error
-                    raise StopAsyncIteration
-                await self._engine._progress(req)
-        except (StopAsyncIteration, GeneratorExit):
-            raise
-        except BaseException:
-            self._engine._cancel(req)
-            raise
-
-    async def aclose(self) -> None:
-        """Cancel the request (no-op once finished) and free its slot."""
-        self._engine._cancel(self._req)
-
-    def cancel(self) -> None:
-        """Synchronous :meth:`aclose`."""
-        self._engine._cancel(self._req)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._engine._cancel(self._req)
-
-    def __del__(self) -> None:
-        req = self._req
-        if req.state != _DONE:
-            req.cancelled = True  # reaped by the next step (a GC thread must not touch state)
 
 
 def _lazy(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Callable[[], Awaitable[Any]]]:

@@ -68,7 +68,7 @@ class ServeMetrics:
     """The server's metrics; :meth:`render` gives the Prometheus text exposition.
 
     Args:
-        stats: returns the engine's :class:`~._engine.EngineStats`, or ``None`` while
+        stats: returns the engine's :class:`~._requests.EngineStats`, or ``None`` while
             the model is loading.
     """
 
