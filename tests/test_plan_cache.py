@@ -101,3 +101,15 @@ def test_cache_is_bounded(s: deviceops.Stream, monkeypatch: pytest.MonkeyPatch) 
     for n in range(1, 20):
         kernels.softmax(api.ones((1, n)).sync_on(s)).sync_on(s)
     assert _plan.stats()["entries"] <= 8
+
+
+def test_partition_tiling_cache_keeps_validating(s: deviceops.Stream) -> None:
+    """Tensor.partition remembers validated (shape, tile) pairs; equal-comparing non-ints
+    (256.0 == 256, True == 1) must still be refused after the int form was cached."""
+    z = api.zeros((1024,)).sync_on(s)
+    one = api.zeros((7,)).sync_on(s)
+    assert z.partition((256,)).grid == (4,) and z.partition((256,)).grid == (4,)
+    assert one.partition((1,)).grid == (7,)
+    for bad, t in (((256.0,), z), ((True,), one), ((0,), z), ((256, 1), z)):
+        with pytest.raises(ShapeError):
+            t.partition(bad)
