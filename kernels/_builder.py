@@ -8,7 +8,8 @@ A launcher (``rms_norm``, ``gemm``, ...) describes its kernel with two functions
 * ``body(ctx, tensors)``: launches, through :func:`deviceops._launch.launch`.
 
 :func:`build_op` turns them into a :class:`._launch.KernelOp` whose output argument is
-``out`` (allocated when ``None``); :mod:`._multi_op` does the same for several outputs.
+``out`` (allocated when ``None``); :func:`multi_op` does the same for several outputs (or an
+output that defaults to an input); both are one implementation.
 When every argument is a Tensor, the check's result comes from the plan cache
 (:mod:`._plan`); Partition and DeviceOp arguments are checked once their values are known,
 still before anything of the op is launched.
@@ -28,10 +29,12 @@ from deviceops._tensor import Partition, Tensor, allocate, check_device
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
 from ._plan import cached, static_key
 
-__all__ = ["OPTIONAL_ARGS", "Body", "Check", "build_op", "check_out", "checked", "noop",
-           "plain_args", "require_tensors", "same_device"]
+__all__ = ["OPTIONAL_ARGS", "Body", "Check", "MultiCheck", "Outputs", "build_op", "check_out",
+           "checked", "multi_op", "noop", "plain_args", "require_tensors", "same_device"]
 
 Check = Callable[[Mapping[str, Tensor | None]], tuple[tuple[int, ...], np.dtype[Any]]]
+Outputs = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
+MultiCheck = Callable[[Mapping[str, Tensor | None]], Outputs]
 Body = Callable[[ExecutionContext, dict[str, Tensor]], None]
 
 
@@ -105,29 +108,113 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
     When every argument is a Tensor (or ``None``), the check's result is looked up in the
     plan cache (:mod:`._plan`) first, and the op launches without re-deriving anything.
     """
-    keys = tuple(args)
-    vals = tuple(args.values())
-    i_out = keys.index("out")
-    if not plain_args(name, args, optional):
-        return _general_op(name, keys, vals, i_out, check, body)
-    given = {k: v for k, v in args.items() if v is not None}
-    oshape, odt = cached(static_key(check), vals, lambda: checked(name, args, check))
+    if plain_args(name, args, optional):  # (multi_op's paths, without its defaults)
+        return _plain_op(name, args, check, True, body, _the_out, _NO_DEFAULTS)
+    return _general_op(name, args, check, True, body, _the_out, _NO_DEFAULTS)
+
+
+_NO_DEFAULTS: Mapping[str, str] = {}
+
+
+def _the_out(given: dict[str, Any]) -> Any:
+    return given["out"]
+
+
+def multi_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], body: Body,
+             result: Callable[[dict[str, Any]], Any],
+             defaults: Mapping[str, str] | None = None, *,
+             optional: tuple[str, ...] = OPTIONAL_ARGS, single: bool = False) -> KernelOp:
+    """A KernelOp whose outputs are the keys ``check`` returns (allocated when ``None``).
+
+    ``check`` returns :data:`Outputs` (``{name: (shape, dtype)}``), or with ``single`` the
+    ``(shape, dtype)`` of ``out`` alone (:func:`build_op`). ``defaults`` maps an output left
+    ``None`` to another argument it then aliases (e.g. ``residual_out`` -> ``residual``).
+    ``result(values)`` builds the op's output from the argument values as given (allocated
+    outputs filled in).
+    """
+    dflt = dict(defaults or {})
+    if plain_args(name, args, optional):
+        return _plain_op(name, args, check, single, body, result, dflt)
+    return _general_op(name, args, check, single, body, result, dflt)
+
+
+def _outputs(name: str, ts: Mapping[str, Tensor | None], check: Callable[[Any], Any],
+             single: bool) -> Outputs:
+    """The full check of ``ts`` as :data:`Outputs` (``single``: ``check`` gives ``out``'s)."""
+    got = checked(name, ts, check)
+    return {"out": got} if single else got
+
+
+def _plain_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], single: bool,
+              body: Body, result: Callable[[dict[str, Any]], Any],
+              dflt: Mapping[str, str]) -> KernelOp:
+    """Every argument a Tensor or ``None``: the check's result comes from the plan cache
+    (keyed by ``check`` itself), the launch reuses the argument dict built here."""
+    ts = args  # the launcher's own dict; copied only to fill in defaulted outputs
+    if dflt:
+        ts = dict(args)
+        for k, src in dflt.items():
+            if ts[k] is None:
+                ts[k] = ts[src]
+    vals = tuple(ts.values())  # the key sees the defaulted outputs' aliasing too
+    outs = cached(static_key(check), vals, lambda: _outputs(name, ts, check, single))
+    given = {k: t for k, t in ts.items() if t is not None}
     first = next(iter(given.values()))
     dev = first._storage.device
-    out0 = vals[i_out]
+    missing = [(k, shape, dt) for k, (shape, dt) in outs.items() if ts[k] is None]
+    res = None if missing else result(ts)
 
     def run(ctx: ExecutionContext, *vs: Any) -> Any:
         stream = ctx.stream
         if stream.device is not dev:
             check_device(first, stream, name)
-        if out0 is not None:
+        if not missing:
             body(ctx, given)
-            return out0
-        out_t = allocate(stream, oshape, odt, name)
-        body(ctx, {**given, "out": out_t})
-        return out_t
+            return res
+        now = dict(ts)
+        for k, shape, dt in missing:
+            now[k] = allocate(stream, shape, dt, name)
+        body(ctx, {k: t for k, t in now.items() if t is not None})
+        return result(now)
 
-    return KernelOp.plain(name, run, vals)
+    return KernelOp.plain(name, run, vals if ts is args else tuple(args.values()))
+
+
+def _general_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], single: bool,
+                body: Body, result: Callable[[dict[str, Any]], Any],
+                dflt: Mapping[str, str]) -> KernelOp:
+    """Partition or DeviceOp arguments: checked once their values are known."""
+    keys = tuple(args)
+    vals = tuple(args.values())
+
+    def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
+        ts = {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}
+        for k, src in dflt.items():
+            if ts[k] is None:
+                ts[k] = ts[src]
+        return ts
+
+    early = None if any(is_deferred(v) for v in vals) else _outputs(name, tensors(vals), check,
+                                                                    single)
+
+    def run(ctx: ExecutionContext, *vs: Any) -> Any:
+        ts = tensors(vs)
+        outs = early if early is not None else _outputs(name, ts, check, single)
+        stream = ctx.stream
+        for t in ts.values():
+            if t is not None:
+                check_device(t, stream, name)
+        given = dict(zip(keys, vs, strict=True))
+        for k, src in dflt.items():
+            if given[k] is None:
+                given[k] = given[src]
+        for k, (shape, dt) in outs.items():
+            if given[k] is None:
+                given[k] = ts[k] = allocate(stream, shape, dt, name)
+        body(ctx, {k: t for k, t in ts.items() if t is not None})
+        return result(given)
+
+    return KernelOp(name, run, vals)
 
 
 def plain_args(name: str, args: Mapping[str, Any], optional: tuple[str, ...]) -> bool:
@@ -146,35 +233,6 @@ def plain_args(name: str, args: Mapping[str, Any], optional: tuple[str, ...]) ->
         require_tensors(name, args, optional)  # raises for a bad argument
         return False
     return True
-
-
-def _general_op(name: str, keys: tuple[str, ...], vals: tuple[Any, ...], i_out: int,
-                check: Check, body: Body) -> KernelOp:
-    """build_op with Partition or DeviceOp arguments (checked once their values are known)."""
-
-    def tensors(vs: tuple[Any, ...]) -> dict[str, Tensor | None]:
-        return {k: None if v is None else as_tensor(v, name, k) for k, v in zip(keys, vs, strict=True)}
-
-    def full_check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
-        out: tuple[tuple[int, ...], np.dtype[Any]] = checked(name, ts, check)
-        return out
-
-    early = None if any(is_deferred(v) for v in vals) else full_check(tensors(vals))
-
-    def run(ctx: ExecutionContext, *vs: Any) -> Any:
-        ts = tensors(vs)
-        oshape, odt = early if early is not None else full_check(ts)
-        stream = ctx.stream
-        for t in ts.values():
-            if t is not None:
-                check_device(t, stream, name)
-        out_v = vs[i_out]
-        if out_v is None:
-            out_v = ts["out"] = allocate(stream, oshape, odt, name)
-        body(ctx, {k: t for k, t in ts.items() if t is not None})
-        return out_v
-
-    return KernelOp(name, run, vals)
 
 
 def noop(*_: Any) -> None:
