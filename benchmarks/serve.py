@@ -391,7 +391,6 @@ def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
 
 def random_smollm2(max_batch: int, max_seq: int, kv_blocks: int | None) -> Any:
     """SmolLM2-135M's shapes, random weights, float16 on GPU 0 (throughput is shape-only)."""
-
     from deviceops import nn
 
     return nn.random_model(dtype="float16", device=0, max_batch=max_batch, max_seq=max_seq,

@@ -437,19 +437,20 @@ class CausalLM:
     def _run_eager(self, b: int) -> None:
         """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
         as :meth:`_step_op`, each enqueued on :attr:`device_stream` as it is built."""
-        th = self._step_thunks.get(b)
-        if th is None:
-            th = self._step_thunks[b] = self._build_step(b)
         s = self.device_stream
-        for make in th:
+        for make in self._step_ops(b):
             make().async_on(s)
 
     def _step_op(self, b: int) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
+        return chain(self._step_ops(b))
+
+    def _step_ops(self, b: int) -> list[Callable[[], DeviceOp[Any]]]:
+        """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket)."""
         th = self._step_thunks.get(b)
-        if th is None:  # the views and thunks of a bucket are built once
+        if th is None:
             th = self._step_thunks[b] = self._build_step(b)
-        return chain(th)
+        return th
 
     def _build_step(self, b: int) -> list[Callable[[], DeviceOp[Any]]]:
         vw = self._arena.views(b, 1)

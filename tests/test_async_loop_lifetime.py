@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import pytest
 import trio
@@ -54,9 +55,6 @@ def test_cancelled_awaits_of_finished_loops_are_freed(lib: str) -> None:
     for _ in range(30):
         one_round()
     dev.synchronize()
-    deviceops.device("cpu").synchronize()
-    import time
-
     time.sleep(0.05)  # the completion thread hands the last wake-ups over
     gc.collect()
     assert _live_events() - base_events <= 4, "events of cancelled awaits stay alive"

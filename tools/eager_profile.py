@@ -13,17 +13,9 @@ import time
 from deviceops import nn
 from deviceops.nn.config import LlamaConfig
 from deviceops.nn.load import SMOLLM2_135M
-from deviceops.nn.model import CausalLM
 
-SMOLLM2 = SMOLLM2_135M
 SMALL = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=30,
                     num_heads=4, num_kv_heads=2, head_dim=16)
-
-
-def random_model(cfg: LlamaConfig, device: str | None, max_batch: int = 4,
-                 max_seq: int = 256) -> CausalLM:
-    """A CausalLM of ``cfg``'s shapes with random weights (host cost is shape-only)."""
-    return nn.random_model(cfg, device=device, max_batch=max_batch, max_seq=max_seq)
 
 
 def main() -> None:
@@ -33,7 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--no-profile", action="store_true")
     a = ap.parse_args()
-    m = random_model(SMALL if a.small else SMOLLM2, a.device)
+    m = nn.random_model(SMALL if a.small else SMOLLM2_135M, device=a.device, max_batch=4,
+                        max_seq=256)
     s = m.device_stream
     m.set_sampling(0)
     m.prefill(0, [1, 2, 3, 4], graph=False)
