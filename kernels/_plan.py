@@ -111,11 +111,8 @@ def cached(check_key: Any, vals: Sequence[Any], compute: Callable[[], Any]) -> A
     ak = arg_key(vals)
     if ak is None:
         return compute()
-    key = (check_key, ak)
-    try:
-        got = _cache.get(key)
-    except TypeError:  # an unhashable value slipped into the key: no caching
-        return compute()
+    key = (check_key, ak)  # hashable: static_key admits only simple values, arg_key ints
+    got = _cache.get(key)
     if got is not None:
         _counts[0] += 1
         return got
