@@ -41,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deviceops.kernels import _attention as attn
+from deviceops.kernels._experiment import current, set_overrides
 
 POINTS = [(L, D, causal) for L in (1024, 4096, 8192) for D in (64, 128) for causal in (False, True)]
 
@@ -184,16 +186,17 @@ def _bench_point(
     row: dict[str, Any] = {"dtype": dname, "L": L, "D": D, "causal": causal, "B": B, "H": H}
     for cfg in [None, *(variants or [])]:
 
-        def ours(cfg: tuple[int, int, int] | None = cfg) -> None:
-            attn.flash_attention_cuda(
-                cq, ck, cv, co, causal=causal, stream=stream, _sm90_config=cfg
-            )
+        def ours() -> None:
+            attn.flash_attention_cuda(cq, ck, cv, co, causal=causal, stream=stream)
 
+        prev = set_overrides(replace(current(), attention_sm90_config=cfg))
         try:
             ms = _time_cupy(ours, stream, iters)
         except Exception as exc:  # a variant may not fit (shared memory)
             print(f"  variant {cfg} failed: {exc}")
             continue
+        finally:
+            set_overrides(prev)
         key = "ours" if cfg is None else f"ours_{cfg[0]}_{cfg[1]}_{cfg[2]}"
         row[key + "_tflops"] = round(f / ms / 1e9, 1)
     # correctness against FA2's output on the same inputs (default config)
@@ -495,7 +498,7 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
 
     timer = _Timer()
     rows = []
-    saved = (attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM, attn.SPLIT_MIN_STEPS)
+    saved = current()
     try:
         for label, hq, hkv, d, b, lk in SWEEP_POINTS:
             sets = _decode_sets(b, hq, hkv, lk, d, torch.float16)
@@ -510,7 +513,7 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
             for var in variants:
                 for tgt in targets:
                     apply_variant(var)
-                    attn.SPLIT_BLOCKS_PER_SM = tgt
+                    set_overrides(replace(current(), attention_split_blocks_per_sm=tgt))
                     calls = _ours_calls(sets, timer.stream, ws)
                     us = timer.median_us(calls, reps)
                     o.fill_(float("nan"))
@@ -526,22 +529,22 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
             del sets
             torch.cuda.empty_cache()
     finally:
-        attn.EXTRA_SPLITKV_DEFINES, attn.SPLIT_BLOCKS_PER_SM, attn.SPLIT_MIN_STEPS = saved
+        set_overrides(saved)
     return rows
 
 
 def apply_variant(var: str) -> None:
     """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` knobs."""
     defines = []
-    attn.SPLIT_MIN_STEPS = 4
+    ov = replace(current(), attention_split_min_steps=None)  # SPLIT_MIN_STEPS unless given
     for tok in var.split():
         if tok.startswith("min_steps="):
-            attn.SPLIT_MIN_STEPS = int(tok.split("=")[1])
+            ov = replace(ov, attention_split_min_steps=int(tok.split("=")[1]))
         elif tok.startswith("target="):
-            attn.SPLIT_BLOCKS_PER_SM = int(tok.split("=")[1])
+            ov = replace(ov, attention_split_blocks_per_sm=int(tok.split("=")[1]))
         else:
             defines.append(tok)
-    attn.EXTRA_SPLITKV_DEFINES = tuple(defines)
+    set_overrides(replace(ov, attention_splitkv_defines=tuple(defines)))
 
 
 def best_variant(sweep: list[dict[str, Any]]) -> str:
@@ -705,8 +708,8 @@ def main() -> None:
         import torch
 
         dtypes = args.dtypes.split(",")
-        attn.EXTRA_SM90_DEFINES = tuple(args.defines.split())
-        attn.EXTRA_SPLITKV_DEFINES = tuple(args.decode_defines.split())
+        set_overrides(replace(current(), attention_sm90_defines=tuple(args.defines.split()),
+                              attention_splitkv_defines=tuple(args.decode_defines.split())))
         points = POINTS
         if args.points:
             points = [

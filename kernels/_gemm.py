@@ -78,10 +78,6 @@ GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
 
-# Extra -D defines for the sm_90 kernel (benchmark experiments only; empty in normal use).
-SM90_EXTRA_DEFINES: tuple[str, ...] = ()
-# Compile a convert-and-store-only epilogue for plain products (alpha 1, beta 0, no bias/act).
-SM90_PLAIN_EPILOGUE = True
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 

@@ -25,7 +25,9 @@ import numpy as np
 
 from deviceops._errors import DriverError, ShapeError
 
+from . import _experiment
 from . import _gemm as G
+from ._experiment import KernelOverrides
 from ._fastlaunch import Launcher, libcuda
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
@@ -218,8 +220,9 @@ def _check_arrays(arrs: tuple[tuple[str, Any], ...]) -> int:
 
 
 def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
-           trans_b: bool, ws_nbytes: int, force: str | None) -> _Run:
-    """Check the arguments and compute the launch plan of one problem (see the module doc)."""
+           trans_b: bool, ws_nbytes: int, ov: KernelOverrides) -> _Run:
+    """Check the arguments and compute the launch plan of one problem (see the module doc);
+    ``ov``: the test/benchmark overrides in force (:mod:`._experiment`)."""
     _, odt = G.gemm_check(
         tuple(a.shape), a.dtype, tuple(b.shape), b.dtype, out_shape=tuple(out.shape), out_dtype=out.dtype,
         bias_shape=None if bias is None else tuple(bias.shape),
@@ -238,6 +241,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     ptrs16 = a16 and b16 and int(out.data.ptr) % 16 == 0
     tma_ok = is16 and cc == 90 and k % 8 == 0 and n % 8 == 0 and ptrs16
 
+    force = ov.gemm_path
     force_cfg, force_s = force, 0
     if force and ":" in force:
         force_cfg, s_txt = force.split(":")
@@ -298,9 +302,9 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     if path == "sm90":
         bn, ncw, stages = G.SM90_CONFIGS[cfg]
         bm = 64 * ncw
-        plain = G.SM90_PLAIN_EPILOGUE and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
+        plain = ov.gemm_sm90_plain_epilogue and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
         defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={bf16}", f"GEMM_EPI_PLAIN={int(plain)}",
-                  f"GEMM_TRANS_B={tb}", *G.SM90_EXTRA_DEFINES)  # fmt: skip
+                  f"GEMM_TRANS_B={tb}", *ov.gemm_sm90_defines)  # fmt: skip
         fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
         smem = _sm90_smem(bn, ncw, stages)
         set_max_dynamic_smem(fn, smem)
@@ -373,13 +377,13 @@ def gemm_cuda(
     trans_b: bool = False,
     workspace: Any = None,
     stream: Any,
-    _force: str | None = None,
 ) -> None:
     """Enqueue ``out = act(alpha * a @ b + beta * out + bias)`` on ``stream``.
 
     No device allocation and no synchronisation happen here (graph-capture safe). The
     launch plan is cached per problem (see the module docstring): a repeated call costs a
-    key lookup and the driver call.
+    key lookup and the driver call. Tests and benchmarks pin a path or a tile config with
+    :func:`._experiment.overrides` (``gemm_path=...``), never through this signature.
 
     Args:
         a: ``(*batch, M, K)`` cupy array, C-contiguous.
@@ -394,9 +398,6 @@ def gemm_cuda(
         trans_b: ``b`` is given transposed.
         workspace: cupy array of at least :func:`._gemm.gemm_workspace_nbytes` bytes, or None.
         stream: the ``cupy.cuda.Stream`` every launch goes to.
-        _force: testing/benchmark override: ``"sm80"``, ``"simt"``, ``"skinny"``, or an
-            sm_90 config name (``"128x256"``, ``"128x128"``, ``"64x128"``), optionally with
-            ``":S"`` to force ``S`` split-K slices (``skinny:S``: ``S`` k-split warps).
 
     Raises:
         ShapeError, DTypeError: before any launch.
@@ -410,12 +411,13 @@ def gemm_cuda(
         biasp = bias.data.ptr
         bkey = (bias.shape, bias.dtype, bias.strides, bias.data.device_id, biasp & 15)
     wsn = 0 if workspace is None else workspace.nbytes
+    ov = _experiment.ACTIVE
     key = (a.shape, b.shape, out.shape, a.dtype, b.dtype, out.dtype, a.strides, b.strides, out.strides,
            ad.device_id, bd.device_id, od.device_id, ap & 15, bp & 15, opp & 15, bkey, activation, alpha, beta,
-           tf32, trans_b, wsn, _force, G.SM90_EXTRA_DEFINES, G.SM90_PLAIN_EPILOGUE)  # fmt: skip
+           tf32, trans_b, wsn, ov)  # fmt: skip
     run = _plans.get(key)
     if run is None:
-        run = _build(a, b, out, bias, activation, alpha, beta, tf32, trans_b, wsn, _force)
+        run = _build(a, b, out, bias, activation, alpha, beta, tf32, trans_b, wsn, ov)
         if len(_plans) >= _PLANS_MAX:
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):  # a racing evictor
                 del _plans[next(iter(_plans))]

@@ -22,18 +22,27 @@ import deviceops
 from deviceops import api, kernels
 from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import _attention as attn
+from deviceops.kernels import _experiment
 
 from .conftest import to_np
 
 # Optional split-KV variant under test, in benchmarks/attention.py's syntax (NVRTC defines plus
 # min_steps=N / target=N), so a device run can validate a variant before it becomes the default.
+_variant: dict[str, Any] = {}
 for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
     if _tok.startswith("min_steps="):
-        attn.SPLIT_MIN_STEPS = int(_tok.split("=")[1])
+        _variant["attention_split_min_steps"] = int(_tok.split("=")[1])
     elif _tok.startswith("target="):
-        attn.SPLIT_BLOCKS_PER_SM = int(_tok.split("=")[1])
+        _variant["attention_split_blocks_per_sm"] = int(_tok.split("=")[1])
     else:
-        attn.EXTRA_SPLITKV_DEFINES = (*attn.EXTRA_SPLITKV_DEFINES, _tok)
+        _variant["attention_splitkv_defines"] = (*_variant.get("attention_splitkv_defines", ()), _tok)
+
+
+@pytest.fixture(autouse=True)
+def _attn_variant() -> Any:
+    """Every test of this module runs under the variant (the overrides are restored after)."""
+    with _experiment.overrides(**_variant):
+        yield
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -161,6 +170,49 @@ def test_plan_splitkv() -> None:
         assert ns == 1 or base * ns <= attn.SPLIT_BLOCKS_PER_SM * 132
 
 
+def test_plan_splitkv_knobs() -> None:
+    """The split target and threshold the benchmarks sweep (via _experiment) reach the plan."""
+    plan = attn.plan_splitkv
+    assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True)[2] == 1  # 4 block steps: no split
+    assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True, min_steps=0)[2] > 1
+    full = plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True)[2]
+    half = plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True, blocks_per_sm=4)[2]
+    assert (full, half) == (16, 8)
+
+
+def test_kernel_overrides_scoped() -> None:
+    """overrides() installs a frozen, validated config for its block and restores the previous
+    one, nested or on error; the production launchers take no experiment keywords."""
+    import dataclasses
+    import inspect
+
+    from deviceops.kernels import _gemm_cuda
+
+    base = _experiment.current()
+    assert base == _experiment.KernelOverrides()
+    with _experiment.overrides(attention_path="splitkv") as ov:
+        assert _experiment.ACTIVE is ov and ov.attention_path == "splitkv"
+        with _experiment.overrides(gemm_path="sm80:3"):
+            inner = _experiment.current()
+            assert (inner.attention_path, inner.gemm_path) == ("splitkv", "sm80:3")
+        assert _experiment.current() is ov
+        with pytest.raises(RuntimeError), _experiment.overrides(attention_split_min_steps=0):
+            raise RuntimeError
+        assert _experiment.current() is ov
+    assert _experiment.current() is base
+    with pytest.raises(ValueError, match="attention_path"):
+        _experiment.KernelOverrides(attention_path="sm91")
+    with pytest.raises(TypeError, match="attention_splitkv_defines"):
+        _experiment.KernelOverrides(attention_splitkv_defines=["-DX=1"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _experiment.overrides(no_such_knob=1).__enter__()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.gemm_path = "simt"  # type: ignore[misc]
+    assert hash(base) == hash(_experiment.KernelOverrides())  # part of the plan-cache keys
+    for fn in (attn.flash_attention_cuda, _gemm_cuda.gemm_cuda):
+        assert not [p for p in inspect.signature(fn).parameters if p.startswith("_")], fn
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -226,10 +278,10 @@ def _run_gpu(
     ws = cp.empty(max(nbytes, 1), dtype=cp.uint8) if workspace else None
     cp.cuda.Device().synchronize()  # inputs and poison (null stream) before the non-blocking stream
     stream = cp.cuda.Stream(non_blocking=True)
-    attn.flash_attention_cuda(
-        dq, dk, dv, out, causal=causal, scale=scale, workspace=ws, stream=stream,
-        _force_splitkv=force_splitkv,
-    )  # fmt: skip
+    with _experiment.overrides(attention_path="splitkv" if force_splitkv else None):
+        attn.flash_attention_cuda(
+            dq, dk, dv, out, causal=causal, scale=scale, workspace=ws, stream=stream
+        )  # fmt: skip
     stream.synchronize()
     return cp.asnumpy(out)
 
@@ -669,11 +721,13 @@ def _run_gpu_kv(
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (32, 8)])
 @pytest.mark.parametrize("lq", [1, 3, 8, 37])
-def test_gpu_kv_len(
-    dtype: np.dtype, d: int, hq: int, hkv: int, lq: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gpu_kv_len(dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
     """Decode (Lq <= 8, split and unsplit) and prefill (Lq > 8, causal, Lq <= kv_len <= Lk)."""
-    monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)  # split whenever a workspace is given
+    with _experiment.overrides(attention_split_min_steps=0):  # split whenever a workspace is given
+        _check_kv_len(dtype, d, hq, hkv, lq)
+
+
+def _check_kv_len(dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
     rng = np.random.default_rng()
     b, lk = 4, 333
     lo = 1 if lq <= attn.DECODE_MAX_LQ else lq

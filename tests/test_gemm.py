@@ -14,6 +14,7 @@ import deviceops
 from deviceops import api, kernels
 from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import _gemm
+from deviceops.kernels._experiment import overrides
 
 from .conftest import to_np
 
@@ -326,8 +327,9 @@ def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: A
     dout = cupy.asarray(c) if cs["beta"] != 0.0 else cupy.full((*batch, m, n), np.nan, dtype=dt)
     nbytes = _gemm.gemm_workspace_nbytes(a.shape, b_given.shape, dt, tb)
     ws = cupy.empty(max(nbytes, 12 * c.size) // 4 + 1, dtype=np.float32)
-    _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
-                    tf32=tf32, trans_b=tb, workspace=ws, stream=stream, _force=cs["force"])  # fmt: skip
+    with overrides(gemm_path=cs["force"]):
+        _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+                        tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
     stream.synchronize()
     out = cupy.asnumpy(dout)
     assert not np.isnan(out.astype(np.float32)).any(), f"unwritten / NaN outputs for {cs}"
@@ -448,7 +450,8 @@ def test_gpu_cached_plan_fresh_buffers_and_layout_recheck() -> None:
                 a = _rand(rng, (m, k), BF16)
                 w = _rand(rng, (n, k) if tb else (k, n), BF16, 1 / math.sqrt(k))
                 dout = cupy.full((m, n), np.nan, dtype=BF16)
-                _gemm.gemm_cuda(cupy.asarray(a), cupy.asarray(w), dout, trans_b=tb, stream=stream, _force=force)
+                with overrides(gemm_path=force):
+                    _gemm.gemm_cuda(cupy.asarray(a), cupy.asarray(w), dout, trans_b=tb, stream=stream)
                 outs.append((dout, _gemm.gemm_reference(a, w, trans_b=tb)))
             stream.synchronize()
             for dout, ref in outs:

@@ -13,6 +13,7 @@ import cupy
 import torch
 
 from deviceops.kernels import _attention as attn
+from deviceops.kernels._experiment import KernelOverrides, set_overrides
 
 
 def ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -36,7 +37,7 @@ def main() -> None:
               (1, 2, 2, 100, 100, 96, False), (2, 4, 2, 1000, 1000, 128, True)]  # fmt: skip
     s = cupy.cuda.Stream(non_blocking=True)
     for var in variants:
-        attn.EXTRA_SM90_DEFINES = var
+        set_overrides(KernelOverrides(attention_sm90_defines=var))
         for b, hq, hkv, lq, lk, d, causal in shapes:
             for tdt in (torch.float16, torch.bfloat16):
                 q = torch.randn(b, hq, lq, d, device="cuda", dtype=tdt)
@@ -46,7 +47,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 try:
                     attn.flash_attention_cuda(*(cupy.from_dlpack(t.view(torch.int16)).view(
-                        attn._supported_dtypes()[0 if tdt == torch.float16 else 1]) for t in (q, k, v, o)),
+                        attn.supported_dtypes()[1 if tdt == torch.float16 else 2]) for t in (q, k, v, o)),
                         causal=causal, stream=s)  # fmt: skip
                     s.synchronize()
                     r = ref(q, k, v, causal)

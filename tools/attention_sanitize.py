@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from deviceops.kernels import _attention as attn
+from deviceops.kernels._experiment import overrides
 
 CASES = [
     # (b, hq, hkv, lq, lk, d, causal, dtype, mode)   mode: sm90 | split | nosplit | fallback
@@ -47,8 +48,8 @@ def main() -> int:
         if mode == "split":
             ws = cp.empty(attn.attention_workspace_nbytes(q.shape, k.shape, dt), dtype=cp.uint8)
         cp.cuda.Device().synchronize()  # poison fill ran on the null stream
-        attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, workspace=ws, stream=stream,
-                                  _force_splitkv=mode == "fallback")  # fmt: skip
+        with overrides(attention_path="splitkv" if mode == "fallback" else None):
+            attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, workspace=ws, stream=stream)
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)
         ref = attn.attention_reference(q, k, v, causal=causal).astype(np.float64)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ml_dtypes
 
 from deviceops.kernels import _gemm
+from deviceops.kernels._experiment import overrides
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -62,8 +63,9 @@ def main() -> None:
                                    trans_b=tb)
         out = cp.asarray(c)
         ws = cp.empty(4 * c.size + 64, dtype=np.float32)
-        _gemm.gemm_cuda(cp.asarray(a), cp.asarray(b), out, bias=cp.asarray(bias), activation="gelu", alpha=0.5,
-                        beta=1.0, tf32=tf32, trans_b=tb, workspace=ws, stream=stream, _force=force)  # fmt: skip
+        with overrides(gemm_path=force):
+            _gemm.gemm_cuda(cp.asarray(a), cp.asarray(b), out, bias=cp.asarray(bias), activation="gelu", alpha=0.5,
+                            beta=1.0, tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)
         r = ref.astype(np.float64)

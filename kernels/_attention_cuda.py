@@ -1,0 +1,313 @@
+"""Flash attention on CUDA: kernel loading, cached launch plans and
+:func:`flash_attention_cuda` (semantics and paths: :mod:`._attention`).
+
+A launch plan is computed once per problem key (shapes, strides, dtypes, device,
+``kv_len``/``block_table`` layout, ``causal``, ``scale``, workspace size, the
+:mod:`._experiment` overrides): the checks, the path (sm_90 wgmma or split-KV), the kernel
+handles, grid and workspace layout. A call looks the key up, checks pointer alignment and
+enqueues through the driver (:class:`._fastlaunch.Launcher`). CuPy is imported lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from deviceops._errors import ShapeError
+
+from . import _experiment
+from ._attention_check import attention_check
+from ._attention_plan import (
+    DECODE_MAX_LQ,
+    SM90_CONFIGS,
+    SPLIT_BLOCKS_PER_SM,
+    SPLIT_GRANULE,
+    SPLIT_MIN_STEPS,
+    SPLITKV_MIN_BLOCKS,
+    logical_lk,
+    plan_splitkv,
+    sm90_smem_bytes,
+    ws_layout,
+)
+from ._experiment import KernelOverrides
+from ._fastlaunch import Launcher, fast_kernel, launch_pdl, pdl_enabled
+from ._module import expanded_source, load_module, set_max_dynamic_smem
+
+__all__ = ["flash_attention_cuda"]
+
+
+_kernels: dict[tuple[Any, ...], Any] = {}
+
+
+def _sm90_kernel(
+    device_id: int,
+    dp: int,
+    bn: int,
+    nwg: int,
+    nstage: int,
+    bf16: bool,
+    scale_pos: bool,
+    extra: tuple[str, ...],
+) -> Any:
+    key = ("sm90", device_id, dp, bn, nwg, nstage, bf16, scale_pos, extra)
+    fn = _kernels.get(key)
+    if fn is None:
+        opts = (
+            f"-DATTN_DP={dp}",
+            f"-DATTN_BN={bn}",
+            f"-DATTN_NWG={nwg}",
+            f"-DATTN_NSTAGE={nstage}",
+            f"-DATTN_SCALE_POS={int(scale_pos)}",
+            f"-DATTN_BF16={int(bf16)}",
+            *extra,
+        )
+        mod = load_module(
+            expanded_source("attn_fwd_sm90.cu"),
+            options=opts,
+            device_id=device_id,
+            arch_suffix="a",
+        )
+        raw = mod.get_function("attn_fwd_sm90")
+        set_max_dynamic_smem(raw, sm90_smem_bytes(dp, bn, nwg, nstage))
+        fn = _kernels[key] = fast_kernel(raw, "attn_fwd_sm90", device_id)
+    return fn
+
+
+def _splitkv_kernels(
+    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, extra: tuple[str, ...]
+) -> tuple[Any, Any]:
+    key = ("splitkv", device_id, d, gt, bf16, f32, paged, extra)
+    fns = _kernels.get(key)
+    if fns is None:
+        opts = (
+            f"-DATTN_D={d}",
+            f"-DATTN_GT={gt}",
+            f"-DATTN_BF16={int(bf16)}",
+            f"-DATTN_F32={int(f32)}",
+            f"-DATTN_PAGED={int(paged)}",
+            f"-DATTN_GRANULE={SPLIT_GRANULE}",
+            *extra,
+        )
+        overridden = any(o.startswith("-DATTN_MINB") for o in extra)
+        if not f32 and gt <= 4 and not overridden:
+            # 128 registers: 4 resident blocks per SM instead of 3 (measured on H100:
+            # B1 Lk32k GQA 32/8 D128 67.8 -> 56.5 us); float32 and 8 heads/block would spill.
+            opts = (*opts, f"-DATTN_MINB={SPLITKV_MIN_BLOCKS}")
+        mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
+        raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
+        fns = (
+            Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
+            Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),
+        )
+        _kernels[key] = fns
+        _kernels[(*key, "raw")] = raw  # keeps the CuPy function objects alive
+    return fns
+
+
+@functools.cache
+def _device_info(device_id: int) -> tuple[int, int]:
+    """(compute capability as int, e.g. 90; multiprocessor count)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return int(dev.compute_capability), int(dev.attributes["MultiProcessorCount"])
+
+
+def _check_array(name: str, a: Any, device_id: int, align: int = 16) -> None:
+    if not a.flags.c_contiguous:
+        raise ShapeError(
+            f"flash_attention: {name} must be C-contiguous (got strides {a.strides} for shape "
+            f"{a.shape}); pass cupy.ascontiguousarray({name})",
+            op="flash_attention",
+        )
+    if a.data.ptr % align:
+        raise ShapeError(
+            f"flash_attention: {name} data pointer must be {align}-byte aligned",
+            op="flash_attention",
+        )
+    if a.device.id != device_id:
+        raise ShapeError(
+            f"flash_attention: {name} is on device {a.device.id}, q on device {device_id}",
+            op="flash_attention",
+        )
+
+
+def flash_attention_cuda(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    kv_len: Any = None,
+    block_table: Any = None,
+    workspace: Any = None,
+    stream: Any,
+) -> None:
+    """Enqueue flash attention on ``stream`` (CuPy arrays; no allocation, no sync).
+
+    Args:
+        q: ``(B, Hq, Lq, D)`` cupy array, float32, float16 or bfloat16, C-contiguous.
+        k: ``(B, Hkv, Lk, D)`` cupy array, same dtype; with ``block_table``, the block pool
+            ``(num_blocks, Hkv, block_size, D)``.
+        v: same shape and dtype as ``k``.
+        out: ``(B, Hq, Lq, D)`` cupy array to write, same dtype.
+        causal: bottom-right aligned causal mask (see module docstring).
+        scale: softmax scale, ``1/sqrt(D)`` when None.
+        kv_len: optional int32 ``(B,)`` cupy array: valid keys per batch row, read on the
+            device (never on the host).
+        block_table: optional int32 ``(B, max_blocks)`` cupy array (paged KV; needs
+            ``kv_len``).
+        workspace: device buffer (cupy array) of at least
+            :func:`attention_workspace_nbytes` bytes, or None (decode runs unsplit).
+        stream: the ``cupy.cuda.Stream`` every launch goes to.
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    bt = block_table
+    ov = _experiment.ACTIVE
+    key = (q.shape, k.shape, v.shape, out.shape, q.dtype, k.dtype, v.dtype, out.dtype,
+           q.strides, k.strides, v.strides, out.strides, q.device.id,
+           None if kv_len is None else (kv_len.shape, kv_len.dtype, kv_len.strides),
+           None if bt is None else (bt.shape, bt.dtype, bt.strides),
+           bool(causal), scale, None if workspace is None else workspace.nbytes,
+           ov)  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, out, causal, scale, kv_len, bt, workspace, ov)
+        if len(_plans) >= _PLANS_MAX:
+            del _plans[next(iter(_plans))]
+        _plans[key] = plan
+    for name, a, align in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16),
+                           ("kv_len", kv_len, 4), ("block_table", bt, 4)):
+        if a is not None and a.data.ptr % align:
+            _check_array(name, a, q.device.id, align)  # raises, naming the array
+    plan(q, k, v, out, kv_len, bt, workspace, stream)
+
+
+_PLANS_MAX = 1024
+_Plan = Callable[[Any, Any, Any, Any, Any, Any, Any, Any], None]
+_plans: dict[Any, _Plan] = {}
+
+
+def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, kv_len: Any,
+          block_table: Any, workspace: Any, ov: KernelOverrides) -> _Plan:
+    """Validate one problem and choose its path, kernels, grid and workspace layout, once;
+    return the per-call launch (pointers only). ``ov``: the test/benchmark overrides in
+    force (:mod:`._experiment`)."""
+    attention_check(
+        q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype,
+        out_shape=out.shape, out_dtype=out.dtype,
+        kv_len_shape=None if kv_len is None else kv_len.shape,
+        kv_len_dtype=None if kv_len is None else kv_len.dtype,
+        block_table_shape=None if block_table is None else block_table.shape,
+        block_table_dtype=None if block_table is None else block_table.dtype,
+    )  # fmt: skip
+    device_id = q.device.id
+    named = [("q", q), ("k", k), ("v", v), ("out", out)]
+    named += [] if kv_len is None else [("kv_len", kv_len)]
+    named += [] if block_table is None else [("block_table", block_table)]
+    for name, a in named:
+        _check_array(name, a, device_id, 4 if name in ("kv_len", "block_table") else 16)
+    b, hq, lq, d = (int(x) for x in q.shape)
+    hkv = int(k.shape[1])
+    paged = block_table is not None
+    lk = logical_lk(tuple(k.shape), None if block_table is None else tuple(block_table.shape))
+    dt = np.dtype(q.dtype)
+    f32 = dt == np.dtype(np.float32)
+    bf16 = not f32 and dt != np.dtype(np.float16)
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale_log2 = np.float32(sc * math.log2(math.e))
+    cc, n_sm = _device_info(device_id)
+    i32 = np.int32
+    causal_i = int(bool(causal))
+
+    force_splitkv = ov.attention_path == "splitkv"
+    if cc == 90 and lq > DECODE_MAX_LQ and not (force_splitkv or f32 or paged):
+        dp = -(-d // 64) * 64
+        bn, nwg, nstage = ov.attention_sm90_config or SM90_CONFIGS[dp]
+        fn = _sm90_kernel(device_id, dp, bn, nwg, nstage, bf16, sc > 0, ov.attention_sm90_defines)
+        bm = 64 * nwg
+        n_mblk = -(-lq // bm)
+        if n_mblk > 65535:
+            raise ShapeError(
+                f"flash_attention: Lq={lq} too long for one launch", op="flash_attention"
+            )
+        grid, block = (b * hq, n_mblk, 1), (128 * nwg, 1, 1)
+        smem = sm90_smem_bytes(dp, bn, nwg, nstage)
+        tail9: tuple[Any, ...] = (i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
+                                  i32(causal_i), i32(n_mblk))
+
+        def run_sm90(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
+                     stream: Any) -> None:
+            kvl = np.uint64(0) if kv_len is None else np.uint64(kv_len.data.ptr)
+            fn(grid, block, (q, k, v, out, kvl, *tail9), stream=stream, shared_mem=smem)
+
+        return run_sm90
+
+    # Split-KV path (decode, float32, paged, or the portable fallback). n_split is the most
+    # splits any row may use (the workspace stride); the kernel splits each row's kv_len.
+    gt, n_hchunk, n_split = plan_splitkv(
+        b, hq, hkv, lq, lk, d, n_sm=n_sm, split=workspace is not None,
+        blocks_per_sm=ov.attention_split_blocks_per_sm or SPLIT_BLOCKS_PER_SM,
+        min_steps=(SPLIT_MIN_STEPS if ov.attention_split_min_steps is None
+                   else ov.attention_split_min_steps),
+    )  # fmt: skip
+    x_blocks = hkv * lq * n_hchunk
+    rows = b * hq * lq
+    o_off = ml_off = 0
+    if n_split > 1:
+        o_off, ml_off, need = ws_layout(rows, n_split, d)
+        if workspace.nbytes < need:
+            n_split = 1
+    if x_blocks > 2**31 - 1 or n_split > 65535 or b > 65535:
+        raise ShapeError(
+            f"flash_attention: shape {q.shape} too large for one launch", op="flash_attention"
+        )
+    if paged:
+        mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
+    else:
+        mb, bs, nb = 0, 0, 0
+    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged,
+                                   ov.attention_splitkv_defines)
+    # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
+    # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
+    # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
+    go = launch_pdl if pdl_enabled(device_id) else _plain_launch
+    grid, cgrid = (x_blocks, n_split, b), (rows, 1, 1)
+    tail = (hq, hkv, lq, lk, float(scale_log2), causal_i, n_split, n_hchunk, mb, bs, nb)
+    ctail = (n_split, lk, hq * lq)
+
+    def run_splitkv(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
+                    stream: Any) -> None:
+        kvl = 0 if kv_len is None else int(kv_len.data.ptr)
+        btp = 0 if bt is None else int(bt.data.ptr)
+        wo = wml = 0
+        if n_split > 1:
+            base_ptr = int(ws.data.ptr)
+            wo, wml = base_ptr + o_off, base_ptr + ml_off
+        sptr = int(stream.ptr)
+        optr = int(out.data.ptr)
+        go(fn, grid, (128, 1, 1),
+           (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
+           sptr)  # fmt: skip
+        if n_split > 1:
+            go(combine, cgrid, (64, 1, 1), (wo, wml, optr, kvl, *ctail), sptr)
+
+    return run_splitkv
+
+
+def _plain_launch(
+    ln: Launcher,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple[Any, ...],
+    stream_ptr: int,
+) -> None:
+    ln(grid, block, args, stream_ptr)

@@ -1,0 +1,148 @@
+"""Flash attention: host-side planning (pure arithmetic, no CuPy): the path constants, the
+split-KV launch plan, the workspace size and layout, the sm_90 tile configurations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DECODE_MAX_LQ",
+    "MAX_SPLITS",
+    "SM90_CONFIGS",
+    "SPLITKV_MIN_BLOCKS",
+    "SPLIT_BLOCKS_PER_SM",
+    "SPLIT_GRANULE",
+    "SPLIT_MIN_STEPS",
+    "attention_workspace_nbytes",
+    "logical_lk",
+    "plan_splitkv",
+    "sm90_smem_bytes",
+    "ws_layout",
+]
+
+#: Query lengths up to this use the split-KV (decode) kernel.
+DECODE_MAX_LQ = 8
+#: Upper bound on KV splits (sizes the workspace).
+MAX_SPLITS = 64
+#: Keys per split are a multiple of this.
+SPLIT_GRANULE = 64
+#: The decode path splits the keys until at most this many blocks per multiprocessor run
+#: (two waves of 4 resident blocks; a row with fewer valid keys uses fewer splits, see
+#: attn_splitkv.cu).
+SPLIT_BLOCKS_PER_SM = 8
+#: No split (and no combine launch) when Lk is at most this many block steps of keys: a
+#: short cache costs less in one kernel than in two.
+SPLIT_MIN_STEPS = 4
+#: Resident blocks per SM the 16-bit split-KV kernel is compiled for (__launch_bounds__).
+SPLITKV_MIN_BLOCKS = 4
+
+#: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
+#: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
+SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
+    64: (64, 4, 4),
+    128: (96, 3, 3),
+    192: (64, 2, 2),
+    256: (64, 2, 2),
+}
+
+
+def sm90_smem_bytes(dp: int, bn: int, nwg: int, nstage: int) -> int:
+    """Dynamic shared memory of the sm_90 kernel: Q tiles, NSTAGE K and V tiles, barriers."""
+    return 64 * nwg * dp * 2 + 2 * nstage * bn * dp * 2 + 1024
+
+
+def _num_splits_upper(lk: int) -> int:
+    return max(1, min(MAX_SPLITS, -(-lk // SPLIT_GRANULE)))
+
+
+def attention_workspace_nbytes(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    block_table_shape: tuple[int, ...] | None = None,
+) -> int:
+    """Bytes of device workspace that lets ``flash_attention_cuda`` split the KV length.
+
+    Non-zero only for the decode path (``Lq <= DECODE_MAX_LQ``): float32 partial outputs
+    and (max, sum) pairs for up to ``MAX_SPLITS`` splits. Without it (``workspace=None``)
+    the decode path still runs, unsplit and slower.
+
+    Args:
+        q_shape: ``(B, Hq, Lq, D)``.
+        k_shape: ``(B, Hkv, Lk, D)`` (or the paged block pool).
+        dtype: element dtype (does not change the size; partials are float32).
+        block_table_shape: ``(B, max_blocks)`` for a paged cache (logical
+            ``Lk = max_blocks * block_size``).
+
+    Returns:
+        Size in bytes (0 if the call needs none).
+    """
+    del dtype
+    b, hq, lq, d = (int(x) for x in q_shape)
+    lk = logical_lk(k_shape, block_table_shape)
+    if lq > DECODE_MAX_LQ:
+        return 0
+    rows = b * hq * lq
+    ns = _num_splits_upper(lk)
+    return ws_layout(rows, ns, d)[2]
+
+
+def logical_lk(k_shape: tuple[int, ...], block_table_shape: tuple[int, ...] | None) -> int:
+    """Keys per row: ``Lk``, or ``max_blocks * block_size`` for a paged cache."""
+    if block_table_shape is None:
+        return int(k_shape[2])
+    return int(block_table_shape[1]) * int(k_shape[2])
+
+
+def plan_splitkv(
+    b: int,
+    hq: int,
+    hkv: int,
+    lq: int,
+    lk: int,
+    d: int,
+    *,
+    n_sm: int,
+    split: bool,
+    blocks_per_sm: int = SPLIT_BLOCKS_PER_SM,
+    min_steps: int = SPLIT_MIN_STEPS,
+) -> tuple[int, int, int]:
+    """Launch plan of the split-KV kernel: ``(heads per block, head chunks, n_split)``.
+
+    ``n_split`` is the most splits any batch row may use (the workspace stride; the kernel
+    splits each row's own ``kv_len`` into at most that many). No split without a workspace
+    (``split=False``), for ``Lq > DECODE_MAX_LQ``, or for a cache of at most
+    ``min_steps`` block steps of keys; at most ``blocks_per_sm * n_sm`` blocks otherwise
+    (benchmarks sweep both through :mod:`._experiment`). Pure host arithmetic (tested on
+    the cpu).
+    """
+    g = hq // hkv
+    gt = 1
+    while gt < min(g, 8):
+        gt *= 2
+    n_hchunk = -(-g // gt)
+    base_blocks = b * hkv * lq * n_hchunk
+    n_split = 1
+    if split and lq <= DECODE_MAX_LQ and lk > min_steps * _block_step(d):
+        # Round down: a grid just past a whole number of waves leaves a nearly empty last
+        # wave (H100, B8 Lk32k GQA 32/8 D128: 17 splits = 1088 blocks 380 us; the same
+        # kernel at 16 x 2048 keys = 1024 blocks 354.5 us, benchmarks/RESULTS-attention.md).
+        want = max(1, blocks_per_sm * n_sm // base_blocks)
+        n_split = min(want, _num_splits_upper(lk))
+    return gt, n_hchunk, n_split
+
+
+def _block_step(d: int) -> int:
+    """Keys one split-KV block covers per loop step (4 warps x keys per warp x 4)."""
+    lanes = 1
+    while lanes < min(32, d // 8):
+        lanes *= 2
+    return 4 * (32 // lanes) * 4
+
+
+def ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:
+    """(offset of partial outputs, offset of (m, l) pairs, total bytes) in the workspace."""
+    o_bytes = rows * n_split * d * 4
+    ml_off = (o_bytes + 255) // 256 * 256
+    return 0, ml_off, ml_off + rows * n_split * 2 * 4
