@@ -378,7 +378,7 @@ async def _await_future(fut: DeviceFuture[T], lib: str) -> T:
 
 def _spin(ev: Any) -> bool:
     """Poll a not-yet-complete ``ev`` for up to ``spin_us`` (cuda, no other awaits parked)."""
-    if _spin_s > 0 and not ev.stream.device.is_cpu and _poller().pending() == 0:
+    if _spin_s > 0 and ev.stream.backend.spin_before_park and _poller().pending() == 0:
         query = ev.query
         deadline = _perf() + _spin_s
         while _perf() < deadline:

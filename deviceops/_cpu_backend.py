@@ -25,6 +25,9 @@ ordered, as on a GPU. Semantics follow CUDA's:
   raises :class:`~deviceops.NestedExecutionError` instead of deadlocking.
 * while a stream is being captured into a graph, tasks are recorded into the
   capture instead of running (see ``deviceops.graphs``).
+
+:class:`CpuBackend` is the backend object (``device("cpu").backend``): NumPy
+arrays, copies as NumPy copies, no compiled programs.
 """
 
 from __future__ import annotations
@@ -32,18 +35,24 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ._errors import LaunchError, NestedExecutionError
+import numpy as np
+
+from ._backend import Backend, oom_error
+from ._errors import DeviceError, LaunchError, NestedExecutionError
 from ._stream import Event, Stream
 
 if TYPE_CHECKING:
     from ._capture import CaptureState
     from ._device import Device
+    from ._tensor import Storage
 
-__all__ = ["CpuEvent", "CpuStream"]
+__all__ = ["CpuBackend", "CpuEvent", "CpuStream", "guarded", "poisoned_input", "synchronize_all"]
 
 _STOP = object()
 
@@ -112,6 +121,9 @@ class CpuEvent(Event):
                 self._callbacks.append(fn)
                 return
         fn()
+
+    def hand_over_error(self) -> None:
+        self.take = True
 
 
 class _Worker:
@@ -210,9 +222,9 @@ class CpuStream(Stream):
         wait or a failure check, which count no op (``seq``) but can carry an error.
         """
         ev = self._last_event
-        if (ev is not None and ev.seq == self.seq and ev.capture is self.capture
+        if (isinstance(ev, CpuEvent) and ev.seq == self.seq and ev.capture is self.capture
                 and ev.error is None and (self.capture is not None
-                                          or ev._tail == self._worker.submitted)):  # type: ignore[attr-defined]
+                                          or ev._tail == self._worker.submitted)):
             return ev
         ev = self._record()
         self._last_event_ref = weakref.ref(ev)
@@ -226,7 +238,9 @@ class CpuStream(Stream):
         seq = self.seq + 1  # charged to the op being enqueued
 
         take = event.take
-        src = event.stream._worker  # type: ignore[attr-defined]
+        src_stream = event.stream
+        assert isinstance(src_stream, CpuStream)
+        src = src_stream._worker
 
         def wait() -> None:
             done.wait()
@@ -317,3 +331,168 @@ def synchronize_all() -> None:
             target = w.submitted
             while w.completed < target:
                 w.cond.wait()
+
+
+def poisoned_input(name: str, failed: tuple[str, BaseException]) -> LaunchError:
+    """The error of an op ``name`` that reads memory whose producer ``failed``."""
+    producer, exc = failed
+    err = LaunchError(
+        f"{name}: an input was produced by {producer}, which failed on the device "
+        f"({type(exc).__name__}: {exc}); not computing on its garbage. Fix the failing op, "
+        "or overwrite the tensor before using it again.",
+        op=name,
+    )
+    err.__cause__ = exc
+    return err
+
+
+def guarded(fn: Callable[[], None], name: str, rs: Sequence[Storage],
+            ws: Sequence[Storage], seq: int) -> Callable[[], None]:
+    """``fn`` that refuses failed inputs and marks its outputs failed when it fails.
+
+    Holds the storages' failure cells, not the storages (their lifetime is the
+    hazard tracking's business). ``seq`` is the op number the task is charged to
+    (see :meth:`CpuStream.absorb_after`).
+    """
+    rcells = [st.fail for st in rs]
+    wcells = [st.fail for st in ws]
+
+    def task() -> None:
+        for c in rcells:
+            f = c[0]
+            if f is not None:
+                err = poisoned_input(name, f)
+                for w in wcells:
+                    w[0] = f
+                err._deviceops_seq = seq  # type: ignore[attr-defined]
+                raise err
+        try:
+            fn()
+        except BaseException as exc:
+            for w in wcells:
+                w[0] = (name, exc)
+            exc._deviceops_seq = seq  # type: ignore[attr-defined]  # (see CpuStream.absorb_after)
+            raise
+        for w in wcells:
+            if w[0] is not None:
+                w[0] = None
+
+    return task
+
+
+def _host_free() -> int | None:
+    """Bytes of host memory available (``MemAvailable``), or ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CpuBackend(Backend):
+    """The ``cpu`` backend: NumPy arrays, one worker thread per stream, no compiled programs."""
+
+    kind = "cpu"
+    is_cpu = True
+    spin_before_park = False
+    stream_class = CpuStream
+    event_class = CpuEvent
+
+    @property
+    def array_module(self) -> ModuleType:
+        return np
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_name(self, index: int) -> str:
+        return "cpu"
+
+    def new_stream(self, device: Device) -> Stream:
+        return CpuStream(device)
+
+    def wrap_stream(self, device: Device, native: Any) -> Stream:
+        raise DeviceError("wrap_stream: the cpu backend has no native streams", device="cpu")
+
+    def synchronize(self, device: Device) -> None:
+        synchronize_all()
+
+    def empty(self, stream: Stream, shape: tuple[int, ...], dtype: np.dtype[Any], op: str) -> Any:
+        try:
+            return np.empty(shape, dtype)
+        except MemoryError as exc:
+            raise oom_error(op, shape, dtype, stream.device, _host_free()) from exc
+
+    def host_empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def from_dlpack(self, obj: Any) -> Any:
+        return np.from_dlpack(obj)
+
+    def copy(self, dst: Any, src: Any, native: Any) -> None:
+        np.copyto(dst, src)
+
+    def download(self, src: Any, out: np.ndarray, native: Any) -> None:
+        np.copyto(out, src)
+
+    def upload(self, dst: Any, src: np.ndarray, native: Any) -> None:
+        np.copyto(dst, src)
+
+    def copy_peer(self, dst: Any, dst_device: Device, src: Any, src_device: Device,
+                  native: Any) -> None:
+        np.copyto(dst, src)
+
+    def submit(self, stream: Stream, name: str, reads: Sequence[Storage],
+               writes: Sequence[Storage], cpu_fn: Callable[[], None],
+               cuda_fn: Callable[[Any], None]) -> None:
+        for st in reads:
+            if st.fail[0] is not None:
+                raise poisoned_input(name, st.fail[0])
+        stream.enqueue(guarded(cpu_fn, name, reads, writes, stream.seq + 1), name)
+
+    def begin_capture(self, stream: Stream) -> None:
+        pass  # CpuStream.enqueue records tasks into stream.capture while it is set
+
+    def end_capture(self, stream: Stream) -> Any:
+        return None
+
+    def abort_capture(self, stream: Stream) -> None:
+        pass
+
+    def replay(self, stream: Stream, native: Any,
+               tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
+        for fn, name in tasks:
+            stream.enqueue(fn, name)
+
+    def graph_size(self, native: Any, tasks: Sequence[Any]) -> int | None:
+        return len(tasks)
+
+    def load_program(self, device: Device, source: str, *, options: tuple[str, ...] = (),
+                     name_expressions: tuple[str, ...] | None = None,
+                     arch_suffix: str = "") -> Any:
+        raise DeviceError(
+            "load_program: the cpu backend runs no compiled CUDA programs; its kernels run "
+            "their NumPy references. Load programs on a cuda device (deviceops.device(0)).",
+            op="load_program", device=str(device))
+
+    def trace_mark(self, stream: Stream, clock: dict[Any, Any]) -> Callable[[], float | None]:
+        box: list[float | None] = [None]
+        done = threading.Event()
+
+        def stamp() -> None:
+            box[0] = time.perf_counter()
+            done.set()
+
+        stream.enqueue(stamp, "trace")
+
+        def resolve() -> float | None:
+            done.wait()
+            return box[0]
+
+        return resolve

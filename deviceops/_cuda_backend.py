@@ -1,25 +1,36 @@
-"""The ``cuda`` backend: CuPy streams and events on one CUDA device.
+"""The ``cuda`` backend: CuPy streams, events, memory, copies, graphs and programs.
 
 Work is enqueued from the calling thread straight onto a non-blocking CuPy
 stream; nothing runs on helper threads except completion callbacks (see
 :mod:`deviceops._completion`). Driver/runtime errors are raised as
 :class:`~deviceops.DriverError` carrying the device.
+
+This is the only core module that imports CuPy (``_device`` asks :func:`probe`
+whether a GPU answers). :class:`CudaBackend` is the backend object
+(``device(0).backend``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DriverError
+import numpy as np
+
+from ._backend import Backend, oom_error
+from ._errors import DeviceError, DriverError, ShapeError
 from ._stream import Event, Stream
 
 if TYPE_CHECKING:
     from ._capture import CaptureState
     from ._device import Device
+    from ._tensor import Storage
 
-__all__ = ["CudaEvent", "CudaStream", "cuda_errors"]
+__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "cuda_errors", "probe",
+           "raise_driver_error"]
 
 
 @contextlib.contextmanager
@@ -193,3 +204,207 @@ def _destroy(handle: int) -> None:
     """Destroy a raw event handle (quietly at interpreter shutdown)."""
     with contextlib.suppress(Exception):  # the context may already be gone at exit
         _runtime().eventDestroy(handle)
+
+
+def probe() -> tuple[bool, str]:
+    """(usable, reason): whether CuPy imports and sees at least one GPU (not cached here)."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        return (n > 0, f"{n} CUDA device(s)" if n else "CuPy sees no CUDA device")
+    except ImportError as exc:
+        return (False, f"CuPy is not installed ({exc})")
+    except Exception as exc:  # CUDARuntimeError: no driver / no device
+        return (False, f"CuPy found no usable GPU ({type(exc).__name__}: {exc})")
+
+
+_cupy: Any = None
+
+
+def _cp() -> Any:
+    """The :mod:`cupy` module, imported on first use."""
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
+
+
+def _on(native: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``native`` the current CuPy stream (CuPy enqueues its work there)."""
+    with native:
+        return fn()
+
+
+class CudaBackend(Backend):
+    """The ``cuda`` backend: CuPy arrays and streams, NVRTC-compiled programs, CUDA graphs."""
+
+    kind = "cuda"
+    is_cpu = False
+    spin_before_park = True
+    stream_class = CudaStream
+    event_class = CudaEvent
+
+    @property
+    def array_module(self) -> ModuleType:
+        cupy: ModuleType = _cp()
+        return cupy
+
+    def device_count(self) -> int:
+        return int(_cp().cuda.runtime.getDeviceCount())
+
+    def device_name(self, index: int) -> str:
+        return f"cuda:{index}"
+
+    def new_stream(self, device: Device) -> Stream:
+        return CudaStream(device)
+
+    def wrap_stream(self, device: Device, native: Any) -> Stream:
+        return CudaStream(device, native)
+
+    def synchronize(self, device: Device) -> None:
+        cupy = _cp()
+        with cuda_errors("device synchronize", str(device)), cupy.cuda.Device(device.index):
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def empty(self, stream: Stream, shape: tuple[int, ...], dtype: np.dtype[Any], op: str) -> Any:
+        """``cupy.empty`` from the device's memory pool, ordered on ``stream`` (CuPy's pool
+        hands out memory per current stream), with the device made current only if needed."""
+        cupy = _cupy if _cupy is not None else _cp()
+        rt = cupy.cuda.runtime
+        index = stream.device.index
+        prev = rt.getDevice()
+        try:
+            if prev != index:
+                rt.setDevice(index)
+            with stream.native:
+                return cupy.empty(shape, dtype)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            try:
+                free: int | None = int(rt.memGetInfo()[0])
+            except Exception:
+                free = None
+            raise oom_error(op, shape, dtype, stream.device, free) from exc
+        except (rt.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
+            raise DriverError(f"allocate on {stream.device}: {exc}", op="allocate",
+                              device=str(stream.device)) from exc
+        finally:
+            if prev != index:
+                rt.setDevice(prev)
+
+    def host_empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        import cupyx
+
+        pinned: np.ndarray = cupyx.empty_pinned(shape, dtype)
+        return pinned
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        host: np.ndarray = array.get()
+        return host
+
+    def from_dlpack(self, obj: Any) -> Any:
+        return _cp().from_dlpack(obj)
+
+    def copy(self, dst: Any, src: Any, native: Any) -> None:
+        if dst.flags.c_contiguous and src.flags.c_contiguous:
+            rt = _cp().cuda.runtime
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, rt.memcpyDeviceToDevice,
+                           native.ptr)
+        else:
+            _on(native, lambda: dst.__setitem__(Ellipsis, src))
+
+    def download(self, src: Any, out: np.ndarray, native: Any) -> None:
+        a = src if src.flags.c_contiguous else _on(native, src.copy)
+        a.get(stream=native, out=out, blocking=False)
+
+    def upload(self, dst: Any, src: np.ndarray, native: Any) -> None:
+        dst.set(src if src.flags.c_contiguous else np.ascontiguousarray(src), stream=native)
+
+    def copy_peer(self, dst: Any, dst_device: Device, src: Any, src_device: Device,
+                  native: Any) -> None:
+        if not src.flags.c_contiguous:
+            raise ShapeError("to_device: source must be contiguous", op="to_device")
+        _cp().cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst_device.index, src.data.ptr,
+                                           src_device.index, src.nbytes, native.ptr)
+
+    def submit(self, stream: Stream, name: str, reads: Sequence[Storage],
+               writes: Sequence[Storage], cpu_fn: Callable[[], None],
+               cuda_fn: Callable[[Any], None]) -> None:
+        try:
+            cuda_fn(stream.native)
+        except Exception as exc:
+            raise_driver_error(exc, name, str(stream.device))
+            raise
+
+    def begin_capture(self, stream: Stream) -> None:
+        mode = getattr(_cp().cuda.runtime, "streamCaptureModeRelaxed", 2)
+        with cuda_errors("begin_capture", str(stream.device)):
+            stream.native.begin_capture(mode=mode)
+
+    def end_capture(self, stream: Stream) -> Any:
+        with cuda_errors("end_capture", str(stream.device)):
+            return stream.native.end_capture()
+
+    def abort_capture(self, stream: Stream) -> None:
+        try:
+            g = stream.native.end_capture()
+            del g
+        except Exception:
+            pass  # an invalidated capture fails to end; the partial graph is gone either way
+
+    def replay(self, stream: Stream, native: Any,
+               tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
+        with cuda_errors("graph launch", str(stream.device)):
+            native.launch(stream.native)
+
+    def graph_size(self, native: Any, tasks: Sequence[Any]) -> int | None:
+        return None
+
+    def load_program(self, device: Device, source: str, *, options: tuple[str, ...] = (),
+                     name_expressions: tuple[str, ...] | None = None,
+                     arch_suffix: str = "") -> Any:
+        """Compile ``source`` with NVRTC for ``device`` into a :class:`cupy.RawModule`.
+
+        Options are ``--gpu-architecture=sm_<cc><arch_suffix> -std=c++17 *options``
+        (as ``deviceops.kernels._module.load_module`` passes them); caching is the
+        caller's business (CuPy also caches NVRTC output on disk).
+        """
+        cupy = _cp()
+        if device.kind != "cuda":
+            raise DeviceError(f"load_program: {device} is not a CUDA device", op="load_program",
+                              device=str(device))
+        with cupy.cuda.Device(device.index):
+            arch = str(cupy.cuda.Device(device.index).compute_capability) + arch_suffix
+            opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
+            mod = cupy.RawModule(
+                code=source,
+                options=opts,
+                backend="nvrtc",
+                name_expressions=list(name_expressions) if name_expressions else None,
+            )
+            mod.compile()
+        return mod
+
+    def trace_mark(self, stream: Stream, clock: dict[Any, Any]) -> Callable[[], float | None]:
+        cupy = _cp()
+        index = stream.device.index
+        base = clock.get(index)
+        if base is None:  # one base event per device and trace, taken against the host clock
+            ev0 = cupy.cuda.Event()
+            ev0.record(stream.native)
+            ev0.synchronize()
+            base = clock[index] = (ev0, time.perf_counter())
+        ev = cupy.cuda.Event()
+        ev.record(stream.native)
+        ev0, host0 = base
+
+        def resolve() -> float | None:
+            try:
+                ev.synchronize()
+                return float(host0 + cupy.cuda.get_elapsed_time(ev0, ev) / 1e3)
+            except Exception:
+                return None
+
+        return resolve

@@ -17,31 +17,49 @@ from typing import Any
 
 import numpy as np
 
+from ._backend import Backend
 from ._errors import DeviceError
 from ._stream import Stream
 
-__all__ = ["Device", "cuda_available", "default_device", "device", "set_default_device"]
+__all__ = ["Device", "backend", "cuda_available", "default_device", "device",
+           "set_default_device"]
 
 _log = logging.getLogger("deviceops")
 _lock = threading.Lock()
 _devices: dict[str, Device] = {}
 _default: Device | None = None
 _cuda_probe: tuple[bool, str] | None = None
+_backends: dict[str, Backend] = {}
+
+
+def backend(kind: str) -> Backend:
+    """The backend object of a device kind, ``"cuda"`` or ``"cpu"`` (one instance per kind).
+
+    Creating it imports nothing heavy: the cuda backend imports CuPy on first use.
+    """
+    be = _backends.get(kind)
+    if be is None:
+        if kind == "cpu":
+            from ._cpu_backend import CpuBackend
+
+            be = CpuBackend()
+        elif kind == "cuda":
+            from ._cuda_backend import CudaBackend
+
+            be = CudaBackend()
+        else:
+            raise ValueError(f"backend: {kind!r} is not a device kind; use 'cpu' or 'cuda'")
+        be = _backends.setdefault(kind, be)  # atomic; not under _lock (device() holds it)
+    return be
 
 
 def _probe_cuda() -> tuple[bool, str]:
-    """(usable, reason): whether CuPy imports and sees at least one GPU."""
+    """(usable, reason): whether CuPy imports and sees at least one GPU (asked once)."""
     global _cuda_probe
     if _cuda_probe is None:
-        try:
-            import cupy
+        from ._cuda_backend import probe
 
-            n = cupy.cuda.runtime.getDeviceCount()
-            _cuda_probe = (n > 0, f"{n} CUDA device(s)" if n else "CuPy sees no CUDA device")
-        except ImportError as exc:
-            _cuda_probe = (False, f"CuPy is not installed ({exc})")
-        except Exception as exc:  # CUDARuntimeError: no driver / no device
-            _cuda_probe = (False, f"CuPy found no usable GPU ({type(exc).__name__}: {exc})")
+        _cuda_probe = probe()
     return _cuda_probe
 
 
@@ -58,21 +76,19 @@ class Device:
     Attributes:
         kind: ``"cuda"`` or ``"cpu"``.
         index: the CUDA ordinal (0 for cpu).
+        backend: the :class:`~deviceops._backend.Backend` of its kind (shared by all
+            devices of that kind); the device delegates to it.
+        is_cpu: ``kind == "cpu"`` (a plain attribute: read on hot paths).
         xp: the array module, :mod:`cupy` or :mod:`numpy`.
     """
 
     def __init__(self, kind: str, index: int) -> None:
         self.kind = kind
         self.index = index
-        self.is_cpu = kind == "cpu"
-        self.xp: ModuleType
-        if self.is_cpu:
-            self.xp = np
-        else:
-            import cupy
-
-            self.xp = cupy
-        self._name = "cpu" if self.is_cpu else f"cuda:{index}"
+        self.backend: Backend = backend(kind)
+        self.is_cpu = self.backend.is_cpu
+        self.xp: ModuleType = self.backend.array_module
+        self._name = self.backend.device_name(index)
 
     def __repr__(self) -> str:
         return f"deviceops.device({self._name!r})"
@@ -82,35 +98,19 @@ class Device:
 
     def new_stream(self) -> Stream:
         """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda)."""
-        if self.is_cpu:
-            from ._cpu_backend import CpuStream
-
-            return CpuStream(self)
-        from ._cuda_backend import CudaStream
-
-        return CudaStream(self)
+        return self.backend.new_stream(self)
 
     def wrap_stream(self, native: Any) -> Stream:
-        """Wrap an existing :class:`cupy.cuda.Stream` of this device as a deviceops stream."""
-        if self.is_cpu:
-            raise DeviceError("wrap_stream: the cpu backend has no native streams", device="cpu")
-        from ._cuda_backend import CudaStream
+        """Wrap an existing :class:`cupy.cuda.Stream` of this device as a deviceops stream.
 
-        return CudaStream(self, native)
+        Raises:
+            DeviceError: on the cpu backend, which has no native streams.
+        """
+        return self.backend.wrap_stream(self, native)
 
     def synchronize(self) -> None:
         """Block until every stream of this device is idle (cuda: ``cudaDeviceSynchronize``)."""
-        if self.is_cpu:
-            from ._cpu_backend import synchronize_all
-
-            synchronize_all()
-            return
-        import cupy
-
-        from ._cuda_backend import cuda_errors
-
-        with cuda_errors("device synchronize", self._name), cupy.cuda.Device(self.index):
-            cupy.cuda.runtime.deviceSynchronize()
+        self.backend.synchronize(self)
 
 
 def device(spec: int | str | Device) -> Device:
@@ -147,9 +147,7 @@ def device(spec: int | str | Device) -> Device:
                 "Use device('cpu') (or DEVICEOPS_DEVICE=cpu) to run on the cpu backend.",
                 device=key,
             )
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
+        n = backend("cuda").device_count()
         if not 0 <= index < n:
             raise DeviceError(f"device({spec!r}): CUDA ordinal {index} out of range (found {n})")
     with _lock:

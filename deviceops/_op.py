@@ -103,8 +103,7 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
         try:
             return op._exec(ctx)
         except BaseException:
-            if stream.device.is_cpu:  # the op raised: device failures of its partial work are its own
-                stream.absorb_after(seq0)  # type: ignore[attr-defined]
+            stream.absorb_after(seq0)  # the op raised: device failures of its partial work are its own
             raise
         finally:
             guard.active = None
@@ -571,15 +570,15 @@ class SharedOp(DeviceOp[T]):
         if vals:  # the first execution
             self._out = vals[0]
             self._where = (stream, stream.seq)
-            if stream.device.is_cpu and stream.capture is None:
-                self._latch = stream.latch_error()  # type: ignore[attr-defined]
+            if stream.capture is None:
+                self._latch = stream.latch_error()  # None where the backend latches nothing
             return self._out
         if self._error is not None:
             raise self._error
         if self._where is not None:
             stream.wait_for(*self._where)
             if self._latch is not None and stream.capture is None:
-                stream.check_latch(self._latch, self._describe())  # type: ignore[attr-defined]
+                stream.check_latch(self._latch, self._describe())
         return self._out
 
     def shared(self) -> SharedOp[T]:
@@ -620,9 +619,8 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
             for op, s in _bzip(ops, streams):
                 outs.append(op._exec(ctx if s is home else ctx.on(s)))
         except BaseException:
-            if home.device.is_cpu:  # the zip raised: its branches' device failures are its own
-                for s, q in marks:
-                    s.absorb_after(q)  # type: ignore[attr-defined]
+            for s, q in marks:  # the zip raised: its branches' device failures are its own
+                s.absorb_after(q)
             raise
         finally:
             # Join every branch back, also when one failed to enqueue: the
@@ -631,8 +629,7 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
             # through this wait (cpu: the event carries the branch's error).
             for s in others.values():
                 ev = s.record_event()
-                if home.device.is_cpu and s.device.is_cpu:
-                    ev.take = True  # type: ignore[attr-defined]  # the join takes the branch's error
+                ev.hand_over_error()  # the join takes the branch's error (cpu)
                 home.wait_event(ev)
         self._streams = [s.id for s in streams]
         return tuple(outs)

@@ -27,9 +27,10 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._backend import Backend
     from ._capture import CaptureState
     from ._device import Device
 
@@ -83,16 +84,37 @@ class Event(ABC):
         ``fn`` must not block and must not call into deviceops or CUDA.
         """
 
+    def hand_over_error(self) -> None:
+        """Make a wait on this event take its stream's pending failure over (a zip join).
+
+        The waiting stream then reports the failure and this event's stream no
+        longer does. Default: nothing (cuda: a device fault is sticky and reported
+        by every later synchronization anyway).
+        """
+        return None
+
 
 class Stream(ABC):
     """An in-order queue of device work on one device.
 
     Obtain one from :meth:`Device.new_stream`. Work enqueued on a stream runs in
     order; work on different streams may overlap unless ordered by events.
+
+    Attributes:
+        device: the device it runs on.
+        backend: ``device.backend``, cached here (read on every op's path).
+        native: the backend's own stream object (cuda: a :class:`cupy.cuda.Stream`);
+            ``None`` for a backend without one (cpu).
+        id: a process-unique number.
+        seq: how many operations were enqueued on it so far.
+        capture: the graph capture it belongs to, if any.
     """
+
+    native: Any = None
 
     def __init__(self, device: Device) -> None:
         self.device = device
+        self.backend: Backend = device.backend
         self.id = _next_id()
         self.seq = 0
         self.done_seq = 0
@@ -108,6 +130,15 @@ class Stream(ABC):
         return f"<{type(self).__name__} #{self.id} on {self.device}>"
 
     # -- the backend interface ------------------------------------------------
+    @abstractmethod
+    def enqueue(self, fn: Callable[[], None], name: str) -> None:
+        """Enqueue ``fn()`` as work of this stream; ``name`` names it in errors.
+
+        cpu: run by the stream's worker when the queue reaches it (recorded into
+        the capture instead while capturing). cuda: run now, with this stream
+        current, so that the CUDA work ``fn`` enqueues lands on it.
+        """
+
     @abstractmethod
     def _record(self) -> Event:
         """Record a fresh event at the current end of the queue."""
@@ -142,6 +173,30 @@ class Stream(ABC):
         ``fn`` must not call CUDA or block: it runs on the driver's callback
         thread (cuda) or the stream's worker (cpu), holding the stream up.
         """
+
+    # -- failure bookkeeping (meaningful on the cpu backend; defaults: nothing) --
+    def absorb_after(self, seq: int) -> None:
+        """Drop a pending failure of the work of ops numbered after ``seq``.
+
+        Called when enqueueing an op raised on the host: the failure of its part
+        already enqueued is its own, not a later op's. Default: nothing (cuda:
+        device faults are sticky).
+        """
+        return None
+
+    def latch_error(self) -> list[BaseException | None] | None:
+        """A box that, once the queue reaches this point, holds the stream's failure then.
+
+        ``None`` (the default) when the backend has no per-stream failures to latch.
+        """
+        return None
+
+    def check_latch(self, box: list[BaseException | None], what: str) -> None:
+        """Fail this stream, at this point of its queue, with the failure ``box`` latched.
+
+        Default: nothing (:meth:`latch_error` gave no box).
+        """
+        return None
 
     # -- shared bookkeeping ---------------------------------------------------
     def bump(self) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _hooks
 from ._dtypes import normalize_dtype
-from ._errors import DeviceError, DriverError, DTypeError, ShapeError
+from ._errors import DeviceError, DTypeError, ShapeError
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -322,9 +322,11 @@ class Tensor:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        if self.device.is_cpu:
-            raise AttributeError("a cpu-backend Tensor has no __cuda_array_interface__")
-        return dict(self._array.__cuda_array_interface__)
+        iface = getattr(self._array, "__cuda_array_interface__", None)
+        if iface is None:  # a NumPy array (cpu backend) has none
+            raise AttributeError(f"a {self.device.kind}-backend Tensor has no "
+                                 "__cuda_array_interface__")
+        return dict(iface)
 
     @classmethod
     def from_dlpack(cls, obj: Any) -> Tensor:
@@ -344,9 +346,9 @@ class Tensor:
                 raise DTypeError(f"Tensor.from_dlpack: NumPy cannot import this "
                                  f"{type(obj).__name__}: {exc}", op="from_dlpack") from exc
             return cls(arr)
-        import cupy
+        from ._device import backend
 
-        return cls(cupy.from_dlpack(obj))
+        return cls(backend("cuda").from_dlpack(obj))
 
 
 # (tensor shape, tile shape) -> grid of tilings validated before: Tensor.partition skips the
@@ -480,71 +482,9 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
         )
     sweep()
     dt = normalize_dtype(dtype, op=op)
+    arr = stream.backend.empty(stream, shape, dt, op)  # OutOfMemoryError / DriverError
     dev = stream.device
-    if dev.is_cpu:
-        try:
-            arr = np.empty(shape, dt)
-        except MemoryError as exc:
-            raise _oom(op, shape, dt, dev, _host_free()) from exc
-    else:
-        arr = _cuda_empty(stream, shape, dt, op)
     return Tensor(arr, dev, _storage=Storage(arr, dev, stream))
-
-
-def _host_free() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _oom(op: str, shape: tuple[int, ...], dt: np.dtype[Any], dev: Device, free: int | None) -> Exception:
-    from ._errors import OutOfMemoryError
-
-    asked = math.prod(shape) * dt.itemsize
-    have = "unknown" if free is None else f"{free:,} bytes ({free / 2**30:.2f} GiB)"
-    return OutOfMemoryError(
-        f"{op}: out of memory on {dev}: asked for {asked:,} bytes ({asked / 2**30:.2f} GiB) for a "
-        f"tensor of shape {shape} {dt}, {have} free. Use a smaller shape or free tensors first.",
-        op=op, device=str(dev))
-
-
-_cupy: Any = None
-
-
-def _cuda_empty(stream: Any, shape: tuple[int, ...], dt: np.dtype[Any], op: str = "allocate") -> Any:
-    """``cupy.empty`` from the device's memory pool, ordered on ``stream`` (CuPy's pool
-    hands out memory per current stream), with the device made current only if needed."""
-    global _cupy
-    if _cupy is None:
-        import cupy as _cp
-
-        _cupy = _cp
-    cupy = _cupy
-    rt = cupy.cuda.runtime
-    index = stream.device.index
-    prev = rt.getDevice()
-    try:
-        if prev != index:
-            rt.setDevice(index)
-        with stream.native:
-            return cupy.empty(shape, dt)
-    except cupy.cuda.memory.OutOfMemoryError as exc:
-        try:
-            free: int | None = int(rt.memGetInfo()[0])
-        except Exception:
-            free = None
-        raise _oom(op, shape, dt, stream.device, free) from exc
-    except (rt.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
-        raise DriverError(f"allocate on {stream.device}: {exc}", op="allocate",
-                          device=str(stream.device)) from exc
-    finally:
-        if prev != index:
-            rt.setDevice(prev)
 
 
 def output_failure(out: Any) -> tuple[str, BaseException] | None:

@@ -2,9 +2,9 @@
 
 While a trace is active every op that goes through :func:`deviceops._launch.launch`
 is recorded with its name, stream, device, host enqueue time, and its start
-and end on the device, taken from events recorded around it (CUDA timing
-events on the cuda backend; host timestamps taken by the stream's worker on
-the cpu backend). ``t.save(path)`` writes the Chrome trace-event format that
+and end on the device, taken from marks the stream's backend records around it
+(``Backend.trace_mark``: CUDA timing events on the cuda backend; host timestamps
+taken by the stream's worker on the cpu backend). ``t.save(path)`` writes the Chrome trace-event format that
 chrome://tracing and https://ui.perfetto.dev open, one track per stream.
 
 Tracing adds two events per op: use it to look, not to benchmark.
@@ -49,7 +49,7 @@ class Trace:
         self.records: list[TraceRecord] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
-        self._cuda_base: dict[int, tuple[Any, float]] = {}
+        self._clocks: dict[Any, dict[Any, Any]] = {}  # backend -> its per-trace clock state
 
     # called by launch() -------------------------------------------------------
     def begin(self, name: str, stream: Stream) -> TraceRecord:
@@ -65,46 +65,20 @@ class Trace:
     def _mark(self, rec: TraceRecord, stream: Stream) -> None:
         if stream.capture is not None:
             return
-        if stream.device.is_cpu:
-            slot = len(rec._marks)
-            rec._marks.append(None)
-
-            def stamp() -> None:
-                rec._marks[slot] = time.perf_counter()
-
-            stream.enqueue(stamp, "trace")  # type: ignore[attr-defined]
-        else:
-            import cupy
-
-            if stream.device.index not in self._cuda_base:
-                base = cupy.cuda.Event()
-                base.record(stream.native)  # type: ignore[attr-defined]
-                base.synchronize()
-                self._cuda_base[stream.device.index] = (base, time.perf_counter())
-            ev = cupy.cuda.Event()
-            ev.record(stream.native)  # type: ignore[attr-defined]
-            rec._marks.append((stream.device.index, ev))
+        backend = stream.backend
+        clock = self._clocks.get(backend)
+        if clock is None:
+            clock = self._clocks[backend] = {}
+        rec._marks.append(backend.trace_mark(stream, clock))
 
     def finish(self) -> None:
-        """Resolve device timestamps (synchronizes on the recorded events)."""
-        import contextlib as _cl
-
+        """Resolve device timestamps (waits until the streams passed the recorded marks)."""
         for rec in self.records:
-            if len(rec._marks) != 2:
-                continue
-            a, b = rec._marks
-            if isinstance(a, float | int) and isinstance(b, float | int):
-                rec.start, rec.end = float(a), float(b)
-            elif isinstance(a, tuple):
-                import cupy
-
-                dev, ea = a
-                eb = b[1]
-                base, host0 = self._cuda_base[dev]
-                with _cl.suppress(Exception):
-                    eb.synchronize()
-                    rec.start = host0 + cupy.cuda.get_elapsed_time(base, ea) / 1e3
-                    rec.end = host0 + cupy.cuda.get_elapsed_time(base, eb) / 1e3
+            if len(rec._marks) == 2:
+                end = rec._marks[1]()  # the later mark first: once it resolves, so has the start
+                start = rec._marks[0]()
+                if start is not None and end is not None:
+                    rec.start, rec.end = start, end
             rec._marks = []
 
     # output -------------------------------------------------------------------
@@ -156,7 +130,4 @@ def trace() -> Iterator[Trace]:
         yield t
     finally:
         current = None
-        from ._cpu_backend import synchronize_all
-
-        synchronize_all()
         t.finish()

@@ -407,18 +407,13 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
         check_device(d, ctx.stream, "memcpy")
         check_device(s, ctx.stream, "memcpy")
         da, sa = d.array, s.array
+        copy = ctx.stream.backend.copy
 
         def cpu() -> None:
             np.copyto(da, sa)
 
         def cuda(native: Any) -> None:
-            if da.flags.c_contiguous and sa.flags.c_contiguous:
-                import cupy
-
-                cupy.cuda.runtime.memcpyAsync(da.data.ptr, sa.data.ptr, da.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToDevice, native.ptr)
-            else:
-                _on(native, lambda: da.__setitem__(Ellipsis, sa))
+            copy(da, sa, native)
 
         launch(ctx, "memcpy", (s,), (d,), cpu, cuda)
         return d
@@ -439,28 +434,20 @@ def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
         if ctx.stream.capture is not None:  # both backends: host memory is allocated per call
             raise CaptureError("to_host allocates host memory inside a graph capture; "
                                "copy into a preallocated tensor with api.memcpy instead", op="to_host")
-        if ctx.device.is_cpu:
-            out = np.empty(src.shape, src.dtype)
-            launch(ctx, "to_host", (src,), (), lambda: np.copyto(out, s), lambda n: None)
-            return out
-        import cupyx
+        backend = ctx.stream.backend
+        out = backend.host_empty(src.shape, src.dtype)  # cuda: page-locked
+        download = backend.download
 
-        pinned = cupyx.empty_pinned(src.shape, src.dtype)
-        contiguous = s if s.flags.c_contiguous else None
+        def cpu() -> None:
+            np.copyto(out, s)
 
         def cuda(native: Any) -> None:
-            a = contiguous if contiguous is not None else _on_get(native, s)
-            a.get(stream=native, out=pinned, blocking=False)
+            download(s, out, native)
 
-        launch(ctx, "to_host", (src,), (), lambda: None, cuda)
-        return pinned
+        launch(ctx, "to_host", (src,), (), cpu, cuda)
+        return out
 
     return _with_arg("to_host", arg, run)
-
-
-def _on_get(native: Any, s: Any) -> Any:
-    with native:
-        return s.copy()
 
 
 _transfer_streams: dict[str, Any] = {}
@@ -488,39 +475,32 @@ def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
             if key not in _transfer_streams:
                 _transfer_streams[key] = dev.new_stream()
             stream = _transfer_streams[key]
-            if stream.device.is_cpu == home.device.is_cpu:
+            if stream.backend is home.backend:  # events order streams of one backend
                 stream.wait_event(home.record_event())
             else:
                 home.synchronize()
         w = src._storage.write
-        if w is not None and w[0].device.is_cpu != dev.is_cpu:
+        if w is not None and w[0].backend is not dev.backend:
             w[0].synchronize()
         tctx = ctx if stream is home else ctx.on(stream)
         out = allocate(stream, src.shape, src.dtype, "to_device")
         sa, oa = src.array, out.array
+        src_be, dst_be = src.device.backend, dev.backend
+        same_backend = src_be is dst_be
 
-        def cpu() -> None:
-            if src.device.is_cpu:
-                np.copyto(oa, sa)
-            else:
-                np.copyto(oa, sa.get())
+        def cpu() -> None:  # the destination is host memory: the source as NumPy, copied
+            np.copyto(oa, src_be.to_numpy(sa))
 
         def cuda(native: Any) -> None:
-            import cupy
+            if same_backend:
+                dst_be.copy_peer(oa, dev, sa, src.device, native)
+            else:  # from host memory
+                dst_be.upload(oa, sa, native)
 
-            if src.device.is_cpu:
-                oa.set(sa if sa.flags.c_contiguous else np.ascontiguousarray(sa), stream=native)
-            else:
-                c = sa if sa.flags.c_contiguous else None
-                if c is None:
-                    raise ShapeError("to_device: source must be contiguous", op="to_device")
-                cupy.cuda.runtime.memcpyPeerAsync(oa.data.ptr, dev.index, c.data.ptr,
-                                                  src.device.index, c.nbytes, native.ptr)
-
-        reads = (src,) if src.device.is_cpu == dev.is_cpu else ()
+        reads = (src,) if same_backend else ()
         launch(tctx, "to_device", reads, (out,), cpu, cuda)
         if stream is not home:
-            if stream.device.is_cpu == home.device.is_cpu:
+            if stream.backend is home.backend:
                 home.wait_event(stream.record_event())
             else:
                 stream.synchronize()

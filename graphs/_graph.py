@@ -4,8 +4,9 @@
 
 1. synchronizes the stream's device, so everything enqueued before the
    capture is complete and needs no ordering inside the graph;
-2. starts a *relaxed* stream capture (cpu backend: the stream records its
-   tasks instead of running them) and enqueues ``op`` on it. Work the op forks
+2. starts a capture through the stream's backend (``Backend.begin_capture``;
+   cuda: a *relaxed* stream capture; cpu: the stream records its tasks
+   instead of running them) and enqueues ``op`` on it. Work the op forks
    onto other streams (a ``zip`` under a multi-stream policy) joins the capture
    through its events and is captured as parallel branches; every such
    stream is joined back before the capture ends;
@@ -63,7 +64,8 @@ class CudaGraph(Generic[T]):
         self.launches = 0
 
     def __repr__(self) -> str:
-        n = len(self._state.tasks) if self.stream.device.is_cpu else "?"
+        size = self.stream.backend.graph_size(self._native, self._state.tasks)
+        n = "?" if size is None else size
         return f"<CudaGraph of {self._state.op_name} on {self.stream!r}, {n} tasks, {self.launches} launches>"
 
     def take_output(self) -> T:
@@ -89,14 +91,7 @@ class CudaGraph(Generic[T]):
             raise CaptureError("launching a CudaGraph inside another capture is not supported",
                                op=self._state.op_name)
         before_access(stream, self._reads, self._writes)
-        if stream.device.is_cpu:
-            for fn, name in self._state.tasks:
-                stream.enqueue(fn, name)  # type: ignore[attr-defined]
-        else:
-            from deviceops._cuda_backend import cuda_errors
-
-            with cuda_errors("graph launch", str(stream.device)):
-                self._native.launch(stream.native)  # type: ignore[attr-defined]
+        stream.backend.replay(stream, self._native, self._state.tasks)
         seq = stream.bump()
         after_access(stream, seq, self._reads, self._writes)
         self.launches += 1
@@ -150,22 +145,22 @@ def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
     stream.device.synchronize()
     state = CaptureState(stream, op._describe())
     ctx = ExecutionContext(stream, policy)
+    backend = stream.backend
     with enqueue_lock:
         stream.capture = state
-        native_began = False
+        began = False
         guard.active = f"the graph capture of {op._describe()}"
         try:
-            if not stream.device.is_cpu:
-                _begin_cuda(stream)
-                native_began = True
+            backend.begin_capture(stream)
+            began = True
             out = op._exec(ctx)
             for member in state.members[1:]:
                 stream.wait_event(member.record_event())
-            native = _end_cuda(stream) if native_began else None
-            native_began = False
+            native = backend.end_capture(stream)
+            began = False
         except BaseException as exc:
-            if native_began:
-                _abort_cuda(stream)
+            if began:
+                backend.abort_capture(stream)
             exc.add_note(f"deviceops: raised while capturing {op._describe()} into a graph; "
                          "the capture was ended and the partial graph freed")
             raise
@@ -174,31 +169,6 @@ def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
             for member in state.members:
                 member.capture = None
     return CudaGraph(stream, out, native, state)
-
-
-def _begin_cuda(stream: Any) -> None:
-    import cupy
-
-    from deviceops._cuda_backend import cuda_errors
-
-    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
-    with cuda_errors("begin_capture", str(stream.device)):
-        stream.native.begin_capture(mode=mode)
-
-
-def _end_cuda(stream: Any) -> Any:
-    from deviceops._cuda_backend import cuda_errors
-
-    with cuda_errors("end_capture", str(stream.device)):
-        return stream.native.end_capture()
-
-
-def _abort_cuda(stream: Any) -> None:
-    try:
-        g = stream.native.end_capture()
-        del g
-    except Exception:
-        pass  # an invalidated capture fails to end; the partial graph is gone either way
 
 
 def host_task(fn: Any, name: str = "host_func") -> DeviceOp[None]:

@@ -87,20 +87,15 @@ class MultiDeviceRoundRobin(SchedulingPolicy):
     spans_devices = True
 
     def __init__(self, devices: Sequence[Device | int | str] | None = None, streams_per_device: int = 2) -> None:
-        from deviceops._device import cuda_available
+        from deviceops._device import backend, cuda_available
         from deviceops._device import device as _device
 
         if devices is None:
-            if cuda_available():
-                import cupy
-
-                devices = list(range(cupy.cuda.runtime.getDeviceCount()))
-            else:
-                devices = ["cpu"]
+            devices = list(range(backend("cuda").device_count())) if cuda_available() else ["cpu"]
         devs = [_device(d) for d in devices]
         if not devs:
             raise SchedulingError("MultiDeviceRoundRobin: give at least one device")
-        if len({d.is_cpu for d in devs}) > 1:
+        if len({d.backend for d in devs}) > 1:
             raise SchedulingError("MultiDeviceRoundRobin: cannot mix the cpu backend with CUDA devices")
         if streams_per_device < 1:
             raise SchedulingError(f"MultiDeviceRoundRobin: streams_per_device must be >= 1, got {streams_per_device}")
