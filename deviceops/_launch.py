@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 __all__ = ["launch"]
 
+# While a kernel op's body is being recorded for replay (deviceops.kernels._replay), each
+# launch appends the storages it reads and writes here.
+recorder: list[tuple[list[Storage], list[Storage]]] | None = None
+
 
 def launch(
     ctx: ExecutionContext,
@@ -63,6 +67,8 @@ def launch(
             raise
     seq = stream.bump()
     after_access(stream, seq, rs, ws)
+    if recorder is not None:
+        recorder.append((rs, ws))
     if tracer is not None:
         tracer.end(token, stream)
     return seq

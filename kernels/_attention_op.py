@@ -35,8 +35,9 @@ from ._attention import (
     attention_workspace_nbytes,
     flash_attention_cuda,
 )
-from ._builder import build_op
+from ._builder import Body, Check
 from ._launch import KernelOp
+from ._spec import KernelSpec
 from ._workspace import workspace_for
 
 __all__ = ["flash_attention"]
@@ -94,16 +95,20 @@ def flash_attention(
     Example:
         >>> o = kernels.flash_attention(q, k_cache, v_cache, causal=True, kv_len=lens).sync()
     """
-    name = "flash_attention"
-    if not isinstance(causal, bool | np.bool_):
-        raise TypeError(
-            f"{name}: causal must be a bool (True or False); got {type(causal).__name__} {causal!r}"
-        )
-    causal = bool(causal)
+    if type(causal) is not bool:
+        if not isinstance(causal, np.bool_):
+            raise TypeError("flash_attention: causal must be a bool (True or False); got "
+                            f"{type(causal).__name__} {causal!r}")
+        causal = bool(causal)
     if scale is not None:
         scale = float(scale)
         if not math.isfinite(scale):
-            raise ValueError(f"{name}: scale {scale} must be finite")
+            raise ValueError(f"flash_attention: scale {scale} must be finite")
+    return _FLASH_ATTENTION.op((q, k, v, out, kv_len, block_table), (causal, scale))
+
+
+def _flash_attention_parts(causal: bool, scale: float | None) -> tuple[Check, Body]:
+    name = "flash_attention"
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         qt, kt, vt, ot = ts["q"], ts["k"], ts["v"], ts["out"]
@@ -160,5 +165,8 @@ def flash_attention(
 
         launch(ctx, name, reads, [ot] + ([ws] if ws is not None else []), cpu, cuda)
 
-    args = {"q": q, "k": k, "v": v, "out": out, "kv_len": kv_len, "block_table": block_table}
-    return build_op(name, args, check, body)
+    return check, body
+
+
+_FLASH_ATTENTION = KernelSpec("flash_attention", ("q", "k", "v", "out", "kv_len", "block_table"),
+                              _flash_attention_parts, replay=True)

@@ -153,7 +153,7 @@ class _ElementwiseOp(KernelOp):
     __slots__ = ("_a", "_deferred", "_plan")
 
     def __init__(self, name: str, args: tuple[Any, ...], a: float, deferred: bool,
-                 plan: tuple[Any, ...] | None = None) -> None:
+                 plan: _EwPlan | None = None) -> None:
         DeviceOp.__init__(self)
         self._name = name
         self._run = _noop
@@ -179,28 +179,39 @@ class _ElementwiseOp(KernelOp):
             return _drive(self, ctx)
         plan = self._plan
         stream = ctx.stream
-        # a 7-tuple plan is an allocating launch's (see _alloc_memo), an 8-tuple a memo's
-        if plan is not None and len(plan) == 7 and plan[0] is stream.device and _trace.current is None:
-            return self._alloc_launch(stream, plan)
-        if plan is not None and plan[0] is stream.device and _trace.current is None:
-            # the launch plan of an identical earlier launch (see _memo)
-            _, pln, pgrid, pblock, pargs, prs, pwl, pflat = plan
-            before_access(stream, prs, pwl)
-            if stream.capture is not None and pflat and pdl_enabled(pln.device_index):
-                launch_pdl(pln, pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
+        if plan is not None and plan.device is stream.device and _trace.current is None:
+            if plan.alloc is not None:
+                return self._alloc_launch(stream, plan)
+            # the launch plan of an identical earlier launch (see _memo); the storages come
+            # from this op's own arguments (the memo holds none)
+            a = self._args
+            if self._name == "saxpy":
+                w_arg, xt = a
+                ws = (w_arg if type(w_arg) is Tensor else w_arg.tensor)._storage
+                rs: tuple[Storage, ...] = (xt._storage, ws)
             else:
-                pln(pgrid, pblock, pargs, stream.native.ptr)  # type: ignore[attr-defined]
-            after_access(stream, stream.bump(), prs, pwl)
-            return self._args[0] if self._name == "saxpy" else self._args[2]
+                w_arg = a[2]
+                ws = (w_arg if type(w_arg) is Tensor else w_arg.tensor)._storage
+                rs = (a[0]._storage, a[1]._storage)
+            wl = (ws,)
+            ln = plan.ln
+            before_access(stream, rs, wl)
+            if stream.capture is not None and plan.flat and pdl_enabled(ln.device_index):
+                launch_pdl(ln, plan.grid, plan.block, plan.args, stream.native.ptr)  # type: ignore[attr-defined]
+            else:
+                ln(plan.grid, plan.block, plan.args, stream.native.ptr)  # type: ignore[attr-defined]
+            after_access(stream, stream.bump(), rs, wl)
+            return w_arg
         return self._body(ctx, self._args)
 
-    def _alloc_launch(self, stream: Any, plan: tuple[Any, ...]) -> Tensor:
+    def _alloc_launch(self, stream: Any, plan: _EwPlan) -> Tensor:
         """An allocating ``add``/``mul`` whose inputs and launch plan match an earlier one."""
-        _, ln, grid, block, tail, rs, shape_dt = plan
-        w = allocate(stream, shape_dt[0], shape_dt[1], self._name)
+        shape, dt = plan.alloc  # type: ignore[misc]
+        w = allocate(stream, shape, dt, self._name)
         wl = (w._storage,)
+        rs = (self._args[0]._storage, self._args[1]._storage)
         before_access(stream, rs, wl)
-        ln(grid, block, (w._array.data.ptr, *tail), stream.native.ptr)
+        plan.ln(plan.grid, plan.block, (w._array.data.ptr, *plan.args), stream.native.ptr)
         after_access(stream, stream.bump(), rs, wl)
         return w
 
@@ -253,10 +264,10 @@ class _ElementwiseOp(KernelOp):
             ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
         after_access(stream, stream.bump(), rs, wl)
         if not self._deferred and y is not None and self._args[2] is None:  # allocated out
-            _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), (
-                stream.device, ln, grid, block, args[1:], rs, (wa.shape, wa.dtype)))
+            _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), _EwPlan(
+                stream.device, ln, grid, block, args[1:], flat, (wa.shape, wa.dtype)))
         elif not self._deferred and type(w_arg) in (Tensor, Partition):
-            _remember(name, w, x, y, self._a, (stream.device, ln, grid, block, args, rs, wl, flat),
+            _remember(name, w, x, y, self._a, _EwPlan(stream.device, ln, grid, block, args, flat),
                       _tile_of(w_arg))
         return w_arg
 
@@ -311,21 +322,35 @@ def _noop(*_: Any) -> None:
 # (held weakly) and its scalar. A loop that repeats the same launch -- the
 # common case for tiny ops -- skips validation, geometry and argument
 # packing: the plan is reused as is. Tensors never change their memory or
-# layout, so identity is enough.
+# layout, so identity is enough. A plan holds pointers and the launcher, never a
+# tensor or storage: the memo keeps nothing of the caller's alive.
+class _EwPlan:
+    """The cuda launch of one elementwise op: launcher, geometry, packed-argument tuple
+    (an allocating op's: the arguments after the output pointer, and ``alloc`` = the
+    output's ``(shape, dtype)``)."""
+
+    __slots__ = ("alloc", "args", "block", "device", "flat", "grid", "ln")
+
+    def __init__(self, device: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...],
+                 flat: bool, alloc: tuple[Any, Any] | None = None) -> None:
+        self.device, self.ln, self.grid, self.block = device, ln, grid, block
+        self.args, self.flat, self.alloc = args, flat, alloc
+
+
 _memo: dict[str, tuple[Any, ...]] = {}
 
 
-def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: tuple[Any, ...],
+def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: _EwPlan,
               tile: tuple[int, ...] | None) -> None:
     _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan,
                    tile)
 
 
 # allocating add/mul: the last launch's inputs (weakly) and its plan less the output
-_alloc_memo: dict[str, tuple[Any, Any, tuple[Any, ...]]] = {}
+_alloc_memo: dict[str, tuple[Any, Any, _EwPlan]] = {}
 
 
-def _recall_alloc(name: str, x: Tensor, y: Tensor) -> tuple[Any, ...] | None:
+def _recall_alloc(name: str, x: Tensor, y: Tensor) -> _EwPlan | None:
     m = _alloc_memo.get(name)
     if m is None or m[0]() is not x or m[1]() is not y:
         return None
@@ -333,7 +358,7 @@ def _recall_alloc(name: str, x: Tensor, y: Tensor) -> tuple[Any, ...] | None:
 
 
 def _recall(name: str, w: Any, x: Any, y: Any, a: float,
-            tile: tuple[int, ...] | None = None) -> tuple[Any, ...] | None:
+            tile: tuple[int, ...] | None = None) -> _EwPlan | None:
     """The plan of the last launch of ``name`` if it had these tensors, scalar and tiling
     (``tile``: the output Partition's tile shape, ``None`` for a plain Tensor)."""
     m = _memo.get(name)

@@ -30,7 +30,8 @@ from typing import Any
 
 from deviceops._errors import DriverError
 
-__all__ = ["KernelFn", "Launcher", "fast_kernel", "launch_pdl", "libcuda", "pdl_enabled"]
+__all__ = ["KernelFn", "Launcher", "fast_kernel", "launch_packed", "launch_pdl", "libcuda",
+           "pdl_enabled", "replay_calls"]
 
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
            "q": ctypes.c_int64}
@@ -38,6 +39,9 @@ _CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_INVALID_HANDLE = 400
 _CACHE_LIMIT = 4096
 _cu_launch: Any = None
+# While a kernel op's body is being recorded (kernels/_replay.py), every launch appends
+# (launcher, grid, block, shared_mem, params address, params entry, PDL config or None).
+recorder: list[tuple[Any, ...]] | None = None
 
 
 _libcuda: Any = None
@@ -101,12 +105,17 @@ class Launcher:
                  stream_ptr: int, shared_mem: int = 0) -> None:
         """Enqueue the kernel on the CUDA stream ``stream_ptr``."""
         entry = self._cache.get(args)
-        params = entry[0] if entry is not None else self._pack(args)
+        if entry is None:
+            self._pack(args)
+            entry = self._cache[args]
+        params = entry[0]
         try:
             self._launch(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream_ptr, params, 0)
         except Exception as exc:
             self._retry_or_raise(exc, grid, block, params, stream_ptr, shared_mem)
+        if recorder is not None:
+            recorder.append((self, grid, block, shared_mem, params, entry, None))
 
     def _retry_or_raise(self, exc: Exception, grid: tuple[int, int, int], block: tuple[int, int, int],
                         params: int, stream_ptr: int, shared_mem: int) -> None:
@@ -245,7 +254,10 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
         fn.restype = ctypes.c_int
         _cu_launch_ex = fn
     entry = ln._cache.get(args)
-    params = entry[0] if entry is not None else ln._pack(args)
+    if entry is None:
+        ln._pack(args)
+        entry = ln._cache[args]
+    params = entry[0]
     ckey = (grid, block, stream_ptr)
     cfg = _configs.get(ckey)
     if cfg is None:
@@ -255,9 +267,62 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
         _configs[ckey] = cfg
     rc = _cu_launch_ex(ctypes.byref(cfg[0]), ln._fptr, params, None)
     if rc:
-        raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
-                          f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
-                          "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
+        _pdl_failed(ln, rc)
+    if recorder is not None:
+        recorder.append((ln, grid, block, 0, params, entry, cfg))
+
+
+def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                  stream_ptr: int, entry: tuple[Any, ...]) -> None:
+    """The driver call of a launcher that packs its own parameter block.
+
+    ``ln`` has ``_fptr`` and ``_retry_or_raise`` (as :class:`Launcher`); ``entry`` is
+    ``(params address, params, holders)``, kept alive by the caller's cache (and by a
+    recording, which this call joins like every other launch).
+    """
+    params = entry[0]
+    try:
+        _driver_launch()(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                         stream_ptr, params, 0)
+    except Exception as exc:
+        ln._retry_or_raise(exc, grid, block, params, stream_ptr, smem)
+    if recorder is not None:
+        recorder.append((ln, grid, block, smem, params, entry, None))
+
+
+def _pdl_failed(ln: Launcher, rc: int) -> None:
+    raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
+                      f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
+                      "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
+
+
+_cu_launch_ex_addr: Any = None
+
+
+def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
+    """Re-issue recorded launches (see :mod:`._replay`) on the CUDA stream ``stream_ptr``.
+
+    Each call is ``(launcher, grid, block, shared_mem, params, entry, pdl_config)`` as the
+    recorder appended it; ``entry`` keeps the parameter block alive. A PDL launch's config
+    names the recording's stream, which is this one (records are per stream).
+    """
+    global _cu_launch_ex_addr
+    lk = _driver_launch()
+    for ln, g, b, smem, params, _entry, cfg in calls:
+        if cfg is None:
+            try:
+                lk(ln._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr, params, 0)
+            except Exception as exc:
+                ln._retry_or_raise(exc, g, b, params, stream_ptr, smem)
+            continue
+        fn = _cu_launch_ex_addr
+        if fn is None:
+            fn = _cu_launch_ex_addr = libcuda()["cuLaunchKernelEx"]
+            fn.argtypes = [ctypes.c_void_p] * 4
+            fn.restype = ctypes.c_int
+        rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
+        if rc:
+            _pdl_failed(ln, rc)
 
 
 # (grid, block, stream) -> (launch config, its attribute): built once, reused (the driver

@@ -28,7 +28,7 @@ from deviceops._errors import DriverError, ShapeError
 from . import _experiment
 from . import _gemm as G
 from ._experiment import KernelOverrides
-from ._fastlaunch import Launcher, libcuda
+from ._fastlaunch import Launcher, launch_packed, libcuda
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = ["expanded_source", "gemm_cuda"]
@@ -181,21 +181,22 @@ class _TmaLaunch:
         return addr
 
     def __call__(self, key: tuple[int, int, int, int, int], stream_ptr: int) -> None:
+        entry = self._cache.get(key)
+        if entry is None:
+            self._pack(key)
+            entry = self._cache[key]
+        launch_packed(self, self.grid, self.block, self.smem, stream_ptr, entry)
+
+    def _retry_or_raise(self, exc: Exception, g: tuple[int, int, int], b: tuple[int, int, int],
+                        params: int, stream_ptr: int, smem: int) -> None:
         import cupy
 
-        entry = self._cache.get(key)
-        params = entry[0] if entry is not None else self._pack(key)
-        g, b = self.grid, self.block
-        try:
-            cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
-                                          params, 0)  # fmt: skip
-        except Exception as exc:
-            if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
-                raise DriverError(f"launching gemm_sm90 (grid {g}) on cuda:{self.dev} failed: {exc}",
-                                  op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
-            cupy.cuda.runtime.setDevice(self.dev)
-            cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
-                                          params, 0)  # fmt: skip
+        if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
+            raise DriverError(f"launching gemm_sm90 (grid {g}) on cuda:{self.dev} failed: {exc}",
+                              op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
+        cupy.cuda.runtime.setDevice(self.dev)
+        cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr,
+                                      params, 0)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- plans

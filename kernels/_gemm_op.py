@@ -25,9 +25,10 @@ from deviceops._errors import ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
-from ._builder import build_op
+from ._builder import Body, Check
 from ._gemm import ACTIVATIONS, gemm_check, gemm_cuda, gemm_reference, gemm_workspace_nbytes
 from ._launch import KernelOp
+from ._spec import KernelSpec
 from ._workspace import workspace_for
 
 __all__ = ["gemm", "matmul"]
@@ -43,7 +44,11 @@ def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | N
         raise ValueError(f"{name}: alpha {alpha} and beta {beta} must be finite")
     if beta != 0.0 and out is None:
         raise ValueError(f"{name}: beta={beta} reads the previous output; pass out=")
+    return _GEMM.op((a, b, out, bias), (name, activation, alpha, beta, tf32, trans_b), name)
 
+
+def _gemm_parts(name: str, activation: str | None, alpha: float, beta: float, tf32: bool,
+                trans_b: bool) -> tuple[Check, Body]:
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         at, bt, ot, bias_t = ts["a"], ts["b"], ts["out"], ts["bias"]
         assert at is not None and bt is not None
@@ -84,7 +89,10 @@ def _gemm_op(name: str, a: Any, b: Any, out: Any, bias: Any, activation: str | N
 
         launch(ctx, name, reads, writes, cpu, cuda)
 
-    return build_op(name, {"a": a, "b": b, "out": out, "bias": bias}, check, body)
+    return check, body
+
+
+_GEMM = KernelSpec("gemm", ("a", "b", "out", "bias"), _gemm_parts, replay=True)
 
 
 def gemm(

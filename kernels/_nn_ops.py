@@ -35,12 +35,13 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
-from ._builder import Check, build_op, check_out, noop
+from ._builder import Body, Check, check_out, noop
 from ._fastlaunch import fast_kernel
 from ._gemm import _act_np
 from ._launch import KernelOp
 from ._module import expanded_source, load_module
 from ._norms import norm_cuda
+from ._spec import KernelSpec
 
 __all__ = ["argmax", "embedding", "gelu", "layer_norm", "rms_norm", "silu", "softmax"]
 
@@ -185,6 +186,8 @@ def _vector(name: str, what: str, v: Tensor | None, x: Tensor) -> None:
 
 
 def _eps(name: str, eps: float) -> float:
+    if type(eps) is float and 0.0 <= eps < math.inf:
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, int | float | np.integer | np.floating):
         raise TypeError(f"{name}: eps must be a real number (a float >= 0), got "
                         f"{type(eps).__name__} {eps!r}")
@@ -224,7 +227,11 @@ def rms_norm(x: Any, weight: Any, *, eps: float = 1e-6, out: Any = None) -> Kern
     Raises:
         ShapeError, DTypeError: before any launch.
     """
-    name, e = "rms_norm", _eps("rms_norm", eps)
+    return _RMS_NORM.op((x, weight, out), (_eps("rms_norm", eps),))
+
+
+def _rms_norm_parts(e: float) -> tuple[Check, Body]:
+    name = "rms_norm"
     base = _same_as_x(name)
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -245,7 +252,10 @@ def rms_norm(x: Any, weight: Any, *, eps: float = 1e-6, out: Any = None) -> Kern
         cuda = norm_cuda(ctx.device.index, oa, xa, wa, e) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x, w), (o,), cpu, cuda)
 
-    return build_op(name, {"x": x, "weight": weight, "out": out}, check, body)
+    return check, body
+
+
+_RMS_NORM = KernelSpec("rms_norm", ("x", "weight", "out"), _rms_norm_parts, replay=True)
 
 
 def layer_norm(x: Any, weight: Any, bias: Any = None, *, eps: float = 1e-5, out: Any = None) -> KernelOp:
@@ -267,7 +277,11 @@ def layer_norm(x: Any, weight: Any, bias: Any = None, *, eps: float = 1e-5, out:
     Raises:
         ShapeError, DTypeError: before any launch.
     """
-    name, e = "layer_norm", _eps("layer_norm", eps)
+    return _LAYER_NORM.op((x, weight, bias, out), (_eps("layer_norm", eps),))
+
+
+def _layer_norm_parts(e: float) -> tuple[Check, Body]:
+    name = "layer_norm"
     base = _same_as_x(name)
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -293,7 +307,11 @@ def layer_norm(x: Any, weight: Any, bias: Any = None, *, eps: float = 1e-5, out:
                                (np.float32(e), np.int32(ba is not None)))
         launch(ctx, name, (x, w) if b is None else (x, w, b), (o,), cpu, cuda)
 
-    return build_op(name, {"x": x, "weight": weight, "bias": bias, "out": out}, check, body)
+    return check, body
+
+
+_LAYER_NORM = KernelSpec("layer_norm", ("x", "weight", "bias", "out"), _layer_norm_parts,
+                         replay=True)
 
 
 # -- softmax, activations --------------------------------------------------------------------
@@ -313,6 +331,10 @@ def softmax(x: Any, *, out: Any = None) -> KernelOp:
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    return _SOFTMAX.op((x, out))
+
+
+def _softmax_parts() -> tuple[Check, Body]:
     name = "softmax"
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
@@ -325,10 +347,13 @@ def softmax(x: Any, *, out: Any = None) -> KernelOp:
         cuda = _row_launch(ctx, name, o, x, (), ()) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x,), (o,), cpu, cuda)
 
-    return build_op(name, {"x": x, "out": out}, _same_as_x(name), body)
+    return _same_as_x(name), body
 
 
-def _elementwise(name: str, x: Any, out: Any, ref: Any) -> KernelOp:
+_SOFTMAX = KernelSpec("softmax", ("x", "out"), _softmax_parts, replay=True)
+
+
+def _elementwise_parts(name: str, ref: Any) -> tuple[Check, Body]:
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         xt = ts["x"]
         assert xt is not None
@@ -355,7 +380,7 @@ def _elementwise(name: str, x: Any, out: Any, ref: Any) -> KernelOp:
 
         launch(ctx, name, (xt,), (o,), cpu, cuda)
 
-    return build_op(name, {"x": x, "out": out}, check, body)
+    return check, body
 
 
 def gelu(x: Any, *, out: Any = None) -> KernelOp:
@@ -372,7 +397,7 @@ def gelu(x: Any, *, out: Any = None) -> KernelOp:
     Returns:
         A :class:`KernelOp` producing ``out`` in the form given.
     """
-    return _elementwise("gelu", x, out, gelu_reference)
+    return _GELU.op((x, out))
 
 
 def silu(x: Any, *, out: Any = None) -> KernelOp:
@@ -386,7 +411,13 @@ def silu(x: Any, *, out: Any = None) -> KernelOp:
     Returns:
         A :class:`KernelOp` producing ``out`` in the form given.
     """
-    return _elementwise("silu", x, out, silu_reference)
+    return _SILU.op((x, out))
+
+
+_GELU = KernelSpec("gelu", ("x", "out"), lambda: _elementwise_parts("gelu", gelu_reference),
+                   replay=True)
+_SILU = KernelSpec("silu", ("x", "out"), lambda: _elementwise_parts("silu", silu_reference),
+                   replay=True)
 
 
 # -- embedding -------------------------------------------------------------------------------
@@ -413,6 +444,10 @@ def embedding(ids: Any, table: Any, *, out: Any = None) -> KernelOp:
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    return _EMBEDDING.op((ids, table, out))
+
+
+def _embedding_parts() -> tuple[Check, Body]:
     name = "embedding"
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -450,7 +485,10 @@ def embedding(ids: Any, table: Any, *, out: Any = None) -> KernelOp:
 
         launch(ctx, name, (it, tt), (o,), cpu, cuda)
 
-    return build_op(name, {"ids": ids, "table": table, "out": out}, check, body)
+    return check, body
+
+
+_EMBEDDING = KernelSpec("embedding", ("ids", "table", "out"), _embedding_parts, replay=True)
 
 
 # -- argmax ----------------------------------------------------------------------------------
@@ -477,10 +515,19 @@ def argmax(x: Any, *, out: Any = None, dtype: Any = "int32") -> KernelOp:
     Example:
         >>> next_token = kernels.argmax(logits, out=token_buf)   # (1, V) -> (1,)
     """
+    want = _INDEX_DTYPES.get(dtype) if type(dtype) is str else None
+    if want is None:
+        want = normalize_dtype(dtype, op="argmax")
+        if want not in (int32, int64):
+            raise DTypeError(f"argmax: index dtype {want} must be int32 or int64", op="argmax")
+    return _ARGMAX.op((x, out), (want,))
+
+
+_INDEX_DTYPES = {"int32": int32, "int64": int64}
+
+
+def _argmax_parts(want: np.dtype[Any]) -> tuple[Check, Body]:
     name = "argmax"
-    want = normalize_dtype(dtype, op=name)
-    if want not in (int32, int64):
-        raise DTypeError(f"{name}: index dtype {want} must be int32 or int64", op=name)
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         x, o = ts["x"], ts["out"]
@@ -504,4 +551,7 @@ def argmax(x: Any, *, out: Any = None, dtype: Any = "int32") -> KernelOp:
         cuda = _row_launch(ctx, name, o, x, (), ()) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x,), (o,), cpu, cuda)
 
-    return build_op(name, {"x": x, "out": out}, check, body)
+    return check, body
+
+
+_ARGMAX = KernelSpec("argmax", ("x", "out"), _argmax_parts, replay=True)

@@ -31,7 +31,7 @@ import numpy as np
 
 from deviceops._tensor import Tensor
 
-__all__ = ["LIMIT", "arg_key", "cached", "clear", "static_key", "stats"]
+__all__ = ["LIMIT", "arg_key", "cached", "clear", "lookup", "static_key", "stats", "store"]
 
 LIMIT = 4096
 _SIMPLE_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
@@ -122,6 +122,25 @@ def cached(check_key: Any, vals: Sequence[Any], compute: Callable[[], Any]) -> A
         del _cache[next(iter(_cache))]  # the oldest entry: O(1), no pause
     _cache[key] = got
     return got
+
+
+def lookup(key: Any) -> Any:
+    """The entry stored under ``key`` (counted as a hit), or ``None`` (a miss).
+
+    Raises:
+        TypeError: ``key`` is not hashable (the caller then does not cache).
+    """
+    got = _cache.get(key)
+    _counts[0 if got is not None else 1] += 1
+    return got
+
+
+def store(key: Any, value: Any) -> Any:
+    """Store ``value`` under ``key`` (evicting the oldest entry past :data:`LIMIT`); return it."""
+    if len(_cache) >= LIMIT:
+        del _cache[next(iter(_cache))]
+    _cache[key] = value
+    return value
 
 
 def stats() -> dict[str, int]:

@@ -23,10 +23,11 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
-from ._builder import check_out, noop
+from ._builder import Body, check_out, noop
 from ._launch import KernelOp
-from ._multi_op import Outputs, multi_op
+from ._multi_op import MultiCheck, Outputs
 from ._norms import CTYPE, tk_function
+from ._spec import KernelSpec
 
 __all__ = ["sample", "sample_reference", "uniform"]
 
@@ -145,6 +146,10 @@ def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, cou
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    return _SAMPLE.op((logits, temperature, top_k, top_p, seed, counter, out))
+
+
+def _sample_parts() -> tuple[MultiCheck, Body]:
     name = "sample"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
@@ -193,7 +198,9 @@ def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, cou
 
         launch(ctx, name, (lt, tt, kt, pt, st, ct), (o, ct), cpu, cuda)
 
-    return multi_op(name, {"logits": logits, "temperature": temperature, "top_k": top_k,
-                           "top_p": top_p, "seed": seed, "counter": counter, "out": out},
-                    check, body, lambda v: v["out"])
+    return check, body
+
+
+_SAMPLE = KernelSpec("sample", ("logits", "temperature", "top_k", "top_p", "seed", "counter", "out"),
+                     _sample_parts, outputs=True, replay=True)
 

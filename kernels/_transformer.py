@@ -34,10 +34,11 @@ from deviceops._errors import DTypeError, ShapeError
 from deviceops._launch import launch
 from deviceops._tensor import Tensor
 
-from ._builder import check_out, noop
+from ._builder import Body, check_out, noop
 from ._launch import KernelOp
-from ._multi_op import Outputs, distinct, floating, multi_op, same
+from ._multi_op import MultiCheck, Outputs, distinct, floating, same
 from ._norms import CTYPE, MOVE_TYPES, norm_cuda, tk_function, vec_width
+from ._spec import KernelSpec
 
 __all__ = ["add_rms_norm", "merge_heads", "rope", "rope_kv_write", "swiglu"]
 
@@ -174,7 +175,11 @@ def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> Kern
     Raises:
         ShapeError, DTypeError, ValueError: before any launch.
     """
-    name, th = "rope", _theta("rope", theta)
+    return _ROPE.op((x, start, out), (_theta("rope", theta),))
+
+
+def _rope_parts(th: float) -> tuple[MultiCheck, Body]:
+    name = "rope"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         xt, st = ts["x"], ts["start"]
@@ -210,8 +215,10 @@ def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> Kern
 
         launch(ctx, name, (xt, st), (o,), cpu, cuda)
 
-    return multi_op(name, {"x": x, "start": start, "out": out}, check, body,
-                    lambda v: v["out"])
+    return check, body
+
+
+_ROPE = KernelSpec("rope", ("x", "start", "out"), _rope_parts, outputs=True, replay=True)
 
 
 def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: int,
@@ -257,6 +264,11 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
     if hq < 1 or hkv < 1 or hq % hkv:
         raise ValueError(f"{name}: n_heads={n_heads}, n_kv_heads={n_kv_heads}: both must be >= 1 "
                          "and n_heads a multiple of n_kv_heads")
+    return _ROPE_KV_WRITE.op((qkv, start, k_cache, v_cache, q_out, block_table), (th, hq, hkv))
+
+
+def _rope_kv_write_parts(th: float, hq: int, hkv: int) -> tuple[MultiCheck, Body]:
+    name = "rope_kv_write"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         qt, st, kc, vc = ts["qkv"], ts["start"], ts["k_cache"], ts["v_cache"]
@@ -321,9 +333,12 @@ def rope_kv_write(qkv: Any, start: Any, k_cache: Any, v_cache: Any, *, n_heads: 
         reads = (qt, st) if bt is None else (qt, st, bt)
         launch(ctx, name, reads, (qo, kc, vc), cpu, cuda)
 
-    return multi_op(name, {"qkv": qkv, "start": start, "k_cache": k_cache, "v_cache": v_cache,
-                           "q_out": q_out, "block_table": block_table}, check, body,
-                    lambda v: v["q_out"])
+    return check, body
+
+
+_ROPE_KV_WRITE = KernelSpec(
+    "rope_kv_write", ("qkv", "start", "k_cache", "v_cache", "q_out", "block_table"),
+    _rope_kv_write_parts, returns="q_out", outputs=True, replay=True)
 
 
 def _block_table(name: str, bt: Tensor, b: int, kc: Tensor, hkv: int, d: int,
@@ -360,6 +375,10 @@ def merge_heads(x: Any, *, out: Any = None) -> KernelOp:
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    return _MERGE_HEADS.op((x, out))
+
+
+def _merge_heads_parts() -> tuple[MultiCheck, Body]:
     name = "merge_heads"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
@@ -400,7 +419,11 @@ def merge_heads(x: Any, *, out: Any = None) -> KernelOp:
 
         launch(ctx, name, (xt,), (o,), cpu, cuda)
 
-    return multi_op(name, {"x": x, "out": out}, check, body, lambda v: v["out"])
+    return check, body
+
+
+_MERGE_HEADS = KernelSpec("merge_heads", ("x", "out"), _merge_heads_parts, outputs=True,
+                          replay=True)
 
 
 def swiglu(gate_up: Any, *, out: Any = None) -> KernelOp:
@@ -418,6 +441,10 @@ def swiglu(gate_up: Any, *, out: Any = None) -> KernelOp:
     Raises:
         ShapeError, DTypeError: before any launch.
     """
+    return _SWIGLU.op((gate_up, out))
+
+
+def _swiglu_parts() -> tuple[MultiCheck, Body]:
     name = "swiglu"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
@@ -455,7 +482,10 @@ def swiglu(gate_up: Any, *, out: Any = None) -> KernelOp:
 
         launch(ctx, name, (gt,), (o,), cpu, cuda)
 
-    return multi_op(name, {"gate_up": gate_up, "out": out}, check, body, lambda v: v["out"])
+    return check, body
+
+
+_SWIGLU = KernelSpec("swiglu", ("gate_up", "out"), _swiglu_parts, outputs=True, replay=True)
 
 
 # -- add_rms_norm ----------------------------------------------------------------------------
@@ -486,10 +516,14 @@ def add_rms_norm(x: Any, residual: Any, weight: Any, *, eps: float = 1e-6, out: 
     Raises:
         ShapeError, DTypeError, ValueError: before any launch.
     """
-    name = "add_rms_norm"
-    e = float(eps)
+    e = eps if type(eps) is float else float(eps)
     if not (math.isfinite(e) and e >= 0.0):
-        raise ValueError(f"{name}: eps {eps!r} must be finite and >= 0")
+        raise ValueError(f"add_rms_norm: eps {eps!r} must be finite and >= 0")
+    return _ADD_RMS_NORM.op((x, residual, weight, out, residual_out), (e,))
+
+
+def _add_rms_norm_parts(e: float) -> tuple[MultiCheck, Body]:
+    name = "add_rms_norm"
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         xt, rt, wt = ts["x"], ts["residual"], ts["weight"]
@@ -525,6 +559,13 @@ def add_rms_norm(x: Any, residual: Any, weight: Any, *, eps: float = 1e-6, out: 
             cuda = norm_cuda(ctx.device.index, oa, xa, wa, e, residual=ra, residual_out=roa)
         launch(ctx, name, (xt, rt, wt), (o, ro), cpu, cuda)
 
-    return multi_op(name, {"x": x, "residual": residual, "weight": weight, "out": out,
-                           "residual_out": residual_out}, check, body,
-                    lambda v: (v["out"], v["residual_out"]), defaults={"residual_out": "residual"})
+    return check, body
+
+
+def _out_and_residual(v: dict[str, Any]) -> tuple[Any, Any]:
+    return v["out"], v["residual_out"]
+
+
+_ADD_RMS_NORM = KernelSpec("add_rms_norm", ("x", "residual", "weight", "out", "residual_out"),
+                           _add_rms_norm_parts, returns=_out_and_residual, outputs=True,
+                           defaults={"residual_out": "residual"}, replay=True)
