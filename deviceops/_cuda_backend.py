@@ -371,10 +371,10 @@ class CudaBackend(Backend):
         (as ``deviceops.kernels._module.load_module`` passes them); caching is the
         caller's business (CuPy also caches NVRTC output on disk).
         """
-        cupy = _cp()
         if device.kind != "cuda":
             raise DeviceError(f"load_program: {device} is not a CUDA device", op="load_program",
                               device=str(device))
+        cupy = _cp()
         with cupy.cuda.Device(device.index):
             arch = str(cupy.cuda.Device(device.index).compute_capability) + arch_suffix
             opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)

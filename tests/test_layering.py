@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["_capture", "_completion", "_context", "_cpu_backend", "_cuda_backend", "_device",
+CORE = ["_backend", "_capture", "_completion", "_context", "_cpu_backend", "_cuda_backend", "_device",
         "_dot", "_dtypes", "_errors", "_future", "_hooks", "_launch", "_op", "_stream",
         "_tensor", "_trace"]
 UPPER = ("deviceops.scheduling", "deviceops.graphs", "deviceops.kernels", "deviceops.nn",
@@ -53,6 +53,15 @@ def test_core_module_does_not_import_upper_layers(module: str) -> None:
            if name.startswith(UPPER) or (name.split(".")[-1] in RELATIVE_UPPER and
            name.startswith("deviceops.") and name.count(".") == 1)]
     assert not bad, f"deviceops/{module}.py imports layers above the core: {bad}"
+
+
+def test_backend_interface_sits_below_streams_and_tensors() -> None:
+    """``_backend`` (the interface) depends on errors and dtypes only: streams, tensors and
+    devices are type names there (``TYPE_CHECKING``), so every core module may import it."""
+    path = ROOT / "deviceops" / "_backend.py"
+    core = [name for _, name in _imports(ast.parse(path.read_text()))
+            if name.startswith("deviceops")]
+    assert set(core) <= {"deviceops._errors", "deviceops._dtypes"}, core
 
 
 def test_hooks_are_installed_by_importing_deviceops() -> None:
