@@ -76,6 +76,9 @@ class KernelOverrides:
 
 #: The overrides in force (the planners read this module global once per call).
 ACTIVE: KernelOverrides = KernelOverrides()
+#: The overrides of a process no experiment changed (kernel replays run only under these:
+#: a recorded launch reflects the planners' choice, :mod:`._replay`).
+DEFAULT: KernelOverrides = ACTIVE
 
 
 def current() -> KernelOverrides:

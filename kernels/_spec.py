@@ -33,7 +33,7 @@ from deviceops._context import ExecutionContext
 from deviceops._op import DeviceOp
 from deviceops._tensor import Tensor, allocate, check_device
 
-from . import _plan, _replay
+from . import _experiment, _plan, _replay
 from ._builder import OPTIONAL_ARGS, Body, _general_op, _outputs, plain_args
 from ._launch import KernelOp
 from ._replay import Record, record, recording
@@ -193,7 +193,7 @@ class Plan:
             args = self._complete(stream, args)
         reps = self.replays
         if (reps is not None and stream.capture is None and _trace.current is None
-                and _replay.enabled):
+                and _replay.enabled and _experiment.ACTIVE is _experiment.DEFAULT):
             native = stream.native.ptr  # type: ignore[attr-defined]
             pk = [stream.id]
             for a in args:

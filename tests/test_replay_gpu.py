@@ -194,3 +194,21 @@ def test_replay_is_per_stream_and_follows_workspace_growth() -> None:
     _poison(s1, o1)
     kernels.flash_attention(q, kv, kv, out=o1).sync_on(s1)
     np.testing.assert_allclose(api.to_host(o1).sync_on(s1).astype(np.float32), 1.0, rtol=1e-3)
+
+
+def test_no_replay_under_experiment_overrides() -> None:
+    """A record reflects the planners' choice: under kernels._experiment.overrides the op
+    takes the full path (the forced configuration runs), and replays resume after."""
+    from deviceops.kernels._experiment import overrides
+
+    s = deviceops.device(0).new_stream()
+    a, b = api.ones((128, 256), F16).sync_on(s), api.ones((256, 512), F16).sync_on(s)
+    o = api.empty((128, 512), F16).sync_on(s)
+    kernels.gemm(a, b, o).sync_on(s)
+    n0 = _replay.stats()["replayed"]
+    with overrides(gemm_path="sm80:1"):
+        kernels.gemm(a, b, o).sync_on(s)
+    assert _replay.stats()["replayed"] == n0
+    kernels.gemm(a, b, o).sync_on(s)
+    assert _replay.stats()["replayed"] == n0 + 1
+    np.testing.assert_allclose(api.to_host(o).sync_on(s).astype(np.float32), 256.0)
