@@ -515,19 +515,17 @@ def argmax(x: Any, *, out: Any = None, dtype: Any = "int32") -> KernelOp:
     Example:
         >>> next_token = kernels.argmax(logits, out=token_buf)   # (1, V) -> (1,)
     """
-    want = _INDEX_DTYPES.get(dtype) if type(dtype) is str else None
-    if want is None:
-        want = normalize_dtype(dtype, op="argmax")
-        if want not in (int32, int64):
-            raise DTypeError(f"argmax: index dtype {want} must be int32 or int64", op="argmax")
-    return _ARGMAX.op((x, out), (want,))
+    if dtype not in ("int32", "int64"):  # (a str static: cheap to hash, unlike a dtype)
+        dt = normalize_dtype(dtype, op="argmax")
+        if dt not in (int32, int64):
+            raise DTypeError(f"argmax: index dtype {dt} must be int32 or int64", op="argmax")
+        dtype = dt.name
+    return _ARGMAX.op((x, out), (dtype,))
 
 
-_INDEX_DTYPES = {"int32": int32, "int64": int64}
-
-
-def _argmax_parts(want: np.dtype[Any]) -> tuple[Check, Body]:
+def _argmax_parts(want_name: str) -> tuple[Check, Body]:
     name = "argmax"
+    want = np.dtype(want_name)
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         x, o = ts["x"], ts["out"]

@@ -76,12 +76,13 @@ class Record:
         """Replay on ``stream`` (the recording's); ``False`` (nothing done) if stale."""
         rs = [args[i]._storage for i in self.rpos]
         ws = [args[i]._storage for i in self.wpos]
-        for refs, into in ((self.extra_r, rs), (self.extra_w, ws)):
-            for r in refs:
-                st = r()
-                if st is None:
-                    return False
-                into.append(st)
+        if self.extra_r or self.extra_w:
+            for refs, into in ((self.extra_r, rs), (self.extra_w, ws)):
+                for r in refs:
+                    st = r()
+                    if st is None:
+                        return False
+                    into.append(st)
         before_access(stream, rs, ws)
         replay_calls(self.calls, native_ptr)
         after_access(stream, stream.bump(), rs, ws)
