@@ -23,17 +23,26 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _trace
-from ._errors import LaunchError
 from ._tensor import Storage, Tensor, after_access, before_access
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
+    from ._stream import Stream
 
-__all__ = ["launch"]
+__all__ = ["launch", "ordered", "set_launch_recorder"]
 
 # While a kernel op's body is being recorded for replay (deviceops.kernels._replay), each
-# launch appends the storages it reads and writes here.
-recorder: list[tuple[list[Storage], list[Storage]]] | None = None
+# launch appends the storages it reads and writes here (set_launch_recorder).
+_recorder: list[tuple[list[Storage], list[Storage]]] | None = None
+
+
+def set_launch_recorder(rec: list[tuple[list[Storage], list[Storage]]] | None
+                        ) -> list[tuple[list[Storage], list[Storage]]] | None:
+    """Install ``rec`` (or ``None``): every :func:`launch` appends ``(reads, writes)`` (the
+    storages) to it. Returns the previous recorder."""
+    global _recorder
+    prev, _recorder = _recorder, rec
+    return prev
 
 
 def launch(
@@ -44,7 +53,11 @@ def launch(
     cpu_fn: Callable[[], None],
     cuda_fn: Callable[[Any], None],
 ) -> int:
-    """Enqueue one unit of device work on ``ctx.stream``; return its sequence number."""
+    """Enqueue one unit of device work on ``ctx.stream``; return its sequence number.
+
+    The backend runs one of the two halves (:meth:`Backend.submit`: ``cpu_fn()`` on a cpu
+    stream's worker, ``cuda_fn(native_stream)`` now on cuda).
+    """
     stream = ctx.stream
     rs = [t._storage for t in reads]
     ws = [t._storage for t in writes]
@@ -52,69 +65,27 @@ def launch(
     tracer = _trace.current
     if tracer is not None:
         token = tracer.begin(name, stream)
-    if stream.device.is_cpu:
-        for st in rs:
-            if st.fail[0] is not None:
-                raise poisoned_input(name, st.fail[0])
-        stream.enqueue(_guarded(cpu_fn, name, rs, ws, stream.seq + 1), name)  # type: ignore[attr-defined]
-    else:
-        try:
-            cuda_fn(stream.native)  # type: ignore[attr-defined]
-        except Exception as exc:
-            from ._cuda_backend import raise_driver_error
-
-            raise_driver_error(exc, name, str(stream.device))
-            raise
+    stream.backend.submit(stream, name, rs, ws, cpu_fn, cuda_fn)
     seq = stream.bump()
     after_access(stream, seq, rs, ws)
-    if recorder is not None:
-        recorder.append((rs, ws))
+    if _recorder is not None:
+        _recorder.append((rs, ws))
     if tracer is not None:
         tracer.end(token, stream)
     return seq
 
 
-def poisoned_input(name: str, failed: tuple[str, BaseException]) -> LaunchError:
-    """The error of an op ``name`` that reads memory whose producer ``failed``."""
-    producer, exc = failed
-    err = LaunchError(
-        f"{name}: an input was produced by {producer}, which failed on the device "
-        f"({type(exc).__name__}: {exc}); not computing on its garbage. Fix the failing op, "
-        "or overwrite the tensor before using it again.",
-        op=name,
-    )
-    err.__cause__ = exc
-    return err
+def ordered(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage],
+            call: Callable[..., None], *args: Any) -> int:
+    """``call(*args)`` ordered like a :func:`launch` over the storages ``reads`` / ``writes``.
 
-
-def _guarded(fn: Callable[[], None], name: str, rs: list[Storage],
-             ws: list[Storage], seq: int) -> Callable[[], None]:
-    """cpu: ``fn`` that refuses failed inputs and marks its outputs failed when it fails.
-
-    Holds the storages' failure cells, not the storages (their lifetime is the
-    hazard tracking's business).
+    For device work the caller submits itself, already bound to ``stream`` (a recorded
+    driver call, a memoised elementwise launch): waits on conflicting work of other
+    streams first, counts the work on ``stream`` and updates the hazard records after.
+    Not traced (callers take :func:`launch` while a trace is recording).
     """
-    rcells = [st.fail for st in rs]
-    wcells = [st.fail for st in ws]
-
-    def task() -> None:
-        for c in rcells:
-            f = c[0]
-            if f is not None:
-                err = poisoned_input(name, f)
-                for w in wcells:
-                    w[0] = f
-                err._deviceops_seq = seq  # type: ignore[attr-defined]
-                raise err
-        try:
-            fn()
-        except BaseException as exc:
-            for w in wcells:
-                w[0] = (name, exc)
-            exc._deviceops_seq = seq  # type: ignore[attr-defined]  # (see CpuStream.absorb_after)
-            raise
-        for w in wcells:
-            if w[0] is not None:
-                w[0] = None
-
-    return task
+    before_access(stream, reads, writes)
+    call(*args)
+    seq = stream.bump()
+    after_access(stream, seq, reads, writes)
+    return seq

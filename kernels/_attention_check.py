@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._errors import DTypeError, ShapeError
+from deviceops.extend import DTypeError, ShapeError
 
 __all__ = ["MAX_HEAD_DIM", "attention_check", "supported_dtypes"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._errors import ShapeError
+from deviceops.extend import ShapeError
 
 from . import _experiment
 from ._attention_check import attention_check

@@ -24,10 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._errors import ShapeError
-from deviceops._launch import launch
-from deviceops._tensor import Tensor
+from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
 from ._attention import (
     attention_check,

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from deviceops._errors import ShapeError
+from deviceops.extend import ShapeError
 
 __all__ = ["attention_reference"]
 

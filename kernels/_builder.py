@@ -22,9 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._errors import DeviceError, DTypeError, ShapeError
-from deviceops._tensor import Partition, Tensor, allocate, check_device
+from deviceops.extend import (
+    DeviceError,
+    DTypeError,
+    ExecutionContext,
+    Partition,
+    ShapeError,
+    Tensor,
+    allocate,
+    check_device,
+)
 
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
 from ._plan import cached, static_key

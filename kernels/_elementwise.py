@@ -26,21 +26,27 @@ from typing import Any
 
 import numpy as np
 
-from deviceops import _trace
-from deviceops._context import ExecutionContext
-from deviceops._dtypes import bfloat16, float16, float32, int32, int64, is_floating
-from deviceops._errors import DTypeError, ShapeError
-from deviceops._launch import launch
-from deviceops._op import DeviceOp, _drive
-from deviceops._tensor import (
+from deviceops.extend import (
+    DeviceOp,
+    DTypeError,
+    ExecutionContext,
     Partition,
+    ShapeError,
     Storage,
     Tensor,
-    after_access,
     allocate,
-    before_access,
+    bfloat16,
     check_device,
+    float16,
+    float32,
+    int32,
+    int64,
+    is_floating,
+    launch,
+    ordered,
+    tracing,
 )
+from deviceops.extend import drive as _drive
 
 from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
 from ._launch import KernelOp, as_tensor, contiguous
@@ -179,7 +185,7 @@ class _ElementwiseOp(KernelOp):
             return _drive(self, ctx)
         plan = self._plan
         stream = ctx.stream
-        if plan is not None and plan.device is stream.device and _trace.current is None:
+        if plan is not None and plan.device is stream.device and not tracing():
             if plan.alloc is not None:
                 return self._alloc_launch(stream, plan)
             # the launch plan of an identical earlier launch (see _memo); the storages come
@@ -193,14 +199,8 @@ class _ElementwiseOp(KernelOp):
                 w_arg = a[2]
                 ws = (w_arg if type(w_arg) is Tensor else w_arg.tensor)._storage
                 rs = (a[0]._storage, a[1]._storage)
-            wl = (ws,)
-            ln = plan.ln
-            before_access(stream, rs, wl)
-            if stream.capture is not None and plan.flat and pdl_enabled(ln.device_index):
-                launch_pdl(ln, plan.grid, plan.block, plan.args, stream.native.ptr)  # type: ignore[attr-defined]
-            else:
-                ln(plan.grid, plan.block, plan.args, stream.native.ptr)  # type: ignore[attr-defined]
-            after_access(stream, stream.bump(), rs, wl)
+            ordered(stream, rs, (ws,), _submit, stream, plan.ln, plan.grid, plan.block, plan.args,
+                    plan.flat)
             return w_arg
         return self._body(ctx, self._args)
 
@@ -208,11 +208,9 @@ class _ElementwiseOp(KernelOp):
         """An allocating ``add``/``mul`` whose inputs and launch plan match an earlier one."""
         shape, dt = plan.alloc  # type: ignore[misc]
         w = allocate(stream, shape, dt, self._name)
-        wl = (w._storage,)
         rs = (self._args[0]._storage, self._args[1]._storage)
-        before_access(stream, rs, wl)
-        plan.ln(plan.grid, plan.block, (w._array.data.ptr, *plan.args), stream.native.ptr)
-        after_access(stream, stream.bump(), rs, wl)
+        ordered(stream, rs, (w._storage,), plan.ln, plan.grid, plan.block,
+                (w._array.data.ptr, *plan.args), stream.native.ptr)
         return w
 
     def _body(self, ctx: ExecutionContext, vals: Any) -> Any:
@@ -243,9 +241,9 @@ class _ElementwiseOp(KernelOp):
             check_device(x, stream, name)
         if y is not None and y._storage.device is not stream.device:
             check_device(y, stream, name)
-        if stream.device.is_cpu or _trace.current is not None:
+        if stream.device.is_cpu or tracing():
             return self._launch_general(ctx, w_arg, w, x, y)
-        # cuda, untraced: the launch primitive (deviceops._launch.launch) written out
+        # cuda, untraced: the driver call, ordered like a launch (extend.ordered)
         wa = w._array
         flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
         ln = _launcher(stream.device.index, _FLAT_NAMES[name] if flat else name, wa.dtype)
@@ -256,13 +254,7 @@ class _ElementwiseOp(KernelOp):
         else:
             args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
             rs = (x._storage, y._storage)
-        wl = (ws,)
-        before_access(stream, rs, wl)
-        if stream.capture is not None and flat and pdl_enabled(ln.device_index):
-            launch_pdl(ln, grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
-        else:
-            ln(grid, block, args, stream.native.ptr)  # type: ignore[attr-defined]
-        after_access(stream, stream.bump(), rs, wl)
+        ordered(stream, rs, (ws,), _submit, stream, ln, grid, block, args, flat)
         if not self._deferred and y is not None and self._args[2] is None:  # allocated out
             _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), _EwPlan(
                 stream.device, ln, grid, block, args[1:], flat, (wa.shape, wa.dtype)))
@@ -272,7 +264,7 @@ class _ElementwiseOp(KernelOp):
         return w_arg
 
     def _launch_general(self, ctx: ExecutionContext, w_arg: Any, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
-        """cpu backend, or tracing: through :func:`deviceops._launch.launch`."""
+        """cpu backend, or tracing: through :func:`deviceops.extend.launch`."""
         name, stream = self._name, ctx.stream
         reads = (x, w) if y is None else (x, y)
         if stream.device.is_cpu:
@@ -285,7 +277,7 @@ class _ElementwiseOp(KernelOp):
             args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, *geo)
         else:
             args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
-        sptr = stream.native.ptr  # type: ignore[attr-defined]
+        sptr = stream.native.ptr
         launch(ctx, name, reads, (w,), _noop, lambda _s: ln(grid, block, args, sptr))
         return w_arg
 
@@ -315,6 +307,15 @@ def _cpu_task(name: str, a: float, w: Tensor, x: Tensor, y: Tensor | None) -> An
 
 def _noop(*_: Any) -> None:
     pass
+
+
+def _submit(stream: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...], flat: bool) -> None:
+    """The driver call of an elementwise launch (programmatic dependent launch while
+    capturing a flat kernel on sm_90)."""
+    if stream.capture is not None and flat and pdl_enabled(ln.device_index):
+        launch_pdl(ln, grid, block, args, stream.native.ptr)
+    else:
+        ln(grid, block, args, stream.native.ptr)
 
 
 # -- launch-plan memo ----------------------------------------------------------

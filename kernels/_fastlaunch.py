@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from deviceops._errors import DriverError
+from deviceops.extend import DriverError
 
 __all__ = ["KernelFn", "Launcher", "fast_kernel", "launch_packed", "launch_pdl", "libcuda",
            "pdl_enabled", "replay_calls"]

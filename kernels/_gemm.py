@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._errors import DTypeError, ShapeError
+from deviceops.extend import DTypeError, ShapeError
 
 __all__ = [
     "ACTIVATIONS",

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._errors import DriverError, ShapeError
+from deviceops.extend import DriverError, ShapeError
 
 from . import _experiment
 from . import _gemm as G

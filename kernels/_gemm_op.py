@@ -20,10 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._errors import ShapeError
-from deviceops._launch import launch
-from deviceops._tensor import Tensor
+from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
 from ._builder import Body, Check
 from ._gemm import ACTIVATIONS, gemm_check, gemm_cuda, gemm_reference, gemm_workspace_nbytes

@@ -20,10 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from deviceops._context import ExecutionContext
-from deviceops._errors import ShapeError
-from deviceops._op import DeviceOp, _drive
-from deviceops._tensor import Partition, Tensor
+from deviceops.extend import DeviceOp, ExecutionContext, Partition, ShapeError, Tensor
+from deviceops.extend import drive as _drive
 
 __all__ = ["KernelOp", "TensorArg", "as_tensor", "is_deferred", "resolve"]
 

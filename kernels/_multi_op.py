@@ -11,9 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._dtypes import FLOATING
-from deviceops._errors import DTypeError, ShapeError
-from deviceops._tensor import Tensor
+from deviceops.extend import FLOATING, DTypeError, ShapeError, Tensor
 
 from ._builder import Body, MultiCheck, Outputs, multi_op
 

@@ -29,11 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._dtypes import FLOATING, bfloat16, float16, float32, int32, int64, normalize_dtype
-from deviceops._errors import DTypeError, ShapeError
-from deviceops._launch import launch
-from deviceops._tensor import Tensor
+from deviceops.extend import (
+    FLOATING,
+    DTypeError,
+    ExecutionContext,
+    ShapeError,
+    Tensor,
+    bfloat16,
+    float16,
+    float32,
+    int32,
+    int64,
+    launch,
+    normalize_dtype,
+)
 
 from ._builder import Body, Check, check_out, noop
 from ._fastlaunch import fast_kernel

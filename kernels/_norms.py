@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._dtypes import bfloat16, float16, float32
+from deviceops.extend import bfloat16, float16, float32
 
 from ._fastlaunch import fast_kernel
 from ._module import expanded_source, load_module, read_source

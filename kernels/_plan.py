@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._tensor import Tensor
+from deviceops.extend import Tensor
 
 __all__ = ["LIMIT", "arg_key", "cached", "clear", "lookup", "static_key", "stats", "store"]
 

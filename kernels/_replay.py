@@ -6,7 +6,7 @@ launcher's static parameters, its arguments' signatures and alias pattern: see
 for a given (stream, pointers) runs the op's launch body with a recorder switched on; the
 recorder keeps what the body handed to the driver (:mod:`._fastlaunch`: function, grid,
 block, shared memory, the packed parameter block) and what it declared to the hazard
-tracker (:func:`deviceops._launch.launch`: the storages read and written). Later
+tracker (:func:`deviceops.extend.launch`: the storages read and written). Later
 executions with the same key replay that: one hazard step over the same storages (taken
 from the op's arguments, so nothing of the user's is kept alive), the recorded driver
 calls, one sequence number. That is the per-call work issue 12 asks for: resolving
@@ -26,7 +26,7 @@ Rules that keep a replay exactly equal to a fresh execution:
 
 | piece        | where                                                    |
 |--------------|----------------------------------------------------------|
-| recorder     | :func:`recording` (``_fastlaunch.recorder``, ``deviceops._launch.recorder``) |
+| recorder     | :func:`recording` (``_fastlaunch.recorder``, ``extend.set_launch_recorder``) |
 | replay       | :meth:`Record.run`                                       |
 """
 
@@ -38,9 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from deviceops import _launch as core_launch
-from deviceops._stream import Stream
-from deviceops._tensor import Storage, after_access, before_access
+from deviceops.extend import Storage, Stream, ordered, set_launch_recorder
 
 from . import _fastlaunch
 from ._fastlaunch import replay_calls
@@ -83,9 +81,7 @@ class Record:
                     if st is None:
                         return False
                     into.append(st)
-        before_access(stream, rs, ws)
-        replay_calls(self.calls, native_ptr)
-        after_access(stream, stream.bump(), rs, ws)
+        ordered(stream, rs, ws, replay_calls, self.calls, native_ptr)
         _counts[1] += 1
         return True
 
@@ -95,15 +91,15 @@ def recording() -> Iterator[tuple[list[tuple[Any, ...]], list[tuple[list[Storage
     """Switch the recorders on for the body of one op; yields (driver calls, hazard sets)."""
     calls: list[tuple[Any, ...]] = []
     sets: list[tuple[list[Storage], list[Storage]]] = []
-    if _fastlaunch.recorder is not None or core_launch.recorder is not None:
+    if _fastlaunch.recorder is not None:
         raise RuntimeError("kernel replay: recordings do not nest")  # (an op body runs no op)
     _fastlaunch.recorder = calls
-    core_launch.recorder = sets
+    prev = set_launch_recorder(sets)
     try:
         yield calls, sets
     finally:
         _fastlaunch.recorder = None
-        core_launch.recorder = None
+        set_launch_recorder(prev)
 
 
 def record(calls: list[tuple[Any, ...]], sets: list[tuple[list[Storage], list[Storage]]],

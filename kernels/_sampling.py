@@ -17,11 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._dtypes import FLOATING, float32, int32, int64
-from deviceops._errors import DTypeError, ShapeError
-from deviceops._launch import launch
-from deviceops._tensor import Tensor
+from deviceops.extend import (
+    FLOATING,
+    DTypeError,
+    ExecutionContext,
+    ShapeError,
+    Tensor,
+    float32,
+    int32,
+    int64,
+    launch,
+)
 
 from ._builder import Body, check_out, noop
 from ._launch import KernelOp

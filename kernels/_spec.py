@@ -28,10 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from deviceops import _trace
-from deviceops._context import ExecutionContext
-from deviceops._op import DeviceOp
-from deviceops._tensor import Tensor, allocate, check_device
+from deviceops.extend import DeviceOp, ExecutionContext, Tensor, allocate, check_device, tracing
 
 from . import _experiment, _plan, _replay
 from ._builder import OPTIONAL_ARGS, Body, _general_op, _outputs, plain_args
@@ -192,9 +189,9 @@ class Plan:
         if self.defaults or self.missing:
             args = self._complete(stream, args)
         reps = self.replays
-        if (reps is not None and stream.capture is None and _trace.current is None
-                and _replay.enabled and _experiment.ACTIVE is _experiment.DEFAULT):
-            native = stream.native.ptr  # type: ignore[attr-defined]
+        if (reps is not None and stream.capture is None and _replay.enabled
+                and _experiment.ACTIVE is _experiment.DEFAULT and not tracing()):
+            native = stream.native.ptr
             pk = [stream.id]
             for a in args:
                 pk.append(0 if a is None else a._array.data.ptr)

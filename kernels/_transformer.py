@@ -28,11 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops._context import ExecutionContext
-from deviceops._dtypes import int32
-from deviceops._errors import DTypeError, ShapeError
-from deviceops._launch import launch
-from deviceops._tensor import Tensor
+from deviceops.extend import DTypeError, ExecutionContext, ShapeError, Tensor, int32, launch
 
 from ._builder import Body, check_out, noop
 from ._launch import KernelOp

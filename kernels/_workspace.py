@@ -14,11 +14,7 @@ fail on a GPU fails the same way on the ``cpu`` backend.
 
 from __future__ import annotations
 
-from deviceops._context import enqueue_lock
-from deviceops._dtypes import float32
-from deviceops._errors import CaptureError
-from deviceops._stream import Stream
-from deviceops._tensor import Tensor, allocate
+from deviceops.extend import CaptureError, Stream, Tensor, allocate, enqueue_lock, float32
 
 __all__ = ["reserve_workspace", "workspace_for"]
 

@@ -278,10 +278,9 @@ def test_cuda_backend_methods_on_a_gpu() -> None:
 
 # -- the guard: the core does not branch on the backend ---------------------------------
 BACKEND_MODULES = {"deviceops/_cuda_backend.py", "deviceops/_cpu_backend.py"}
-# explicit exceptions, each with its reason:
-#   deviceops/_launch.py: the lead's launch fast path (being rewritten); its one is_cpu branch
-#   is to move to ``stream.backend.submit`` (CpuBackend/CudaBackend.submit do its two arms).
-IS_CPU_EXCEPTIONS = {"deviceops/_launch.py"}
+# explicit exceptions, each with its reason (none: deviceops/_launch.py submits through
+# ``stream.backend.submit``)
+IS_CPU_EXCEPTIONS: set[str] = set()
 CORE_FILES = sorted({*(p.relative_to(ROOT).as_posix() for p in (ROOT / "deviceops").glob("*.py")),
                      *(p.relative_to(ROOT).as_posix() for p in (ROOT / "graphs").glob("*.py")),
                      *(p.relative_to(ROOT).as_posix() for p in (ROOT / "scheduling").glob("*.py"))}

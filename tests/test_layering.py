@@ -77,3 +77,28 @@ def test_unknown_hook_is_refused() -> None:
 
     with pytest.raises(ValueError, match="unknown hook"):
         _hooks.install(nope=lambda: None)
+
+
+KERNEL_FILES = sorted(p.name for p in (ROOT / "kernels").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_kernels_reach_the_core_through_the_extension_interface(name: str) -> None:
+    """``deviceops.kernels`` imports the core only through ``deviceops.extend`` (and the
+    public ``deviceops`` names), never a private core module."""
+    tree = ast.parse((ROOT / "kernels" / name).read_text())
+    absolute = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    bad = [f"line {n.lineno}: {n.module}" for n in absolute
+           if (n.module or "").startswith("deviceops._")]
+    bad += [f"line {n.lineno}: from deviceops import {a.name}" for n in absolute
+            if n.module == "deviceops" for a in n.names if a.name.startswith("_")]
+    bad += [f"line {n.lineno}: import {a.name}" for n in ast.walk(tree) if isinstance(n, ast.Import)
+            for a in n.names if a.name.startswith("deviceops._")]
+    assert not bad, f"kernels/{name} imports private core modules (use deviceops.extend): {bad}"
+
+
+def test_extension_interface_exports_what_it_lists() -> None:
+    import deviceops.extend as ext
+
+    missing = [n for n in ext.__all__ if not hasattr(ext, n)]
+    assert not missing and ext.__doc__ and "launch" in ext.__doc__

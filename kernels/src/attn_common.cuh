@@ -2,8 +2,7 @@
 // Compiled by NVRTC through CuPy; kernels/_attention.py inlines `#include "attn_*.cuh"`.
 #pragma once
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "ptx_common.cuh"
 
 #ifndef ATTN_BF16
 #define ATTN_BF16 0
@@ -21,22 +20,6 @@ typedef float elem_t;
 typedef unsigned short elem_t;
 #endif
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16-byte global->shared async copy; src_bytes = 0 zero-fills the destination.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
-  int sz = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // Writes by the generic proxy (st.shared, cp.async) must be fenced before wgmma reads them.
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -27,6 +27,7 @@
 // ATTN_LAZY_RESCALE, ATTN_VSPLIT, ATTN_SLACK (see benchmarks/RESULTS-attention.md).
 #include "attn_common.cuh"
 #include "attn_wgmma.cuh"
+#include "sm90_common.cuh"
 
 #ifndef ATTN_DP
 #define ATTN_DP 128
@@ -91,15 +92,6 @@
 #endif
 #define SMEM_BYTES (Q_BYTES + 2 * NSTAGE * KV_BYTES + 1024)
 
-// SW128 shared-memory matrix descriptor.
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
-  u64 d = (u64)((saddr & 0x3FFFF) >> 4);
-  d |= (u64)((lbo >> 4) & 0x3FFF) << 16;
-  d |= (u64)((sbo >> 4) & 0x3FFF) << 32;
-  d |= (u64)1 << 62;
-  return d;
-}
-
 // 2^x for x <= 0 on the FMA/ALU pipes (Cody-Waite split + degree-3 polynomial, rel. error
 // < 8e-5, below fp16/bf16 rounding of P); exact 0 for x < -125 (and -inf).
 __device__ __forceinline__ float poly_exp2(float x) {
@@ -110,51 +102,6 @@ __device__ __forceinline__ float poly_exp2(float x) {
                  0.9999284744262695f);
   const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
   return x < -125.f ? 0.f : r;
-}
-
-__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 addr) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
-}
-// Arrive once all of this thread's earlier cp.async copies have landed (count not raised).
-__device__ __forceinline__ void mbar_arrive_cp_async(u32 addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
-}
-
-// Named barriers 1..NWG (0 is __syncthreads): warpgroup w waits on barrier w+1 for its turn
-// and hands the turn to the next warpgroup after issuing its matmuls.
-__device__ __forceinline__ void named_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(u32 (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Async copy of rows [row0, row0+ROWS) of a (nrows, D) matrix into a SW128 tile; rows past

@@ -7,8 +7,8 @@
 // act: 0 none, 1 relu, 2 gelu (tanh approximation), 3 silu.
 #pragma once
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "ptx_common.cuh"
+
 typedef unsigned short u16;
 
 #ifndef GEMM_BF16
@@ -19,12 +19,6 @@ typedef unsigned short u16;
 #define ACT_RELU 1
 #define ACT_GELU 2
 #define ACT_SILU 3
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
 
 // 16-bit storage element (float16 or bfloat16 per GEMM_BF16) <-> float.
 __device__ __forceinline__ float h2f(u16 x) {
@@ -71,36 +65,21 @@ __device__ __forceinline__ float epi_apply(const Epi& e, float acc, float prev, 
   return apply_act(v, e.act);
 }
 
-// ---- mbarrier / async-copy helpers ----
-__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 addr) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_tx(u32 addr, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
-}
-
-// 16-byte global->shared async copy; pred false zero-fills the destination.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
-  int sz = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz) : "memory");
-}
+// ---- async-copy helpers (mbarriers: sm90_common.cuh) ----
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
   int sz = pred ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(sz) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+
+// One m16n8k16 tensor-core MMA (16-bit inputs per GEMM_BF16, float32 accumulators), sm_80+.
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+#if GEMM_BF16
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+#else
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+#endif
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }

@@ -1,6 +1,7 @@
-// Used by the sm_90a GEMM (gemm_sm90.cu): tile constants, the wgmma
-// shared-memory descriptor, TMA load, wgmma fences and the tile-order decode. The including
+// Used by the sm_90a GEMM (gemm_sm90.cu): tile constants, the TMA load and the tile-order
+// decode (descriptors, mbarriers and wgmma fences: sm90_common.cuh). The including
 // file defines BM (rows of one tile), BN, NCW/STAGES/GROUP_M as it needs, before use.
+#include "sm90_common.cuh"
 #ifndef GEMM_EPI_PLAIN
 #define GEMM_EPI_PLAIN 0
 #endif
@@ -33,31 +34,11 @@ struct __align__(64) TmaDesc {
   u64 v[16];
 };
 
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
-  u64 d = (u64)((saddr & 0x3FFFF) >> 4);
-  d |= (u64)((lbo >> 4) & 0x3FFF) << 16;
-  d |= (u64)((sbo >> 4) & 0x3FFF) << 32;
-  d |= (u64)1 << 62;  // 128-byte swizzle
-  return d;
-}
-
 __device__ __forceinline__ void tma_load3(u32 dst, const TmaDesc* tm, u32 bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
       "l"(tm), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 // Linear tile index -> (batch, split, m-tile, n-tile); GROUP_M m-tiles share each n sweep.
