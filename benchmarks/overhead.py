@@ -23,6 +23,12 @@ Correctness: integer-valued data, so after every timed launch the buffers must
 equal ``z0 + 2 * count * x`` exactly (checked for each N and variant).
 
 Bar: async_on chain per op at N=100 <= 1.3x the raw async loop.
+
+Then (unless ``--no-per-op``) the per-op table of :mod:`op_cost`: the partition and flat
+forms, allocating ops and every KernelOp at decode sizes (gemm 1x4096x4096 and
+128x768x768, flash_attention decode, rms_norm, embedding, argmax), each beside torch eager
+in the same run: wall, host (enqueue behind a spin) and device time per call, with
+issue 12's bars. The README's per-op figures come from this command.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from _common import (
     upload,
     write_json,
 )
+from op_cost import per_op_table
 
 import deviceops
 from deviceops import api, kernels
@@ -188,6 +195,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p)
     p.add_argument("--samples-scale", type=float, default=1.0, help="multiply the sample counts")
+    p.add_argument("--no-per-op", action="store_true", help="skip the per-op table (op_cost)")
+    p.add_argument("--per-op-n", type=int, default=None, help="calls per per-op sample (200)")
+    p.add_argument("--per-op-rounds", type=int, default=None, help="per-op samples (9)")
     args = p.parse_args()
     b = setup(args)
     counts = SMOKE if args.smoke else FULL
@@ -225,9 +235,16 @@ def main() -> int:
     bars = [Bar("async_on chain per op at N=100 vs raw async loop",
                 None if row100 is None else row100["ratio"], "<=", 1.3, "x")]
     print_bars(bars, b)
+    per_op: list[dict[str, Any]] = []
+    if not args.no_per_op:
+        print()
+        per_op, op_bars, skipped = per_op_table(
+            b, args.per_op_n or (5 if b.smoke else 200), args.per_op_rounds or (2 if b.smoke else 9))
+        bars += op_bars
+        notes += [f"per-op skipped: {s}" for s in skipped]
     write_json(args.json, "overhead", b,
                {"size": SIZE, "dtype": "float32", "a": A, "counts": counts, "samples_scale": args.samples_scale},
-               rows, bars, {"notes": notes})
+               rows, bars, {"notes": notes, "per_op": per_op})
     return 0
 
 
