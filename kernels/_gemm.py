@@ -302,13 +302,19 @@ def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
 _SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65}
 _SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
 _SPLIT_FIXED_US = 1.0  # extra launch + partial round trip of split-K
+# No split-K from this many rows (per batch) up: measured on H100 (2026-11-23,
+# tools/gemm_sweep_gpu.py), one slice beat every split at M = 128..512 of the SmolLM2 and
+# 8B prefill shapes (128x768x768 bf16 6.50 vs 7.63 us, 128x4096x4096 16.0 vs 24.7 us,
+# 512x576x1536 8.40 vs 10.07 us): the partial round trip costs more than the model says.
+_SPLIT_MAX_ROWS = 128
 
 
 def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int, int]:
     """Pick (config, splits, k-tiles per split) minimising a simple time model.
 
     time = waves * k-tiles per split * tile cost / efficiency
-           + (split-K only) fixed cost + float32 partial traffic at ~3 TB/s.
+           + (split-K only) fixed cost + float32 partial traffic at ~3 TB/s;
+    split-K is considered only below ``_SPLIT_MAX_ROWS`` rows.
     """
     kt = _cdiv(k, 64)
     best: tuple[float, str, int, int] | None = None
@@ -319,7 +325,7 @@ def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int,
         tiles = batch * _cdiv(m, bm) * _cdiv(n, bn)
         tile_us = 2.0 * bm * bn * 64 / (_SM90_EFF[name] * _SM_FLOPS_PER_US)
         for s in (1, 2, 3, 4, 6, 8, 12, 16):
-            if s > 1 and kt // s < 2:
+            if s > 1 and (kt // s < 2 or m >= _SPLIT_MAX_ROWS):
                 break
             kps = _cdiv(kt, s)
             s_eff = _cdiv(kt, kps)
