@@ -302,12 +302,13 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
         snap = np.array(host, dtype=dt, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray makes them 1-d)
         t = allocate(ctx.stream, snap.shape, dt, "from_host")
         a = t.array
+        upload = ctx.stream.backend.upload
 
         def cpu() -> None:
             a[...] = snap
 
         def cuda(s: Any) -> None:
-            a.set(snap, stream=s)
+            upload(a, snap, s)
 
         launch(ctx, "from_host", (), (t,), cpu, cuda)
         return t
