@@ -54,121 +54,40 @@ methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
 
 Rows are independent: a row's tokens do not depend on what the other rows hold (up to
 the floating-point differences of different GEMM shapes on the GPU).
+
+Layout: this module holds the model's state and its public methods; the work is done by
+functions of the model in :mod:`._forward` (arena, layer chain, head), :mod:`._weights`
+(weight binding), :mod:`._prefill` (eager and graphed prompt chunks) and :mod:`._decode`
+(the decode step, bucket graphs, ``capture_graphs``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 
 import deviceops
-import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor, api
 
+from . import _decode, _prefill
+from ._forward import Arena, Thunk, buckets, chain
+from ._weights import bind_weights
 from .config import LlamaConfig
 from .kv_cache import BlockAllocator, KVCache
-from .layers import AttentionBuffers, Embedding, Linear, RMSNorm, RotaryAttention, SwiGLU
 from .tokenizer import ChatTemplate
 
-__all__ = ["CausalLM", "KVCacheFull"]
+__all__ = ["CausalLM", "KVCacheFull", "buckets", "chain", "check_sampling"]
 
 
 class KVCacheFull(RuntimeError):
     """The KV block pool has too few free blocks for what a row must write."""
 
+
 _DTYPES = ("float32", "float16", "bfloat16")
-
-
-def chain(thunks: Sequence[Callable[[], DeviceOp[Any]]]) -> DeviceOp[Any]:
-    """One lazy op running the ops the thunks build, in order, on one stream."""
-    op = thunks[0]()
-    for th in thunks[1:]:
-        op = op.then(_after(th))
-    return op
-
-
-def _after(th: Callable[[], DeviceOp[Any]]) -> Callable[[Any], DeviceOp[Any]]:
-    return lambda _: th()
-
-
-def buckets(max_batch: int) -> list[int]:
-    """Decode batch-size buckets: powers of two below ``max_batch``, then ``max_batch``."""
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return [*out, max_batch]
-
-
-@dataclass
-class _Layer:
-    norm1: RMSNorm
-    attn: RotaryAttention
-    norm2: RMSNorm
-    mlp: SwiGLU
-
-
-class _Arena:
-    """Flat activation buffers for ``rows`` token rows, viewed per call shape."""
-
-    def __init__(self, stream: deviceops.Stream, cfg: LlamaConfig, rows: int, dtype: str) -> None:
-        h, f = cfg.hidden_size, cfg.intermediate_size
-
-        def buf(n: int) -> Tensor:
-            return api.zeros((n,), dtype).sync_on(stream)
-
-        self.rows = rows
-        self.cfg = cfg
-        self._memo: dict[tuple[int, int], dict[str, Any]] = {}
-        self.resid = buf(rows * h)
-        self.normed = buf(rows * h)
-        self.qkv = buf(rows * cfg.qkv_size)
-        self.q = buf(rows * cfg.q_size)
-        self.att = buf(rows * cfg.q_size)
-        self.merged = buf(rows * cfg.q_size)
-        self.o = buf(rows * h)
-        self.gu = buf(rows * 2 * f)
-        self.act = buf(rows * f)
-        self.down = buf(rows * h)
-        self.k_fresh = buf(rows * cfg.kv_size)  # a prefill chunk's own keys and values
-        self.v_fresh = buf(rows * cfg.kv_size)
-
-    @staticmethod
-    def view(t: Tensor, *shape: int) -> Tensor:
-        return t[: math.prod(shape)].reshape(shape)
-
-    def views(self, b: int, length: int) -> dict[str, Any]:
-        """Views for ``b`` rows of ``length`` tokens (``b * length <= rows``), memoized."""
-        key = (b, length)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._views(b, length)
-        return got
-
-    def _views(self, b: int, length: int) -> dict[str, Any]:
-        c, n = self.cfg, b * length
-        v = self.view
-        att = v(self.att, b, c.num_heads, length, c.head_dim)
-        merged2 = att.reshape(n, c.q_size) if length == 1 else v(self.merged, n, c.q_size)
-        return {
-            "resid": v(self.resid, n, c.hidden_size),
-            "normed": v(self.normed, n, c.hidden_size),
-            "o": v(self.o, n, c.hidden_size),
-            "gu": v(self.gu, n, 2 * c.intermediate_size),
-            "act": v(self.act, n, c.intermediate_size),
-            "down": v(self.down, n, c.hidden_size),
-            "fresh": (v(self.k_fresh, b, c.num_kv_heads, length, c.head_dim),
-                      v(self.v_fresh, b, c.num_kv_heads, length, c.head_dim)),
-            "attn": AttentionBuffers(
-                qkv2=v(self.qkv, n, c.qkv_size), qkv3=v(self.qkv, b, length, c.qkv_size),
-                q=v(self.q, b, c.num_heads, length, c.head_dim), att=att,
-                merged3=v(self.merged, b, length, c.q_size), merged2=merged2),
-        }
 
 
 def _resolve_device(device: Any) -> deviceops.Device:
@@ -246,7 +165,9 @@ class CausalLM:
             bos = self._token_text(config.bos_token_id)
             eos = self._token_text(config.eos_token_id)
             self._template = ChatTemplate(chat_template, bos_token=bos, eos_token=eos)
-        self._upload(weights)
+        wts = bind_weights(config, weights, self.device_stream, dtype)
+        self.embed, self.lm_head, self.norm, self.layers = wts.embed, wts.lm_head, wts.norm, wts.layers
+        self._weights = wts
         s = self.device_stream
         self.block_size = kv_block_size
         self.max_blocks = mb
@@ -257,7 +178,7 @@ class CausalLM:
         self.blocks = BlockAllocator(kv_blocks, kv_block_size, reserved=1)
         self._table = api.zeros((max_batch, mb), "int32").sync_on(s)  # 0: the null block
         self._row_blocks: list[list[int]] = [[] for _ in range(max_batch)]
-        self._arena = _Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
+        self._arena = Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
         self._logits = api.zeros((max(max_batch, 1), config.vocab_size), dtype).sync_on(s)
         # per-row decode state, device: (4, max_batch) int32 rows start, kv_len, inc, token
         n = max_batch
@@ -293,43 +214,14 @@ class CausalLM:
         self._cont = np.zeros((n,), bool)  # row continues from the last decode step
         self._dirty = True
         self._graphs: dict[int, Any] = {}
-        self._step_thunks: dict[int, list[Callable[[], DeviceOp[Any]]]] = {}
+        self._step_thunks: dict[int, list[Thunk]] = {}
         self._busy = False  # a generate/stream is running (see generation)
         self._bucket_list = buckets(max_batch)
-
-    # -- weights -----------------------------------------------------------------------------
-    def _upload(self, w: dict[str, np.ndarray]) -> None:
-        cfg, s, dt = self.config, self.device_stream, self.dtype
-
-        def up(a: np.ndarray) -> Tensor:
-            return api.from_host(np.ascontiguousarray(a, dtype=np.float32), dt).sync_on(s)
-
-        eps = cfg.rms_norm_eps
-        self.embed = Embedding(up(w["model.embed_tokens.weight"]))
-        self.lm_head = Linear(self.embed.table if cfg.tie_word_embeddings else up(w["lm_head.weight"]))
-        self.norm = RMSNorm(up(w["model.norm.weight"]), eps)
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            qkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                                  w[p + "self_attn.v_proj.weight"]], axis=0)
-            gu = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
-            attn = RotaryAttention(Linear(up(qkv)), Linear(up(w[p + "self_attn.o_proj.weight"])),
-                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta)
-            mlp = SwiGLU(Linear(up(gu)), Linear(up(w[p + "mlp.down_proj.weight"])))
-            self.layers.append(_Layer(RMSNorm(up(w[p + "input_layernorm.weight"]), eps), attn,
-                                      RMSNorm(up(w[p + "post_attention_layernorm.weight"]), eps), mlp))
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the device weights (a decode step reads each once)."""
-        ts = [self.embed.table, self.norm.weight]
-        for ly in self.layers:
-            ts += [ly.norm1.weight, ly.attn.qkv.weight, ly.attn.o.weight, ly.norm2.weight,
-                   ly.mlp.gate_up.weight, ly.mlp.down.weight]
-        if self.lm_head.weight is not self.embed.table:
-            ts.append(self.lm_head.weight)
-        return sum(t.nbytes for t in ts)
+        return self._weights.nbytes
 
     # -- tokenizer ---------------------------------------------------------------------------
     def _token_text(self, tid: int | None) -> str:
@@ -362,30 +254,6 @@ class CausalLM:
             raise ValueError("apply_chat_template: this checkpoint has no chat template")
         return self._template.render(messages, add_generation_prompt=True)
 
-    # -- forward chains ----------------------------------------------------------------------
-    def _layers_chain(self, vw: dict[str, Any], table: Tensor, start: Tensor, kv_len: Tensor,
-                      first: bool = False) -> list[Callable[[], DeviceOp[Any]]]:
-        """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``);
-        ``table``: the rows' block-table rows ``(B, max_blocks)``; ``first``: a prompt chunk
-        at position 0 (attention over its own contiguous keys, see ``RotaryAttention.ops``)."""
-        resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
-        th: list[Callable[[], DeviceOp[Any]]] = []
-        for i, ly in enumerate(self.layers):
-            if i == 0:
-                th.append(_norm_thunk(ly.norm1, None, resid, normed))
-            else:
-                th.append(_norm_thunk(ly.norm1, down, resid, normed))
-            kc, vc = self.cache.layer(i)
-            th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o, block_table=table,
-                              fresh_kv=vw["fresh"] if first else None)
-            th.append(_norm_thunk(ly.norm2, o, resid, normed))
-            th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
-        return th
-
-    def _head(self, down: Tensor, resid: Tensor, normed: Tensor, logits: Tensor) -> list[Callable[[], DeviceOp[Any]]]:
-        return [lambda: self.norm.add_norm(down, resid, normed),
-                lambda: self.lm_head(normed, logits)]
-
     def _check_ids(self, ids: Any, what: str) -> list[int]:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()
@@ -404,70 +272,6 @@ class CausalLM:
             raise ValueError(f"{what}: slot {slot!r} is not a cache row in [0, {self.max_batch})")
         return int(slot)
 
-    def _prefill_chunk_op(self, slot: int, ids: list[int], start: int,
-                          tail: list[Callable[[], DeviceOp[Any]]], all_logits: Tensor | None) -> DeviceOp[Any]:
-        """One prompt chunk: KV of ``ids`` at ``start ..`` of ``slot``, then ``tail``."""
-        t = len(ids)
-        vw = self._arena.views(1, t)
-        pos = np.array([start, start + t, t - 1], np.int32)
-        ids_a = np.asarray(ids, np.int32)
-        st, kl = self._pf_pos[0:1], self._pf_pos[1:2]
-        th: list[Callable[[], DeviceOp[Any]]] = [
-            lambda: api.memcpy(self._pf_pos, api.from_host(pos)),
-            lambda: self.embed(api.from_host(ids_a), vw["resid"]),
-        ]
-        th += self._layers_chain(vw, self._table[slot:slot + 1], st, kl,
-                                 first=start == 0 and self.contiguous_first_chunk)
-        if all_logits is not None:  # every row's logits (CausalLM.logits)
-            th += self._head(vw["down"], vw["resid"], vw["normed"], all_logits[start:start + t])
-        else:
-            last = slice(t - 1, t)
-            th += self._head(vw["down"][last], vw["resid"][last], vw["normed"][last], self._logits[0:1])
-        return chain([*th, *tail])
-
-    def _prefill_sample(self, slot: int) -> list[Callable[[], DeviceOp[Any]]]:
-        """Thunks sampling row ``slot``'s next token from the prefill logits (counter restored)."""
-        r = slice(slot, slot + 1)
-        cnt = np.array([self._h_counter[slot]], np.int64)
-        return [lambda: api.memcpy(self._counter[r], api.from_host(cnt)),
-                lambda: kernels.sample(self._logits[0:1], self._temperature[r], self._top_k[r],
-                                       self._top_p[r], self._seed[r], self._counter[r],
-                                       out=self._tokens[r])]
-
-    def _run_eager(self, b: int) -> None:
-        """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
-        as :meth:`_step_op`, each enqueued on :attr:`device_stream` as it is built."""
-        s = self.device_stream
-        for make in self._step_ops(b):
-            make().async_on(s)
-
-    def _step_op(self, b: int) -> DeviceOp[Any]:
-        """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
-        return chain(self._step_ops(b))
-
-    def _step_ops(self, b: int) -> list[Callable[[], DeviceOp[Any]]]:
-        """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket)."""
-        th = self._step_thunks.get(b)
-        if th is None:
-            th = self._step_thunks[b] = self._build_step(b)
-        return th
-
-    def _build_step(self, b: int) -> list[Callable[[], DeviceOp[Any]]]:
-        vw = self._arena.views(b, 1)
-        st, kl, inc, tok = self._start[:b], self._kv_len[:b], self._inc[:b], self._tokens[:b]
-        logits = self._logits[:b]
-        temp, top_k, top_p = self._temperature[:b], self._top_k[:b], self._top_p[:b]
-        seed, counter = self._seed[:b], self._counter[:b]
-        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(tok, vw["resid"])]
-        th += self._layers_chain(vw, self._table[:b], st, kl)
-        th += self._head(vw["down"], vw["resid"], vw["normed"], logits)
-        th += [
-            lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok),
-            lambda: kernels.add(st, inc, out=st),
-            lambda: kernels.add(kl, inc, out=kl),
-        ]
-        return th
-
     # -- public forward ----------------------------------------------------------------------
     def logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
         """Prefill logits of ``ids``: a lazy op producing a fresh ``(len(ids), vocab)`` tensor.
@@ -484,7 +288,7 @@ class CausalLM:
 
         def body(out: Tensor) -> DeviceOp[Any]:
             parts = [(a, ids_l[a:a + ch]) for a in range(0, n, ch)]
-            thunks = [_bind_chunk(self, slot, p, a, out) for a, p in parts]
+            thunks = [_prefill.bind_chunk(self, slot, p, a, out) for a, p in parts]
             return chain(thunks).map(lambda _: out)
 
         return api.empty((n, self.config.vocab_size), self.dtype).then(body)
@@ -564,95 +368,13 @@ class CausalLM:
             ValueError: bad slot or ids, or ``start + len(ids) > max_seq``.
             KVCacheFull: the pool has too few free blocks (nothing enqueued).
         """
-        slot = self._check_slot(slot, "prefill")
-        ids_l = self._check_ids(list(ids), "prefill")
-        if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
-            raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
-                             f"max_seq={self.max_seq} (start must be an int >= 0)")
-        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
-        ch = self.prefill_chunk
-        self._grow(slot, start + len(ids_l), "prefill")
-        self._cont[slot] = False
-        s = self.device_stream
-        for a in range(0, len(ids_l), ch):
-            part = ids_l[a:a + ch]
-            last = a + ch >= len(ids_l)
-            draw = last and sample
-            if draw:
-                self._h_state[3, slot] = -1  # the device holds a token the host has not seen
-            if use_graph and self._prefill_graphed(slot, part, start + a, draw):
-                continue
-            tail = self._prefill_sample(slot) if draw else []
-            if draw:
-                self._h_counter[slot] += 1
-            self._prefill_chunk_op(slot, part, start + a, tail, None).async_on(s)
-        return self._tokens[slot:slot + 1] if sample else None
-
-    def _pad_len(self, t: int) -> int:
-        p = 16
-        while p < t:
-            p *= 2
-        return min(p, self.prefill_chunk)
-
-    def _prefill_graphed(self, slot: int, part: list[int], start: int, draw: bool) -> bool:
-        """Run one chunk through its padded length's graph; False: use the eager path."""
-        t = len(part)
-        tp = self._pad_len(t)
-        key = (tp, start == 0 and self.contiguous_first_chunk)
-        g = self._pf_graphs.get(key, False)
-        if start + tp > self._idle or g is None:
-            return False
-        s, c, mb = self.device_stream, self.prefill_chunk, self.max_blocks
-        i32 = np.zeros(c + 4 + mb, np.int32)
-        i32[:t] = part
-        temp, top_k, top_p, seed = self._h_sampling[slot]
-        i32[c:c + 4] = (start, start + tp, t - 1, top_k)
-        i32[c + 4:] = self._table_row(slot)
-        api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
-        api.memcpy(self._pf_f32, api.from_host(np.array([temp, top_p], np.float32))).async_on(s)
-        api.memcpy(self._pf_i64, api.from_host(np.array([seed, self._h_counter[slot]],
-                                                        np.int64))).async_on(s)
-        if draw:
-            self._h_counter[slot] += 1
-        self._h_state[3, slot] = -1  # the graph samples into the row's token either way
-        if g is False:
-            self._prefill_graph_op(*key).sync_on(s)  # this chunk, eagerly; then capture
-            try:
-                self._pf_graphs[key] = self._prefill_graph_op(*key).graph_on(s)
-            except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates)
-                self._pf_graphs[key] = None
-        else:
-            g.launch()
-        r = slice(slot, slot + 1)
-        api.memcpy(self._tokens[r], self._pf_tok).async_on(s)
-        return True
+        return _prefill.prefill(self, slot, ids, start, sample, graph)
 
     def _table_row(self, slot: int) -> np.ndarray:
         row = np.zeros(self.max_blocks, np.int32)
         held = self._row_blocks[slot]
         row[:len(held)] = held
         return row
-
-    def _prefill_graph_op(self, tp: int, first: bool) -> DeviceOp[Any]:
-        """A padded prompt chunk of ``tp`` tokens of any row, from device buffers (the op a
-        graph captures): ``_pf_i32`` = ids, (start, start + tp, last real row, top_k), the
-        row's block-table row; ``_pf_f32`` = (temperature, top_p); ``_pf_i64`` = (seed,
-        counter). The token goes to ``_pf_tok``. ``first``: the chunk starts at position 0
-        (attention over its own contiguous keys; the keys still go to the row's blocks)."""
-        vw = self._arena.views(1, tp)
-        c, mb, b32 = self.prefill_chunk, self.max_blocks, self._pf_i32
-        st, kl, last, top_k = b32[c:c + 1], b32[c + 1:c + 2], b32[c + 2:c + 3], b32[c + 3:c + 4]
-        table = b32[c + 4:c + 4 + mb].reshape((1, mb))
-        temp, top_p = self._pf_f32[0:1], self._pf_f32[1:2]
-        seed, counter = self._pf_i64[0:1], self._pf_i64[1:2]
-        th: list[Callable[[], DeviceOp[Any]]] = [lambda: self.embed(b32[:tp], vw["resid"])]
-        th += self._layers_chain(vw, table, st, kl, first)
-        th += [lambda: self.norm.add_norm(vw["down"], vw["resid"], vw["normed"]),
-               lambda: kernels.embedding(last, vw["normed"], out=self._pf_row),  # the last real row
-               lambda: self.lm_head(self._pf_row, self._logits[0:1]),
-               lambda: kernels.sample(self._logits[0:1], temp, top_k, top_p, seed, counter,
-                                      out=self._pf_tok)]
-        return chain(th)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
                     graph: bool | None = None) -> Tensor:
@@ -671,68 +393,7 @@ class CausalLM:
             ValueError: bad slots, tokens or positions (before anything is enqueued).
             KVCacheFull: a row needs a block and the pool has none free.
         """
-        n = len(slots)
-        if n == 0 or len(tokens) != n or len(positions) != n:
-            raise ValueError(f"decode_step: slots ({len(slots)}), tokens ({len(tokens)}) and positions "
-                             f"({len(positions)}) must be non-empty and of equal length")
-        sl = [self._check_slot(x, "decode_step") for x in slots]
-        if len(set(sl)) != n:
-            raise ValueError(f"decode_step: slots {sl} repeat a row")
-        toks = self._check_ids(list(tokens), "decode_step")
-        for p in positions:
-            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p < self.max_seq:
-                raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq={self.max_seq})")
-        bs, rb = self.block_size, self._row_blocks
-        for x, p in zip(sl, positions, strict=True):
-            if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
-                self._grow(x, int(p) + 1, "decode_step")
-        b = next(x for x in self._bucket_list if x > max(sl))
-        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
-        if use_graph and b not in self._graphs:
-            self._capture(b)
-        want = self._h_state.copy()
-        active = np.zeros(self.max_batch, bool)
-        fresh = False  # a row that does not continue from the last step (its state must go up)
-        for x, t, p in zip(sl, toks, positions, strict=True):
-            active[x] = True
-            if not (self._cont[x] and want[0, x] == p and want[2, x] == 1):
-                fresh = True
-            want[:, x] = (p, p + 1, 1, t)  # a continuing row's token is the one already there
-        idle = ~active[:b]
-        want[2, :b][idle] = 0
-        want[0, :b][idle & (want[0, :b] < self._idle)] = self._idle
-        want[1, :b][idle] = 1
-        changed = self._dirty or fresh or not np.array_equal(want[:3, :b], self._h_state[:3, :b])
-        s = self.device_stream
-        if changed:
-            want[3, sl] = toks  # continuing rows too: the shadow holds their previous input
-            want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
-            api.memcpy(self._state, api.from_host(want)).async_on(s)
-            api.memcpy(self._counter, api.from_host(self._h_counter)).async_on(s)
-            self._dirty = False
-        if use_graph:
-            self._graphs[b].launch()
-        else:
-            self._run_eager(b)
-        # advance the shadow: active rows moved one position and drew one number
-        want[0, sl] += 1
-        want[1, sl] += 1
-        self._h_counter[sl] += 1
-        self._h_state = want
-        self._cont[:] = False
-        self._cont[sl] = True
-        return self._tokens[:b]
-
-    def _capture(self, b: int) -> None:
-        """Warm the bucket up eagerly (all rows idle: no KV written) and capture its graph."""
-        s = self.device_stream
-        idle = self._h_state.copy()
-        idle[0, :b], idle[1, :b], idle[2, :b] = self._idle, 1, 0
-        idle[3, :b][idle[3, :b] < 0] = 0
-        api.memcpy(self._state, api.from_host(idle)).async_on(s)
-        self._step_op(b).sync_on(s)
-        self._graphs[b] = self._step_op(b).graph_on(s)
-        self._dirty = True  # the warm-up advanced the idle rows' counters
+        return _decode.decode_step(self, slots, tokens, positions, graph)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's graph and every padded prefill length's graph now.
@@ -743,45 +404,7 @@ class CausalLM:
         CUDA only). The warm-up runs write only the null block (prefill) or nothing
         (decode, all rows idle). Returns the number of graphs captured now.
         """
-        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
-        if not use_graph:
-            return 0
-        s, c = self.device_stream, self.prefill_chunk
-        lengths, tp = [], 16
-        while True:
-            lengths.append(min(tp, c))
-            if tp >= c:
-                break
-            tp *= 2
-        # eager runs of the largest shapes first: the stream's kernel workspace reaches its
-        # final size before any capture, so every graph shares one workspace
-        idle = self._h_state.copy()
-        idle[0], idle[1], idle[2] = self._idle, 1, 0
-        idle[3][idle[3] < 0] = 0
-        api.memcpy(self._state, api.from_host(idle)).async_on(s)
-        self._step_op(self.max_batch).sync_on(s)
-        self._dirty = True
-        i32 = np.zeros(c + 4 + self.max_blocks, np.int32)  # table row: the null block
-        kinds = (True, False) if self.contiguous_first_chunk else (False,)
-        keys = [(tp, first) for tp in lengths for first in kinds]
-        for key in reversed(keys):
-            i32[c:c + 3] = (0, key[0], key[0] - 1)
-            api.memcpy(self._pf_i32, api.from_host(i32)).async_on(s)
-            self._prefill_graph_op(*key).sync_on(s)
-        n = 0
-        for b in self._bucket_list:
-            if b not in self._graphs:
-                self._capture(b)
-                n += 1
-        for key in keys:
-            if key not in self._pf_graphs:
-                try:
-                    self._pf_graphs[key] = self._prefill_graph_op(*key).graph_on(s)
-                    n += 1
-                except deviceops.DeviceError:
-                    self._pf_graphs[key] = None
-        s.synchronize()
-        return n
+        return _decode.capture_graphs(self, graph)
 
     def release(self, slot: int) -> None:
         """Forget row ``slot``: it is idle (writes nothing) from the next decode on, and its
@@ -823,16 +446,6 @@ class CausalLM:
         c = self.config
         return (f"CausalLM({c.name!r}, {c.num_layers} layers, hidden {c.hidden_size}, "
                 f"{self.dtype}, {self.device}, max_batch {self.max_batch}, max_seq {self.max_seq})")
-
-
-def _norm_thunk(norm: RMSNorm, x: Tensor | None, resid: Tensor, out: Tensor) -> Callable[[], DeviceOp[Any]]:
-    if x is None:
-        return lambda: norm(resid, out)
-    return lambda: norm.add_norm(x, resid, out)
-
-
-def _bind_chunk(m: CausalLM, slot: int, part: list[int], a: int, out: Tensor) -> Callable[[], DeviceOp[Any]]:
-    return lambda: m._prefill_chunk_op(slot, part, a, [], out)
 
 
 def check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> tuple[float, int, float, int]:
