@@ -1,0 +1,24 @@
+// PTX helpers shared by every deviceops kernel family (attn_common.cuh, gemm_common.cuh):
+// shared-memory addresses and cp.async (sm_80+). Inline PTX, no CUDA headers;
+// kernels/_module.py inlines `#include "x.cuh"` (each header once).
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte global->shared async copy; pred false (src_bytes 0) zero-fills the destination.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
+  int sz = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
