@@ -279,8 +279,14 @@ class CudaBackend(Backend):
         try:
             if prev != index:
                 rt.setDevice(index)
+            # the pool's block for this stream (CuPy's pool keys free blocks by the current
+            # stream), then the array over it: cupy.empty's work without its argument parsing
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
             with stream.native:
-                return cupy.empty(shape, dtype)
+                mem = cupy.cuda.memory.alloc(n)
+            return cupy.ndarray(shape, dtype, mem)
         except cupy.cuda.memory.OutOfMemoryError as exc:
             try:
                 free: int | None = int(rt.memGetInfo()[0])

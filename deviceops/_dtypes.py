@@ -33,6 +33,9 @@ def normalize_dtype(dtype: Any, *, op: str = "deviceops") -> np.dtype[Any]:
     Raises:
         DTypeError: the dtype is not one deviceops supports.
     """
+    for d in SUPPORTED:  # the common case, a supported dtype object: identity, no hashing
+        if dtype is d:
+            return d
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
     try:

@@ -69,8 +69,12 @@ class Storage:
         return out
 
     def __del__(self) -> None:
-        if self.alloc_stream is None:
+        s = self.alloc_stream
+        if s is None:
             return
+        reads, w = self.reads, self.write
+        if (w is None or w[0] is s) and (not reads or (len(reads) == 1 and s in reads)):
+            return  # no use by another stream: the memory goes back at once
         try:
             uses = self.pending()
         except Exception:
