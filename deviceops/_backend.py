@@ -61,6 +61,9 @@ class Backend(ABC):
     kind: str
     is_cpu: bool
     spin_before_park: bool
+    #: whether freed small allocations may be kept per stream and handed out again
+    #: (only where nothing else, such as a queued host task, may hold the array)
+    spare_arrays: bool = False
     stream_class: type[Stream]
     event_class: type[Event]
 

@@ -244,6 +244,7 @@ class CudaBackend(Backend):
     kind = "cuda"
     is_cpu = False
     spin_before_park = True
+    spare_arrays = True
     stream_class = CudaStream
     event_class = CudaEvent
 

@@ -125,6 +125,9 @@ class Stream(ABC):
         # parked tensor resurrects the Python object.
         self._last_event_ref: weakref.ref[Event] | None = None
         self.capture: CaptureState | None = None
+        # (shape, id(dtype)) -> small arrays this stream allocated and nobody references
+        # any more, handed to the next allocation of that shape here (deviceops._tensor)
+        self.spare: dict[tuple[tuple[int, ...], int], list[Any]] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} #{self.id} on {self.device}>"

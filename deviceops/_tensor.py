@@ -22,6 +22,7 @@ immediately.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +43,16 @@ __all__ = ["Partition", "Storage", "Tensor"]
 class Storage:
     """The memory behind one or more tensor views, and its hazard record."""
 
-    __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "write")
+    __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "spare_key",
+                 "write")
 
     def __init__(self, base: Any, device: Device, alloc_stream: Stream | None) -> None:
         self.base = base
         self.device = device
         self.alloc_stream = alloc_stream
+        # set by allocate(): the key under which the array may be kept for reuse on
+        # alloc_stream when this storage dies unreferenced (see _spare)
+        self.spare_key: tuple[tuple[int, ...], int] | None = None
         self.write: tuple[Stream, int] | None = None
         self.reads: dict[Stream, int] = {}
         # [(op name, error)] of the device work that last wrote this memory and
@@ -74,7 +79,10 @@ class Storage:
             return
         reads, w = self.reads, self.write
         if (w is None or w[0] is s) and (not reads or (len(reads) == 1 and s in reads)):
-            return  # no use by another stream: the memory goes back at once
+            # no use by another stream: the memory goes back at once
+            if self.spare_key is not None:
+                _spare(s, self.spare_key, self.base)
+            return
         try:
             uses = self.pending()
         except Exception:
@@ -85,6 +93,33 @@ class Storage:
 
 # (array kept alive, [(stream, seq) that must complete first])
 _parked: list[tuple[Any, list[tuple[Stream, int]]]] = []
+
+# Spare arrays (backends with ``spare_arrays``): a small array whose storage dies with no
+# use by another stream, and which nothing else references (no view, no exported handle,
+# no MemoryPointer: reference counts), is kept on its stream and handed to the next
+# allocation of the same shape and dtype there. Work on one stream is ordered, so reuse
+# needs no wait (as for the memory pool's per-stream free lists); it saves the pool round
+# trip and the array construction. Bounded per stream.
+SPARE_MAX_BYTES = 256 * 1024
+_SPARE_PER_KEY = 4
+_SPARE_KEYS = 32
+_refcount = sys.getrefcount
+
+
+def _spare(stream: Stream, key: tuple[tuple[int, ...], int], base: Any) -> None:
+    try:
+        # the storage's attribute, this argument and getrefcount's own: nothing else
+        if _refcount(base) != 3 or _refcount(base.data) != 2:
+            return
+        spare = stream.spare
+        got = spare.get(key)
+        if got is None:
+            if len(spare) < _SPARE_KEYS:
+                spare[key] = [base]
+        elif len(got) < _SPARE_PER_KEY:
+            got.append(base)
+    except Exception:  # interpreter shutdown, an array without .data: just free it
+        pass
 
 
 def sweep() -> None:
@@ -486,9 +521,34 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
         )
     sweep()
     dt = normalize_dtype(dtype, op=op)
-    arr = stream.backend.empty(stream, shape, dt, op)  # OutOfMemoryError / DriverError
     dev = stream.device
-    return Tensor(arr, dev, _storage=Storage(arr, dev, stream))
+    key = None
+    if stream.backend.spare_arrays and type(shape) is tuple:
+        key = (shape, id(dt))
+        got = stream.spare.get(key)
+        if got:
+            arr = got.pop()
+            st = Storage(arr, dev, stream)
+            st.spare_key = key
+            return Tensor(arr, dev, _storage=st)
+    arr = _empty(stream, shape, dt, op)
+    st = Storage(arr, dev, stream)
+    if key is not None and arr.nbytes <= SPARE_MAX_BYTES:
+        st.spare_key = key
+    return Tensor(arr, dev, _storage=st)
+
+
+def _empty(stream: Stream, shape: tuple[int, ...], dt: np.dtype[Any], op: str) -> Any:
+    """``backend.empty``; on out-of-memory, once more after dropping the stream's spares."""
+    from ._errors import OutOfMemoryError
+
+    try:
+        return stream.backend.empty(stream, shape, dt, op)
+    except OutOfMemoryError:
+        if not stream.spare:
+            raise
+        stream.spare.clear()
+        return stream.backend.empty(stream, shape, dt, op)
 
 
 def output_failure(out: Any) -> tuple[str, BaseException] | None:
