@@ -16,7 +16,9 @@ enqueues its device work through :func:`launch` (or, for pre-recorded driver cal
 | :func:`launch`                         | hazards + enqueue of one unit of device work        |
 | :func:`ordered`                        | hazards + a driver call made by the caller          |
 | :func:`set_launch_recorder`            | observe the storages each :func:`launch` touches    |
-| :func:`tracing`                        | whether a :func:`deviceops.trace` is recording      |
+| :func:`tracing`, ``trace_state``       | whether a :func:`deviceops.trace` is recording      |
+|                                        | (``trace_state.current is not None``: one read)     |
+| ``FRESH``                              | the state of a DeviceOp made without ``__init__``   |
 | :class:`Stream`                        | the stream interface (``native``, ``capture``, ...) |
 | dtypes: ``FLOATING``, ``normalize_dtype``, ``is_floating``, the dtype constants | |
 | errors: ``ShapeError``, ``DTypeError``, ``DeviceError``, ``DriverError``, ``CaptureError``, ``LaunchError`` | |
@@ -27,6 +29,7 @@ Everything here is stable for kernel authors; the modules it comes from are priv
 from __future__ import annotations
 
 from . import _trace
+from . import _trace as trace_state
 from ._context import ExecutionContext, enqueue_lock
 from ._dtypes import (
     FLOATING,
@@ -40,6 +43,7 @@ from ._dtypes import (
 )
 from ._errors import CaptureError, DeviceError, DriverError, DTypeError, LaunchError, ShapeError
 from ._launch import launch, ordered, set_launch_recorder
+from ._op import _FRESH as FRESH
 from ._op import DeviceOp
 from ._op import _drive as drive
 from ._stream import Stream
@@ -55,6 +59,7 @@ from ._tensor import (
 
 __all__ = [
     "FLOATING",
+    "FRESH",
     "CaptureError",
     "DTypeError",
     "DeviceError",
@@ -83,6 +88,7 @@ __all__ = [
     "normalize_dtype",
     "ordered",
     "set_launch_recorder",
+    "trace_state",
     "tracing",
 ]
 

@@ -28,11 +28,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from deviceops.extend import DeviceOp, ExecutionContext, Tensor, allocate, check_device, tracing
+from deviceops.extend import (
+    FRESH,
+    DeviceOp,
+    ExecutionContext,
+    Tensor,
+    allocate,
+    check_device,
+    trace_state,
+)
 
 from . import _experiment, _plan, _replay
 from ._builder import OPTIONAL_ARGS, Body, _general_op, _outputs, plain_args
 from ._launch import KernelOp
+from ._plan import _cache as _plans
+from ._plan import _counts as _plan_counts
 from ._replay import Record, record, recording
 
 __all__ = ["KernelSpec", "Plan"]
@@ -114,12 +124,21 @@ class KernelSpec:
                 return self._general(vals, statics, name)
         k = tuple(key)
         try:
-            plan = _plan.lookup(k)
+            plan = _plans.get(k)
         except TypeError:  # an unhashable static: no caching
             return _PlannedOp.make(self._new_plan(vals, statics, name), vals)
         if plan is None:
+            _plan_counts[1] += 1
             plan = _plan.store(k, self._new_plan(vals, statics, name))
-        return _PlannedOp.make(plan, vals)
+        else:
+            _plan_counts[0] += 1
+        op = _new_op(_PlannedOp)
+        op._state = FRESH
+        op._ran_on = 0
+        op._name = plan.name
+        op._args = vals
+        op._plan = plan
+        return op
 
     def parts_for(self, statics: tuple[Any, ...]) -> tuple[Callable[[Any], Any], Body]:
         """``parts(*statics)``, made once per statics tuple (bounded)."""
@@ -189,8 +208,8 @@ class Plan:
         if self.defaults or self.missing:
             args = self._complete(stream, args)
         reps = self.replays
-        if (reps is not None and stream.capture is None and _replay.enabled
-                and _experiment.ACTIVE is _experiment.DEFAULT and not tracing()):
+        if (reps is not None and stream.capture is None and trace_state.current is None
+                and _replay.enabled and _experiment.ACTIVE is _experiment.DEFAULT):
             native = stream.native.ptr
             pk = [stream.id]
             for a in args:
@@ -235,9 +254,7 @@ class _PlannedOp(KernelOp):
         op = cls.__new__(cls)
         DeviceOp.__init__(op)
         op._name = plan.name
-        op._run = _unused
         op._args = vals
-        op._dpos = ()
         op._plan = plan
         return op
 
@@ -247,6 +264,8 @@ class _PlannedOp(KernelOp):
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
         return self._plan.execute(ctx, self._args)
 
+    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
+        return ()  # (its arguments are Tensors or None: nothing to execute first)
 
-def _unused(*_: Any) -> None:  # pragma: no cover - _PlannedOp executes through its plan
-    raise AssertionError("a planned op executes through its plan")
+
+_new_op = object.__new__
