@@ -1,7 +1,7 @@
 # ruff: noqa: B023
 """Device time of forced GEMM configurations beside cuBLAS (diagnostics for issue 13).
 
-Usage (GPU machine): ``python3 tools/gemm_sweep_gpu.py``. For each shape, the planner's
+Usage (GPU machine): ``python3 tools/gemm_sweep_gpu.py [--planner-only]``. For each shape, the planner's
 choice and every forced sm_90 config x split count (and sm80), device µs per call with the
 host hidden (a spin first), median of 5 x 50 calls, and cuBLAS (torch.matmul) in the same
 run; the result is checked against torch first.
@@ -45,7 +45,11 @@ def dev_us(s: deviceops.Stream, launch: Any, torch: Any, n: int = 50) -> float:
 
 
 def main() -> None:
+    import sys
+
     import torch
+
+    forced = [""] if "--planner-only" in sys.argv else FORCED
 
     s = deviceops.device(0).new_stream()
     ts = torch.cuda.ExternalStream(s.native.ptr)  # type: ignore[attr-defined]
@@ -63,7 +67,7 @@ def main() -> None:
         bt = tbm.t() if tb else tbm
         t_ref = dev_us(s, lambda: torch.matmul(ta, bt, out=to), torch)
         print(f"\n{m}x{n}x{k} {dt}{' trans_b' if tb else ''}: cuBLAS {t_ref:.2f} us")
-        for f in FORCED:
+        for f in forced:
             try:
                 with overrides(gemm_path=f or None):
                     kernels.gemm(a, b, o, trans_b=tb).sync_on(s)

@@ -30,6 +30,7 @@ a)
         > "$OUT/await.log" 2>&1; echo "await rc=$?"; grep -E "PASS|FAIL" "$OUT/await.log"; t "await"
     timeout 60 python3 benchmarks/soak.py --ops ${SOAK_OPS:-200000} --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1
     echo "soak rc=$?"; tail -3 "$OUT/soak.log"; t "soak"
+    timeout 60 python3 tools/gemm_sweep_gpu.py --planner-only > "$OUT/gemm_planner.log" 2>&1; cat "$OUT/gemm_planner.log"; t "gemm planner"
     timeout 60 python3 tools/eager_profile.py --device cuda --steps 60 --no-profile > "$OUT/eager.log" 2>&1
     tail -4 "$OUT/eager.log"; t "eager"
     ;;
