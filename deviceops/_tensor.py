@@ -1,28 +1,16 @@
-"""Tensor, Partition and the per-storage hazard record.
+"""Tensor, Partition and allocation.
 
 A :class:`Tensor` is an array (CuPy or NumPy) on one device plus a shared
-:class:`Storage` record of who touched its memory last:
-
-* ``write``: ``(stream, seq)`` of the last op that wrote it;
-* ``reads``: ``{stream: seq}`` of ops that read it since.
-
-:func:`before_access` makes the executing stream wait on exactly the events
-that order it after conflicting work on other streams (read-after-write,
-write-after-read, write-after-write); :func:`after_access` updates the record.
-Views (``reshape``, ``partition``) share the storage, so hazards follow memory,
-not Python objects.
-
-When a tensor's last reference goes while a stream other than the one it was
-allocated on may still use it, its memory is parked (:func:`sweep` releases it
-once those streams are past the use), so the allocator cannot hand it out
-again too early — CuPy's pool reuses freed blocks on the allocating stream
-immediately.
+:class:`~deviceops._storage.Storage` record of who touched its memory last
+(the hazard record: see :mod:`deviceops._storage`). Views (``reshape``,
+``partition``) share the storage, so hazards follow memory, not Python objects.
+:func:`allocate` makes a new tensor owned by a stream (reusing a spare array of
+the stream where the backend keeps them).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,152 +19,24 @@ import numpy as np
 from . import _hooks
 from ._dtypes import normalize_dtype
 from ._errors import DeviceError, DTypeError, ShapeError
+from ._storage import (
+    SPARE_MAX_BYTES,
+    Storage,
+    after_access,
+    before_access,
+    parked_count,
+    sweep,
+)
 
 if TYPE_CHECKING:
     from ._device import Device
     from ._op import DeviceOp
     from ._stream import Stream
 
-__all__ = ["Partition", "Storage", "Tensor"]
-
-
-class Storage:
-    """The memory behind one or more tensor views, and its hazard record."""
-
-    __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "spare_key",
-                 "write")
-
-    def __init__(self, base: Any, device: Device, alloc_stream: Stream | None) -> None:
-        self.base = base
-        self.device = device
-        self.alloc_stream = alloc_stream
-        # set by allocate(): the key under which the array may be kept for reuse on
-        # alloc_stream when this storage dies unreferenced (see _spare)
-        self.spare_key: tuple[tuple[int, ...], int] | None = None
-        self.write: tuple[Stream, int] | None = None
-        self.reads: dict[Stream, int] = {}
-        # [(op name, error)] of the device work that last wrote this memory and
-        # failed (cpu backend), else [None]: ops reading it fail too, naming that
-        # op. A cell, so that queued tasks hold it without keeping the storage alive.
-        self.fail: list[tuple[str, BaseException] | None] = [None]
-
-    @property
-    def failed(self) -> tuple[str, BaseException] | None:
-        """``(op name, error)`` if the device work that last wrote this memory failed."""
-        return self.fail[0]
-
-    def pending(self) -> list[tuple[Stream, int]]:
-        """Accesses by streams other than the allocating one."""
-        out = [(s, q) for s, q in self.reads.items() if s is not self.alloc_stream]
-        w = self.write
-        if w is not None and w[0] is not self.alloc_stream:
-            out.append(w)
-        return out
-
-    def __del__(self) -> None:
-        s = self.alloc_stream
-        if s is None:
-            return
-        reads, w = self.reads, self.write
-        if (w is None or w[0] is s) and (not reads or (len(reads) == 1 and s in reads)):
-            # no use by another stream: the memory goes back at once
-            if self.spare_key is not None:
-                _spare(s, self.spare_key, self.base)
-            return
-        try:
-            uses = self.pending()
-        except Exception:
-            return
-        if uses:
-            _parked.append((self.base, uses))
-
-
-# (array kept alive, [(stream, seq) that must complete first])
-_parked: list[tuple[Any, list[tuple[Stream, int]]]] = []
-
-# Spare arrays (backends with ``spare_arrays``): a small array whose storage dies with no
-# use by another stream, and which nothing else references (no view, no exported handle,
-# no MemoryPointer: reference counts), is kept on its stream and handed to the next
-# allocation of the same shape and dtype there. Work on one stream is ordered, so reuse
-# needs no wait (as for the memory pool's per-stream free lists); it saves the pool round
-# trip and the array construction. Bounded per stream.
-SPARE_MAX_BYTES = 256 * 1024
-_SPARE_PER_KEY = 4
-_SPARE_KEYS = 32
-_refcount = sys.getrefcount
-
-
-def _spare(stream: Stream, key: tuple[tuple[int, ...], int], base: Any) -> None:
-    try:
-        # the storage's attribute, this argument and getrefcount's own: nothing else
-        if _refcount(base) != 3 or _refcount(base.data) != 2:
-            return
-        spare = stream.spare
-        got = spare.get(key)
-        if got is None:
-            if len(spare) < _SPARE_KEYS:
-                spare[key] = [base]
-        elif len(got) < _SPARE_PER_KEY:
-            got.append(base)
-    except Exception:  # interpreter shutdown, an array without .data: just free it
-        pass
-
-
-def sweep() -> None:
-    """Release parked memory whose cross-stream uses have completed."""
-    if not _parked:
-        return
-    keep = []
-    for base, uses in _parked:
-        left = []
-        for s, q in uses:
-            ev = s._last_event
-            if ev is None or ev.seq < q or ev.capture is not None:
-                if s.capture is not None:
-                    left.append((s, q))
-                    continue
-                ev = s.record_event()
-            if not ev.query():
-                left.append((s, q))
-        if left:
-            keep.append((base, left))
-    _parked[:] = keep
-
-
-def parked_count() -> int:
-    """Number of parked allocations (for tests and diagnostics)."""
-    return len(_parked)
-
-
-def before_access(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage]) -> None:
-    """Order ``stream`` after conflicting earlier work on other streams."""
-    for st in reads:
-        w = st.write
-        if w is not None and w[0] is not stream:
-            stream.wait_for(w[0], w[1])
-    for st in writes:
-        w = st.write
-        if w is not None and w[0] is not stream:
-            stream.wait_for(w[0], w[1])
-        for s, q in st.reads.items():
-            if s is not stream:
-                stream.wait_for(s, q)
-
-
-def after_access(stream: Stream, seq: int, reads: Sequence[Storage], writes: Sequence[Storage]) -> None:
-    """Record that op ``seq`` of ``stream`` read ``reads`` and wrote ``writes``."""
-    for st in reads:
-        st.reads[stream] = seq
-    for st in writes:
-        st.write = (stream, seq)
-        if st.reads:
-            st.reads = {}
-    cap = stream.capture
-    if cap is not None:
-        for st in reads:
-            cap.note(st, False)
-        for st in writes:
-            cap.note(st, True)
+# Storage, before_access, after_access, sweep and parked_count are re-exported: the
+# hazard record's users import them from here
+__all__ = ["Partition", "Storage", "Tensor", "after_access", "before_access", "parked_count",
+           "sweep"]
 
 
 # signature -> a small int (Tensor.signature_id); bounded: past the bound, new signatures

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["_backend", "_capture", "_completion", "_context", "_cpu_backend", "_cuda_backend", "_device",
-        "_dot", "_dtypes", "_errors", "_future", "_hooks", "_launch", "_op", "_stream",
-        "_tensor", "_trace"]
+CORE = ["_backend", "_capture", "_combinators", "_completion", "_context", "_cpu_backend",
+        "_cuda_backend", "_device", "_dot", "_dtypes", "_errors", "_future", "_hooks", "_launch",
+        "_op", "_storage", "_stream", "_tensor", "_trace"]
 UPPER = ("deviceops.scheduling", "deviceops.graphs", "deviceops.kernels", "deviceops.nn",
          "deviceops.api", "deviceops._async")
 RELATIVE_UPPER = ("scheduling", "graphs", "kernels", "nn", "api", "_async")

@@ -1,4 +1,4 @@
-"""Spare arrays (deviceops/_tensor.py): a dead storage's array is kept for reuse on its
+"""Spare arrays (deviceops/_storage.py): a dead storage's array is kept for reuse on its
 stream only when nothing else references it. The rule is pure reference counting, tested
 here with stand-ins (cpu, CI); tests/test_alloc_gpu.py checks it on CuPy arrays."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deviceops import _tensor as T
+from deviceops import _storage as T
 
 
 class _Stream:
