@@ -1,7 +1,8 @@
 """GEMM on CUDA: kernel loading, TMA descriptors, cached launch plans and :func:`gemm_cuda`.
 
-The semantics, checks, NumPy reference and path planning live in :mod:`._gemm`; this module
-turns a plan into driver launches. A **launch plan** is computed once per problem key
+The semantics are described in :mod:`._gemm`; the checks, path planning and NumPy reference
+live in :mod:`._gemm_check`, :mod:`._gemm_plan` and :mod:`._gemm_reference`; this module turns
+a plan into driver launches. A **launch plan** is computed once per problem key
 (shapes, strides, dtypes, devices, 16-byte alignment of each pointer, bias/epilogue,
 ``tf32``, ``trans_b``, workspace size) and cached: the checks, the path, tiles, grid, block,
 shared memory (the kernel's attribute set once), the split-K decision and the kernel handle.
@@ -26,7 +27,8 @@ import numpy as np
 from deviceops.extend import DriverError, ShapeError
 
 from . import _experiment
-from . import _gemm as G
+from . import _gemm_check as GC
+from . import _gemm_plan as G
 from ._experiment import KernelOverrides
 from ._fastlaunch import Launcher, launch_packed, libcuda
 from ._module import expanded_source, load_module, set_max_dynamic_smem
@@ -212,7 +214,7 @@ def _check_arrays(arrs: tuple[tuple[str, Any], ...]) -> int:
     for name, arr in arrs:
         if arr is None:
             continue
-        G._check_layout(name, tuple(arr.shape), tuple(arr.strides), bool(arr.flags.c_contiguous), "gemm")
+        GC._check_layout(name, tuple(arr.shape), tuple(arr.strides), bool(arr.flags.c_contiguous), "gemm")
         if dev < 0:
             dev = int(arr.device.id)
         elif int(arr.device.id) != dev:
@@ -224,7 +226,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
            trans_b: bool, ws_nbytes: int, ov: KernelOverrides) -> _Run:
     """Check the arguments and compute the launch plan of one problem (see the module doc);
     ``ov``: the test/benchmark overrides in force (:mod:`._experiment`)."""
-    _, odt = G.gemm_check(
+    _, odt = GC.gemm_check(
         tuple(a.shape), a.dtype, tuple(b.shape), b.dtype, out_shape=tuple(out.shape), out_dtype=out.dtype,
         bias_shape=None if bias is None else tuple(bias.shape),
         bias_dtype=None if bias is None else bias.dtype,
@@ -233,10 +235,10 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     dev = _check_arrays((("a", a), ("b", b), ("out", out), ("bias", bias)))
     batch, m, n, k, b_batched = G._dims(tuple(a.shape), tuple(b.shape), trans_b)
     cc, n_sm = _device_info(dev)
-    act, has_bias, has_beta = G.ACTIVATIONS[activation], int(bias is not None), int(float(beta) != 0.0)
+    act, has_bias, has_beta = GC.ACTIVATIONS[activation], int(bias is not None), int(float(beta) != 0.0)
     alpha, beta = float(alpha), float(beta)
     is16 = odt != np.float32
-    bf16 = int(is16 and odt == G._bf16())
+    bf16 = int(is16 and odt == GC._bf16())
     tb = int(trans_b)
     a16, b16 = int(a.data.ptr) % 16 == 0, int(b.data.ptr) % 16 == 0
     ptrs16 = a16 and b16 and int(out.data.ptr) % 16 == 0

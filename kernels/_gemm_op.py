@@ -7,8 +7,8 @@
 
 Shapes, dtypes and the epilogue follow :mod:`._gemm` (``a`` ``(*batch, M, K)``, ``b``
 ``(K, N)`` or ``(*batch, K, N)``, float32/float16/bfloat16, float32 accumulation). The
-``cpu`` backend runs :func:`._gemm.gemm_reference`; the ``cuda`` backend runs
-:func:`._gemm.gemm_cuda` (raw PTX, no cuBLAS) on the executing stream. Split-K shapes use
+``cpu`` backend runs :func:`._gemm_reference.gemm_reference`; the ``cuda`` backend runs
+:func:`._gemm_cuda.gemm_cuda` (raw PTX, no cuBLAS) on the executing stream. Split-K shapes use
 the stream's workspace (:mod:`._workspace`).
 """
 
@@ -23,7 +23,10 @@ import numpy as np
 from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
 from ._builder import Body, Check
-from ._gemm import ACTIVATIONS, gemm_check, gemm_cuda, gemm_reference, gemm_workspace_nbytes
+from ._gemm_check import ACTIVATIONS, gemm_check
+from ._gemm_cuda import gemm_cuda
+from ._gemm_plan import gemm_workspace_nbytes
+from ._gemm_reference import gemm_reference
 from ._launch import KernelOp
 from ._spec import KernelSpec
 from ._workspace import workspace_for

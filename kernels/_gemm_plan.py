@@ -1,0 +1,177 @@
+"""GEMM host planning: the path, tiles and split-K of a problem, and its workspace size.
+
+:func:`_plan` picks ``(path, config, splits, k-tiles per split)`` from the shapes, dtype and
+the device's capabilities (pure logic, tested on the cpu backend); :func:`gemm_workspace_nbytes`
+sizes the split-K partials for every path, from the shapes alone. The launch plans built on
+these live in :mod:`._gemm_cuda`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "skinny_config"]
+
+# sm_90 configs: name -> (BN, NCW, STAGES); block tile is (64 * NCW) x BN.
+SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
+    "128x256": (256, 2, 4),
+    "128x128": (128, 2, 6),
+    "64x128": (128, 1, 8),
+}
+GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
+SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
+_SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
+_NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
+
+
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def _dims(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], trans_b: bool = False
+) -> tuple[int, int, int, int, bool]:
+    """(batch, M, N, K, b_batched) with the batch folded into M when b is 2-D."""
+    *batch, m, k = (int(x) for x in a_shape)
+    n = int(b_shape[-2] if trans_b else b_shape[-1])
+    nb = math.prod(batch) if batch else 1
+    b_batched = len(b_shape) > 2
+    if not b_batched:
+        return 1, nb * m, n, k, False
+    return nb, m, n, k, True
+
+
+def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
+    """Split-K factor: fill about one wave of ``n_sm`` blocks, >= 2 k-tiles per split."""
+    if tiles >= n_sm // 2 or kt_total < 4:
+        return 1
+    want = _cdiv(n_sm, tiles)
+    s = max(1, min(want, kt_total // 2, 32))
+    kps = _cdiv(kt_total, s)
+    return _cdiv(kt_total, kps)
+
+
+# Relative mainloop efficiency of the sm_90 configs (measured on H100, 2026-11-23).
+_SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65}
+_SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
+_SPLIT_FIXED_US = 1.0  # extra launch + partial round trip of split-K
+# No split-K from this many rows (per batch) up: measured on H100 (2026-11-23,
+# tools/gemm_sweep_gpu.py), one slice beat every split at M = 128..512 of the SmolLM2 and
+# 8B prefill shapes (128x768x768 bf16 6.50 vs 7.63 us, 128x4096x4096 16.0 vs 24.7 us,
+# 512x576x1536 8.40 vs 10.07 us): the partial round trip costs more than the model says.
+_SPLIT_MAX_ROWS = 128
+
+
+def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int, int]:
+    """Pick (config, splits, k-tiles per split) minimising a simple time model.
+
+    time = waves * k-tiles per split * tile cost / efficiency
+           + (split-K only) fixed cost + float32 partial traffic at ~3 TB/s;
+    split-K is considered only below ``_SPLIT_MAX_ROWS`` rows.
+    """
+    kt = _cdiv(k, 64)
+    best: tuple[float, str, int, int] | None = None
+    for name, (bn, ncw, _) in SM90_CONFIGS.items():
+        if not _SM90_EFF.get(name):
+            continue
+        bm = 64 * ncw
+        tiles = batch * _cdiv(m, bm) * _cdiv(n, bn)
+        tile_us = 2.0 * bm * bn * 64 / (_SM90_EFF[name] * _SM_FLOPS_PER_US)
+        for s in (1, 2, 3, 4, 6, 8, 12, 16):
+            if s > 1 and (kt // s < 2 or m >= _SPLIT_MAX_ROWS):
+                break
+            kps = _cdiv(kt, s)
+            s_eff = _cdiv(kt, kps)
+            t = _cdiv(tiles * s_eff, n_sm) * kps * tile_us
+            if s_eff > 1:
+                t += _SPLIT_FIXED_US + (4 * s_eff + 2) * batch * m * n / 3e6
+            if best is None or t < best[0] * 0.97:
+                best = (t, name, s_eff, kps)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0) -> tuple[int, int, int, int, int]:
+    """Geometry of the skinny (``M <= 64``, ``trans_b``) kernel: ``(MF, TR, U, KS, KCW)``.
+
+    ``MF`` m-fragments of 8 rows; ``TR`` 16-row weight tiles per warp (2 halves the
+    activation re-reads for ``MF >= 3`` on large weights; small weights, which are latency
+    bound, keep 1 for more blocks); ``U`` 32-wide k-chunks loaded per round (registers in
+    flight ``U * (8 TR + 4 MF)`` <= 64, or 96 for small weights: one round per warp);
+    ``KS`` warps of a block splitting K (8 for one m-fragment and for grids of <= 256
+    tiles, else 4: the best of 2 / 4 / 8 measured on H100 at the SmolLM2 and 8B shapes,
+    2026-11-23; at least 2 chunks each); ``KCW`` k-chunks per warp. ``ks > 0`` forces
+    ``KS`` (experiments).
+    """
+    mf = _cdiv(m, 8)
+    small = batch * n * k * 2 < _SKINNY_SMALL_BYTES
+    tr = 1 if mf <= 2 or small else 2
+    u = max(1, min(4, (96 if small else 64) // (8 * tr + 4 * mf)))
+    chunks = _cdiv(k, 32)
+    tiles = batch * _cdiv(n, 16 * tr)
+    if ks <= 0:
+        ks = 8 if mf == 1 or tiles <= 256 else 4
+        ks = min(ks, chunks // 2)
+    ks = max(1, min(ks, 8, chunks))
+    kcw = _cdiv(chunks, ks)
+    return mf, tr, u, _cdiv(chunks, kcw), kcw
+
+
+def _plan(
+    batch: int, m: int, n: int, k: int, dtype: np.dtype[Any], tf32: bool, sm90: bool, n_sm: int,
+    gemv_ok: bool = True, trans_b: bool = False, skinny_ok: bool = False,
+) -> tuple[str, Any, int, int]:
+    """Choose (path, config, splits, k-tiles per split) for a problem.
+
+    ``gemv_ok`` / ``skinny_ok``: the decode kernels' alignment needs hold (B 16-byte aligned;
+    skinny also ``K % 8 == 0`` and ``a`` aligned); ``sm90``: the TMA path's needs hold.
+    """
+    if dtype == np.float32 and not tf32:
+        bk = 8
+        tiles = batch * _cdiv(m, 128) * _cdiv(n, 128)
+        kt = _cdiv(k, bk)
+        s = _splits_for(tiles, kt, n_sm)
+        return "simt", None, s, _cdiv(kt, s)
+    if dtype == np.float32:  # tf32 on mma.sync
+        wm = 2 if m > 64 and batch * _cdiv(m, 128) * _cdiv(n, 128) >= n_sm // 2 else 1
+        tiles = batch * _cdiv(m, 64 * wm) * _cdiv(n, 128)
+        kt = _cdiv(k, 16)
+        s = _splits_for(tiles, kt, n_sm)
+        return "sm80", wm, s, _cdiv(kt, s)
+    if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
+        return "skinny", skinny_config(batch, m, n, k), 1, 0
+    if not trans_b and gemv_ok and m <= GEMV_MAX_M and n % 8 == 0:
+        return "gemv", None, 1, 0
+    if sm90:
+        return ("sm90", *_plan_sm90(batch, m, n, k, n_sm))
+    wm = 2 if m > 64 and batch * _cdiv(m, 128) * _cdiv(n, 128) >= n_sm // 2 else 1
+    tiles = batch * _cdiv(m, 64 * wm) * _cdiv(n, 128)
+    kt = _cdiv(k, 32)
+    s = _splits_for(tiles, kt, n_sm)
+    return "sm80", wm, s, _cdiv(kt, s)
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_workspace_nbytes(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: Any, trans_b: bool = False
+) -> int:
+    """Bytes of device workspace :func:`gemm_cuda` can use for split-K partials (0: none).
+
+    The size depends on the shapes, dtype and ``trans_b`` only (not on the device), and
+    covers every path (sm_90 and sm_80, with or without tf32). Without a large enough
+    workspace, :func:`gemm_cuda` runs unsplit (correct, slower for small ``M * N``).
+    Cached per argument tuple (host cost per call).
+    """
+    batch, m, n, k, _ = _dims(tuple(a_shape), tuple(b_shape), trans_b)
+    dt = np.dtype(dtype)
+    most = 1
+    for tf32 in (False, True):
+        for sm90 in (False, True):
+            for gemv_ok in (False, True):
+                _, _, s, _ = _plan(batch, m, n, k, dt, tf32, sm90, _NOMINAL_SMS, gemv_ok, trans_b)
+                most = max(most, s)
+    return 0 if most == 1 else most * batch * m * n * 4
