@@ -16,6 +16,9 @@ produces its tensor on that stream's device.
 | ``to_host(t)``                    | a NumPy array                             |
 | ``to_device(t, device)``          | a copy on another device                  |
 
+The creating functions live here; the copies in ``deviceops._copies`` (re-exported),
+and the DeviceOp behind them all in ``deviceops._api_op``.
+
 Example:
     >>> x = api.arange(6, dtype="float32").map(lambda t: t.reshape(2, 3)).sync()
     >>> api.to_host(x).sync().tolist()
@@ -26,21 +29,18 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from . import _hooks
-from ._context import ExecutionContext
-from ._device import Device
-from ._device import device as _device
-from ._dtypes import bfloat16, float32, is_floating, normalize_dtype
-from ._errors import CaptureError, DTypeError, ShapeError
-from ._launch import launch
-from ._op import DeviceOp, _drive
-from ._tensor import Tensor, allocate, check_device, normalize_shape
+from ._api_op import _ApiOp, _produce
+from ._copies import convert, dup, from_host, memcpy, to_device, to_host  # (+ the to_host hook)
+from ._dtypes import float32, is_floating, normalize_dtype
+from ._errors import DTypeError, ShapeError
+from ._op import DeviceOp
+from ._tensor import Tensor, allocate, normalize_shape
 
 __all__ = [
     "arange",
@@ -61,57 +61,6 @@ __all__ = [
 ]
 
 Shape = int | Sequence[int]
-
-
-class _ApiOp(DeviceOp[Any]):
-    """A DeviceOp whose work is one function of the execution context.
-
-    With ``dep`` (a DeviceOp producing the tensor argument), ``fn(ctx, value)``
-    runs after ``dep`` executed on the same stream (iteratively: see ``_drive``).
-    """
-
-    __slots__ = ("_dep", "_fn", "_name")
-    _iterative = True
-
-    def __init__(self, name: str, fn: Callable[..., Any], dep: DeviceOp[Any] | None = None) -> None:
-        super().__init__()
-        self._name = name
-        self._fn = fn
-        self._dep = dep
-
-    def _execute(self, ctx: ExecutionContext) -> Any:
-        if self._dep is None:
-            return self._fn(ctx)
-        return _drive(self, ctx)
-
-    def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
-        return () if self._dep is None else (self._dep,)
-
-    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
-        if self._dep is None:
-            return self._fn(ctx)
-        return self._fn(ctx, vals[0])
-
-    def _children(self) -> tuple[DeviceOp[Any], ...]:
-        return () if self._dep is None else (self._dep,)
-
-    def _describe(self) -> str:
-        return self._name
-
-
-def _on(native: Any, fn: Callable[[], None]) -> None:
-    with native:
-        fn()
-
-
-def _produce(ctx: ExecutionContext, name: str, shape: tuple[int, ...], dt: np.dtype[Any],
-             make: Callable[[Any, Any], None], reads: Sequence[Tensor] = ()) -> Tensor:
-    """Allocate a tensor and enqueue ``make(xp, out_array)`` to fill it."""
-    t = allocate(ctx.stream, shape, dt, name)
-    a = t.array
-    xp = ctx.device.xp
-    launch(ctx, name, reads, (t,), lambda: make(xp, a), lambda s: _on(s, lambda: make(xp, a)))
-    return t
 
 
 def _real(op: str, what: str, x: Any, *, finite: bool = True) -> float | int:
@@ -278,236 +227,3 @@ def randn(shape: Shape, dtype: Any = float32, *, seed: int | None = None) -> Dev
     """Standard-normal random values (fresh seed each call unless ``seed`` given)."""
     return _random("randn", shape, dtype, seed, normal=True)
 
-
-def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
-    """A device tensor holding a copy of a host (NumPy-convertible) array.
-
-    The host data is snapshotted when the op is enqueued, so later changes to
-    ``array`` do not leak in.
-    """
-    if isinstance(array, Tensor | DeviceOp):
-        raise TypeError(f"from_host: array is a {type(array).__name__}, not host data; use "
-                        "api.dup(t) to copy a tensor, or api.to_device(t, device) to move it")
-    try:
-        host = np.asarray(array)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"from_host: cannot make a NumPy array of {type(array).__name__}: {exc}; "
-                        "pass a NumPy array or a (rectangular) nested list of numbers") from exc
-    if dtype is None and host.dtype.kind not in "fiuV" and host.dtype != bfloat16:
-        raise DTypeError(f"from_host: host data of dtype {host.dtype} is not numbers; pass "
-                         "numbers, or give dtype=", op="from_host")
-    dt = normalize_dtype(host.dtype if dtype is None else dtype, op="from_host")
-
-    def run(ctx: ExecutionContext) -> Tensor:
-        snap = np.array(host, dtype=dt, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray makes them 1-d)
-        t = allocate(ctx.stream, snap.shape, dt, "from_host")
-        a = t.array
-        upload = ctx.stream.backend.upload
-
-        def cpu() -> None:
-            a[...] = snap
-
-        def cuda(s: Any) -> None:
-            upload(a, snap, s)
-
-        launch(ctx, "from_host", (), (t,), cpu, cuda)
-        return t
-
-    return _ApiOp("from_host", run)
-
-
-def _tensor_arg(x: Any, op: str, name: str = "t") -> Tensor:
-    if isinstance(x, Tensor):
-        return x
-    raise TypeError(f"{op}: argument {name!r} must be a Tensor, got {type(x).__name__}"
-                    + ("; pass the tensor (execute the op producing it first)"
-                       if isinstance(x, DeviceOp) else ""))
-
-
-def _tensor_or_op(x: Any, op: str, name: str = "t") -> Tensor | DeviceOp[Tensor]:
-    """A Tensor, or a DeviceOp producing one (adopted: it runs first, on the same stream)."""
-    if isinstance(x, Tensor):
-        return x
-    if isinstance(x, DeviceOp):
-        return x._adopt(op)
-    raise TypeError(f"{op}: argument {name!r} must be a Tensor or a DeviceOp producing one, "
-                    f"got {type(x).__name__}")
-
-
-def _with_arg(op: str, arg: Tensor | DeviceOp[Tensor], run: Callable[[ExecutionContext, Tensor], Any]
-              ) -> DeviceOp[Any]:
-    """An op running ``run(ctx, tensor)``; a DeviceOp ``arg`` executes first (iteratively)."""
-    if isinstance(arg, Tensor):
-        return _ApiOp(op, lambda ctx: run(ctx, arg))
-
-    def after(ctx: ExecutionContext, t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: the DeviceOp argument produced {type(t).__name__}, not a Tensor")
-        return run(ctx, t)
-
-    return _ApiOp(op, after, arg)
-
-
-def dup(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
-    """A new tensor with a copy of ``t``'s data (``t``: a Tensor or a DeviceOp producing one)."""
-    arg = _tensor_or_op(t, "dup")
-
-    def run(ctx: ExecutionContext, src: Tensor) -> Tensor:
-        check_device(src, ctx.stream, "dup")
-        s = src.array
-
-        def make(xp: Any, a: Any) -> None:
-            a[...] = s
-
-        return _produce(ctx, "dup", src.shape, src.dtype, make, reads=(src,))
-
-    return _with_arg("dup", arg, run)
-
-
-def convert(t: Tensor | DeviceOp[Tensor], dtype: Any) -> DeviceOp[Tensor]:
-    """A new tensor with ``t``'s values converted to ``dtype`` (``t``: a Tensor or a DeviceOp producing one)."""
-    dt = normalize_dtype(dtype, op="convert")
-    arg = _tensor_or_op(t, "convert")
-
-    def run(ctx: ExecutionContext, src: Tensor) -> Tensor:
-        check_device(src, ctx.stream, "convert")
-        s = src.array
-
-        def make(xp: Any, a: Any) -> None:
-            a[...] = s.astype(dt)
-
-        return _produce(ctx, "convert", src.shape, dt, make, reads=(src,))
-
-    return _with_arg("convert", arg, run)
-
-
-def _memcpy_check(d: Tensor, s: Tensor) -> None:
-    if d.shape != s.shape:
-        raise ShapeError(f"memcpy: dst shape {d.shape} != src shape {s.shape}", op="memcpy")
-    if d.dtype != s.dtype:
-        raise DTypeError(f"memcpy: dst dtype {d.dtype} != src dtype {s.dtype}; use api.convert", op="memcpy")
-
-
-def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
-    """Overwrite ``dst`` with ``src`` (same shape and dtype); produces ``dst``.
-
-    Allocates nothing, so it may be captured into a graph; it is how
-    ``CudaGraph.update`` refreshes captured inputs. ``src`` may be a DeviceOp
-    producing a tensor (it runs first, on the same stream).
-    """
-    if not isinstance(dst, Tensor) and isinstance(src, DeviceOp):
-        src._consume()  # the error below is the report
-    d = _tensor_arg(dst, "memcpy", "dst")
-    src_arg = _tensor_or_op(src, "memcpy", "src")
-    if isinstance(src_arg, Tensor):
-        _memcpy_check(d, src_arg)
-
-    def run(ctx: ExecutionContext, s: Tensor) -> Tensor:
-        if src_arg is not s:
-            _memcpy_check(d, s)
-        check_device(d, ctx.stream, "memcpy")
-        check_device(s, ctx.stream, "memcpy")
-        da, sa = d.array, s.array
-        copy = ctx.stream.backend.copy
-
-        def cpu() -> None:
-            np.copyto(da, sa)
-
-        def cuda(native: Any) -> None:
-            copy(da, sa, native)
-
-        launch(ctx, "memcpy", (s,), (d,), cpu, cuda)
-        return d
-
-    return _with_arg("memcpy", src_arg, run)
-
-
-def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
-    """A NumPy copy of ``t`` (page-locked on cuda, copied without blocking the host).
-
-    ``t`` may be a DeviceOp producing a tensor: it runs first, on the same stream.
-    """
-    arg = _tensor_or_op(t, "to_host")
-
-    def run(ctx: ExecutionContext, src: Tensor) -> np.ndarray:
-        check_device(src, ctx.stream, "to_host")
-        s = src.array
-        if ctx.stream.capture is not None:  # both backends: host memory is allocated per call
-            raise CaptureError("to_host allocates host memory inside a graph capture; "
-                               "copy into a preallocated tensor with api.memcpy instead", op="to_host")
-        backend = ctx.stream.backend
-        out = backend.host_empty(src.shape, src.dtype)  # cuda: page-locked
-        download = backend.download
-
-        def cpu() -> None:
-            np.copyto(out, s)
-
-        def cuda(native: Any) -> None:
-            download(s, out, native)
-
-        launch(ctx, "to_host", (src,), (), cpu, cuda)
-        return out
-
-    return _with_arg("to_host", arg, run)
-
-
-_transfer_streams: dict[str, Any] = {}
-
-
-def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
-    """A copy of ``t`` on ``device`` (explicit cross-device transfer).
-
-    Runs on the executing stream when it is on ``device``, else on a transfer
-    stream of ``device`` joined back with events. Crossing between the cpu
-    backend and CUDA synchronizes the source's last writer on the host first.
-    """
-    src = _tensor_arg(t, "to_device")
-    if not isinstance(device, Device | int | str) or isinstance(device, bool):
-        raise TypeError(f"to_device: device must be a Device, an int or a str such as 'cpu' or "
-                        f"'cuda:0', got {type(device).__name__} {device!r}")
-    dev = _device(device)
-
-    def run(ctx: ExecutionContext) -> Tensor:
-        home = ctx.stream
-        if home.device is dev:
-            stream = home
-        else:
-            key = str(dev)
-            if key not in _transfer_streams:
-                _transfer_streams[key] = dev.new_stream()
-            stream = _transfer_streams[key]
-            if stream.backend is home.backend:  # events order streams of one backend
-                stream.wait_event(home.record_event())
-            else:
-                home.synchronize()
-        w = src._storage.write
-        if w is not None and w[0].backend is not dev.backend:
-            w[0].synchronize()
-        tctx = ctx if stream is home else ctx.on(stream)
-        out = allocate(stream, src.shape, src.dtype, "to_device")
-        sa, oa = src.array, out.array
-        src_be, dst_be = src.device.backend, dev.backend
-        same_backend = src_be is dst_be
-
-        def cpu() -> None:  # the destination is host memory: the source as NumPy, copied
-            np.copyto(oa, src_be.to_numpy(sa))
-
-        def cuda(native: Any) -> None:
-            if same_backend:
-                dst_be.copy_peer(oa, dev, sa, src.device, native)
-            else:  # from host memory
-                dst_be.upload(oa, sa, native)
-
-        reads = (src,) if same_backend else ()
-        launch(tctx, "to_device", reads, (out,), cpu, cuda)
-        if stream is not home:
-            if stream.backend is home.backend:
-                home.wait_event(stream.record_event())
-            else:
-                stream.synchronize()
-        return out
-
-    return _ApiOp("to_device", run)
-
-
-_hooks.install(to_host=to_host)  # Tensor.to_host()

@@ -18,8 +18,8 @@ CORE = ["_backend", "_capture", "_combinators", "_completion", "_context", "_cpu
         "_cuda_backend", "_device", "_dot", "_dtypes", "_errors", "_future", "_hooks", "_launch",
         "_op", "_storage", "_stream", "_tensor", "_trace"]
 UPPER = ("deviceops.scheduling", "deviceops.graphs", "deviceops.kernels", "deviceops.nn",
-         "deviceops.api", "deviceops._async")
-RELATIVE_UPPER = ("scheduling", "graphs", "kernels", "nn", "api", "_async")
+         "deviceops.api", "deviceops._api_op", "deviceops._copies", "deviceops._async")
+RELATIVE_UPPER = ("scheduling", "graphs", "kernels", "nn", "api", "_api_op", "_copies", "_async")
 
 
 def _imports(tree: ast.AST) -> list[tuple[int, str]]:
