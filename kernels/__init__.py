@@ -7,13 +7,15 @@ DeviceOps producing tensors interchangeably (see :mod:`._launch`).
 
 from __future__ import annotations
 
+from ._activation_ops import gelu, silu, softmax, swiglu
 from ._attention_op import flash_attention
 from ._elementwise import add, mul, saxpy
 from ._gemm_op import gemm, matmul
 from ._launch import KernelOp
-from ._nn_ops import argmax, embedding, gelu, layer_norm, rms_norm, silu, softmax
+from ._lookup_ops import argmax, embedding
+from ._norm_ops import add_rms_norm, layer_norm, rms_norm
+from ._rope_ops import merge_heads, rope, rope_kv_write
 from ._sampling import sample
-from ._transformer import add_rms_norm, merge_heads, rope, rope_kv_write, swiglu
 from ._workspace import reserve_workspace
 
 __all__ = [

@@ -10,6 +10,10 @@ latency is one load, one block reduction and one store.
 ``add_rms_norm`` is the same kernel with a residual: ``s = x + residual`` is rounded to the
 dtype, stored to ``residual_out`` and normalised (so the result equals an unfused ``add``
 followed by ``rms_norm``). Without a residual it is ``rms_norm``.
+
+This module also loads ``src/transformer.cu`` (with ``src/sampling.cu``) for every kernel in
+it (:func:`tk_function`: rope, rope_kv_write, swiglu, merge_heads, sample) and holds the
+elementwise launch geometry of those kernels (``_THREADS``, ``_grid``) and :func:`vec_width`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ MOVE_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 CTYPE = _CTYPE
 
 _funcs: dict[tuple[int, str], Any] = {}
+_THREADS = 256  # threads of the elementwise transformer.cu kernels (rope, swiglu, merge_heads)
+
+
+def _grid(units: int) -> int:
+    return min(max(1, -(-units // _THREADS)), _MAX_BLOCKS)
 
 
 def tk_function(device_index: int, expr: str) -> Any:
