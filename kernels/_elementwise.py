@@ -16,6 +16,10 @@ Example:
     >>> z = api.zeros((16, 16)).sync_on(stream)
     >>> x = api.ones((16, 16)).sync_on(stream)
     >>> kernels.saxpy(z.partition((4, 4)), 2.0, x).sync_on(stream)  # z is now all 2.0
+
+This module holds the kernel loading, launch geometry, the op and its launch-plan memo (the
+hot path); the argument checks are in :mod:`._elementwise_check`, the ``cpu`` tasks (NumPy)
+in :mod:`._elementwise_reference`.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ import numpy as np
 
 from deviceops.extend import (
     DeviceOp,
-    DTypeError,
     ExecutionContext,
     Partition,
-    ShapeError,
     Storage,
     Tensor,
     allocate,
@@ -41,15 +43,16 @@ from deviceops.extend import (
     float32,
     int32,
     int64,
-    is_floating,
     launch,
     ordered,
     tracing,
 )
 from deviceops.extend import drive as _drive
 
+from ._elementwise_check import _binary_check, _saxpy_check, _saxpy_scalar, _scalar_arg
+from ._elementwise_reference import _cpu_task
 from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
-from ._launch import KernelOp, as_tensor, contiguous
+from ._launch import KernelOp, as_tensor
 from ._module import expanded_source, load_module
 
 __all__ = ["add", "mul", "saxpy"]
@@ -86,16 +89,6 @@ def _geometry(shape: tuple[int, ...], tile: tuple[int, ...] | None) -> tuple[Any
         threads = min(256, max(32, tr * tc))
         g = _geom[key] = ((gx, gy), (threads,), np.int64(rows), np.int64(cols), np.int32(tr), np.int32(tc))
     return g
-
-
-def _check_pair(name: str, a: Tensor, b: Tensor, an: str, bn: str) -> None:
-    aa, ba = a._array, b._array
-    if aa.shape != ba.shape:
-        raise ShapeError(f"{name}: {an} shape {a.shape} != {bn} shape {b.shape} (no broadcasting)", op=name)
-    if aa.dtype != ba.dtype:
-        raise DTypeError(f"{name}: {an} dtype {a.dtype} != {bn} dtype {b.dtype}", op=name)
-    if a._storage.device is not b._storage.device:
-        raise ShapeError(f"{name}: {an} is on {a.device}, {bn} on {b.device}", op=name)
 
 
 def _tile_of(arg: Any) -> tuple[int, ...] | None:
@@ -282,29 +275,6 @@ class _ElementwiseOp(KernelOp):
         return w_arg
 
 
-def _cpu_task(name: str, a: float, w: Tensor, x: Tensor, y: Tensor | None) -> Any:
-    wa, xa, dt = w._array, x._array, w._array.dtype
-    if name == "saxpy":
-        def saxpy_cpu() -> None:
-            if is_floating(dt):
-                wa[...] = (np.float32(a) * xa.astype(np.float32) + wa.astype(np.float32)).astype(dt)
-            else:
-                wa[...] = (np.float64(np.float32(a)) * xa.astype(np.float64) + wa).astype(dt)
-
-        return saxpy_cpu
-    assert y is not None
-    ya = y._array
-    ufunc = np.add if name == "add" else np.multiply
-
-    def binary_cpu() -> None:
-        if dt in (float16, bfloat16):
-            wa[...] = ufunc(xa.astype(np.float32), ya.astype(np.float32)).astype(dt)
-        else:
-            ufunc(xa, ya, out=wa)
-
-    return binary_cpu
-
-
 def _noop(*_: Any) -> None:
     pass
 
@@ -372,12 +342,6 @@ def _recall(name: str, w: Any, x: Any, y: Any, a: float,
 
 
 # -- saxpy ---------------------------------------------------------------------
-def _saxpy_check(z: Tensor, x: Tensor) -> None:
-    _check_pair("saxpy", z, x, "z", "x")
-    contiguous(z, "saxpy", "z")
-    contiguous(x, "saxpy", "x")
-
-
 def saxpy(z: Any, a: float, x: Any) -> KernelOp:
     """``z = a * x + z``, in place; produces ``z`` in the form given.
 
@@ -405,43 +369,7 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
     return _ElementwiseOp("saxpy", (z, x), a, deferred)
 
 
-def _scalar_arg(a: Any) -> float:
-    """``saxpy``'s ``a`` as a float: a real number (not a bool, a string or ``None``)."""
-    if isinstance(a, bool) or not isinstance(a, int | float | np.integer | np.floating):
-        raise TypeError(f"saxpy: a must be a real number (int or float), got {type(a).__name__} "
-                        f"{a!r}")
-    return float(a)
-
-
-_INT_RANGE = {int32: (-(2**31), 2**31 - 1), int64: (-(2**63), 2**63 - 1)}
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _saxpy_scalar(a: float, dt: np.dtype[Any]) -> None:
-    """Refuse a scalar the computation cannot hold (it is used as a float32)."""
-    if not math.isfinite(a):
-        if dt in _INT_RANGE:
-            raise ValueError(f"saxpy: a={a} is not finite; an {dt} z cannot hold the result")
-        return
-    if abs(a) > _F32_MAX:
-        raise ValueError(f"saxpy: a={a} overflows float32, the precision saxpy computes in; "
-                         f"use |a| <= {_F32_MAX:.3e}")
-    rng = _INT_RANGE.get(dt)
-    if rng is not None and not rng[0] <= a <= rng[1]:
-        raise ValueError(f"saxpy: a={a} is outside the range of z's dtype {dt} "
-                         f"[{rng[0]}, {rng[1]}]; use a smaller scalar or a wider dtype")
-
-
 # -- add / mul -----------------------------------------------------------------
-def _binary_check(name: str, x: Tensor, y: Tensor, out: Tensor | None) -> None:
-    _check_pair(name, x, y, "x", "y")
-    contiguous(x, name, "x")
-    contiguous(y, name, "y")
-    if out is not None:
-        _check_pair(name, out, x, "out", "x")
-        contiguous(out, name, "out")
-
-
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
     if type(x) is Tensor and type(y) is Tensor:
         if out is None:
