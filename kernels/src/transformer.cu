@@ -1,5 +1,5 @@
 // Transformer kernels: add_rms_norm (also plain rms_norm), rope, rope_kv_write, merge_heads and
-// swiglu (launchers: kernels/_norms.py, kernels/_transformer.py). sampling.cu (sample) is compiled
+// swiglu (launchers: kernels/_norms.py, kernels/_norm_ops.py, _activation_ops.py and _rope_ops.py). sampling.cu (sample) is compiled
 // in the same module, appended to this file.
 //
 // Storage types for the 16-bit floats are plain structs converted with PTX `cvt` (no
