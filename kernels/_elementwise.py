@@ -45,13 +45,14 @@ from deviceops.extend import (
     int64,
     launch,
     ordered,
+    trace_state,
     tracing,
 )
 from deviceops.extend import drive as _drive
 
 from ._elementwise_check import _binary_check, _saxpy_check, _saxpy_scalar, _scalar_arg
 from ._elementwise_reference import _cpu_task
-from ._fastlaunch import Launcher, launch_pdl, pdl_enabled
+from ._fastlaunch import Launcher, launch_packed, launch_pdl, pdl_enabled
 from ._launch import KernelOp, as_tensor
 from ._module import expanded_source, load_module
 
@@ -178,7 +179,7 @@ class _ElementwiseOp(KernelOp):
             return _drive(self, ctx)
         plan = self._plan
         stream = ctx.stream
-        if plan is not None and plan.device is stream.device and not tracing():
+        if plan is not None and plan.device is stream.device and trace_state.current is None:
             if plan.alloc is not None:
                 return self._alloc_launch(stream, plan)
             # the launch plan of an identical earlier launch (see _memo); the storages come
@@ -192,8 +193,14 @@ class _ElementwiseOp(KernelOp):
                 w_arg = a[2]
                 ws = (w_arg if type(w_arg) is Tensor else w_arg.tensor)._storage
                 rs = (a[0]._storage, a[1]._storage)
-            ordered(stream, rs, (ws,), _submit, stream, plan.ln, plan.grid, plan.block, plan.args,
-                    plan.flat)
+            entry = plan.entry
+            if stream.capture is None and entry is not None:
+                # the packed parameters of that launch: the driver call without re-hashing them
+                ordered(stream, rs, (ws,), launch_packed, plan.ln, plan.grid, plan.block, 0,
+                        stream.native.ptr, entry)
+            else:
+                ordered(stream, rs, (ws,), _submit, stream, plan.ln, plan.grid, plan.block,
+                        plan.args, plan.flat)
             return w_arg
         return self._body(ctx, self._args)
 
@@ -300,12 +307,15 @@ class _EwPlan:
     (an allocating op's: the arguments after the output pointer, and ``alloc`` = the
     output's ``(shape, dtype)``)."""
 
-    __slots__ = ("alloc", "args", "block", "device", "flat", "grid", "ln")
+    __slots__ = ("alloc", "args", "block", "device", "entry", "flat", "grid", "ln")
 
     def __init__(self, device: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...],
                  flat: bool, alloc: tuple[Any, Any] | None = None) -> None:
         self.device, self.ln, self.grid, self.block = device, ln, grid, block
         self.args, self.flat, self.alloc = args, flat, alloc
+        # the launcher's packed-parameter entry for ``args`` (kept alive here; None if the
+        # launch was not packed by ``ln``, e.g. a PDL launch while capturing)
+        self.entry: tuple[Any, ...] | None = ln._cache.get(args) if alloc is None else None
 
 
 _memo: dict[str, tuple[Any, ...]] = {}
