@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from deviceops.extend import (
+    FRESH,
     DeviceOp,
     ExecutionContext,
     Partition,
@@ -154,7 +155,8 @@ class _ElementwiseOp(KernelOp):
 
     def __init__(self, name: str, args: tuple[Any, ...], a: float, deferred: bool,
                  plan: _EwPlan | None = None) -> None:
-        DeviceOp.__init__(self)
+        self._state = FRESH  # (DeviceOp.__init__, written out: this is the per-op hot path)
+        self._ran_on = 0
         self._name = name
         self._run = _noop
         self._a = a

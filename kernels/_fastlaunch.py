@@ -282,8 +282,8 @@ def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, in
     """
     params = entry[0]
     try:
-        _driver_launch()(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                         stream_ptr, params, 0)
+        (_cu_launch or _driver_launch())(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1],
+                                         block[2], smem, stream_ptr, params, 0)
     except Exception as exc:
         ln._retry_or_raise(exc, grid, block, params, stream_ptr, smem)
     if recorder is not None:
