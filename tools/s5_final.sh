@@ -15,6 +15,17 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "$1" in
+tests)
+    timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+        $(ls tests/test_*.py | grep -v "test_nn_gpu.py") > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20; tail -2 "$OUT/gpu_tests.log"
+    t "gpu tests"
+    timeout 100 python3 benchmarks/op_cost.py --rounds 7 --n 200 --json "$OUT/op_cost.json" > "$OUT/op_cost.log" 2>&1
+    echo "op_cost rc=$?"; grep -v "^# " "$OUT/op_cost.log" | tail -20; t "op_cost"
+    ;;
+w)
+    mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied"
+    ;;
 a)
     mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied"
     timeout 90 python3 tools/gemm_precompile.py -j 16 > "$OUT/precompile.log" 2>&1 &
