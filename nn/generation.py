@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deviceops.scheduling import SingleStream
+
 from .model import check_sampling
 
 if TYPE_CHECKING:
@@ -197,15 +199,18 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
     max_new, stops, sampling = _setup(model, max_new_tokens, temperature, top_k, top_p, stop, seed, what)
     if max_new == 0:
         return
+    # the token copies run on the model's own stream (where the tokens are produced), not on
+    # a stream of the default policy, which may live on another device
+    on_model = SingleStream(model.device_stream)
     with _Busy(model, what):
         rows = _Rows(model, prompts, max_new, stops, sampling, graph)
         try:
             view = rows.start()
-            for _, tok in rows.accept(await model.read(view), [0]):
+            for _, tok in rows.accept(await model.read(view).schedule(on_model), [0]):
                 yield tok
             while act := rows.active():
                 view = rows.step(act)
-                for _, tok in rows.accept(await model.read(view), act):
+                for _, tok in rows.accept(await model.read(view).schedule(on_model), act):
                     yield tok
         finally:
             rows.close()
