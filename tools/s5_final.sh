@@ -25,6 +25,8 @@ tests)
     ;;
 w)
     mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider --timeout 50 -rf --tb=line tests/test_nn_tiny.py \
+        tests/test_nn_paged.py > "$OUT/nn_cpu_tests.log" 2>&1; echo "nn tests on cuda rc=$?"; tail -3 "$OUT/nn_cpu_tests.log"
     ;;
 a)
     mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied"
@@ -54,6 +56,7 @@ b)
     timeout 120 python3 benchmarks/decode.py --gguf /tmp/wts/model.gguf --no-transformers \
         --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1; echo "decode rc=$?"
     tail -25 "$OUT/decode.log"; t "decode"
+    [ -n "$NO_SERVE" ] && exit 0
     timeout ${T_SERVE:-120} python3 benchmarks/serve.py --gguf /tmp/wts/model.gguf \
         --levels ${LEVELS:-1,64} --cancel-requests ${CANCEL:-300} --no-transformers --no-http \
         --json "$OUT/serve.json" 2>&1 | grep -v "tensor/s" > "$OUT/serve.log"
