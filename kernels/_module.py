@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import deviceops
+
 _SRC_DIR = Path(__file__).resolve().parent / "src"
 _lock = threading.Lock()
 _modules: dict[tuple[str, tuple[str, ...], str, int], Any] = {}
@@ -98,8 +100,6 @@ def load_module(
     Returns:
         The compiled module. Use ``module.get_function(name)``.
     """
-    import cupy
-
     arch = device_arch(device_id) + arch_suffix
     key = (source, tuple(options) + tuple(name_expressions or ()), arch, device_id)
     mod = _modules.get(key)
@@ -109,15 +109,10 @@ def load_module(
         mod = _modules.get(key)
         if mod is not None:
             return mod
-        with cupy.cuda.Device(device_id):
-            opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
-            mod = cupy.RawModule(
-                code=source,
-                options=opts,
-                backend="nvrtc",
-                name_expressions=list(name_expressions) if name_expressions else None,
-            )
-            mod.compile()
+        # the CUDA backend compiles (NVRTC, sm_<cc><arch_suffix>, C++17 + options)
+        dev = deviceops.device(device_id)
+        mod = dev.backend.load_program(dev, source, options=tuple(options),
+                                       name_expressions=name_expressions, arch_suffix=arch_suffix)
         _modules[key] = mod
         return mod
 
