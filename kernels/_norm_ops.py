@@ -59,16 +59,25 @@ def rms_norm(x: Any, weight: Any, *, eps: float = 1e-6, out: Any = None) -> Kern
     return _RMS_NORM.op((x, weight, out), (_eps("rms_norm", eps),))
 
 
-def _rms_norm_parts(e: float) -> tuple[Check, Body]:
-    name = "rms_norm"
+def _norm_check(name: str, vectors: tuple[str, ...]) -> Check:
+    """The check of a row norm: ``x`` as :func:`_same_as_x`, then each of ``vectors``
+    (``weight``, ``bias``) a ``(D,)`` of x's dtype when given."""
     base = _same_as_x(name)
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
         res = base(ts)
         x = ts["x"]
         assert x is not None and ts["weight"] is not None
-        _vector(name, "weight", ts["weight"], x)
+        for v in vectors:
+            _vector(name, v, ts[v], x)
         return res
+
+    return check
+
+
+def _rms_norm_parts(e: float) -> tuple[Check, Body]:
+    name = "rms_norm"
+    check = _norm_check(name, ("weight",))
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
         x, w, o = ts["x"], ts["weight"], ts["out"]
@@ -111,15 +120,7 @@ def layer_norm(x: Any, weight: Any, bias: Any = None, *, eps: float = 1e-5, out:
 
 def _layer_norm_parts(e: float) -> tuple[Check, Body]:
     name = "layer_norm"
-    base = _same_as_x(name)
-
-    def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
-        res = base(ts)
-        x = ts["x"]
-        assert x is not None and ts["weight"] is not None
-        _vector(name, "weight", ts["weight"], x)
-        _vector(name, "bias", ts["bias"], x)
-        return res
+    check = _norm_check(name, ("weight", "bias"))
 
     def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
         x, w, o = ts["x"], ts["weight"], ts["out"]

@@ -59,3 +59,23 @@ def test_allocating_ops_stay_correct_with_reuse() -> None:
     for z in kept:
         np.testing.assert_array_equal(api.to_host(z).sync_on(s),
                                       2.0 * np.arange(4096, dtype=np.float32) ** 2)
+
+
+def test_elementwise_memo_holds_no_user_tensor() -> None:
+    """The elementwise launch memo (the last launch per kernel) keeps pointers and the packed
+    launch, never a storage: dropping the output frees it (issue 12 item 4)."""
+    import gc
+    import weakref
+
+    s = deviceops.device(0).new_stream()
+    x = api.ones((1024,)).sync_on(s)
+    for form in ("flat", "partition"):
+        z = api.zeros((1024,)).sync_on(s)
+        arg = z if form == "flat" else z.partition((256,))
+        for _ in range(3):  # the 2nd and 3rd calls take the memo path
+            kernels.saxpy(arg, 1.0, x).sync_on(s)
+        np.testing.assert_array_equal(api.to_host(z).sync_on(s), 3.0)
+        ref = weakref.ref(z._storage)
+        del z, arg
+        gc.collect()
+        assert ref() is None, f"{form}: the memo keeps the output alive"
