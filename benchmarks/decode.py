@@ -72,10 +72,14 @@ def bench_prefill(m: Any, lengths: list[int], reps: int, rng: np.random.Generato
                 devs.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
         w = _median_ms(walls)
         d = _median_ms(devs) if devs else float("nan")
+        graphs = getattr(m, "_pf_graphs", {})
+        eager = sorted(k[0] for k, g in graphs.items() if g is None)  # capture refused
         rows.append({"prompt": n, "wall_ms": w, "device_ms": d, "tokens_per_s_wall": n / w * 1e3,
-                     "tokens_per_s_device": n / d * 1e3 if devs else None})
+                     "tokens_per_s_device": n / d * 1e3 if devs else None,
+                     "graph_lengths_refused": eager})
         print(f"prefill {n:5d} tokens: {w:8.3f} ms wall ({n / w * 1e3:10.0f} tok/s), "
-              f"{d:8.3f} ms device", flush=True)
+              f"{d:8.3f} ms device" + (f"  (eager chunk lengths: {eager})" if eager else ""),
+              flush=True)
     return rows
 
 

@@ -17,7 +17,7 @@ import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor, api
 
 from ._forward import Thunk, chain, head, layers_chain
-from ._prefill import prefill_graph_op
+from ._prefill import graph_refused, prefill_graph_op
 
 if TYPE_CHECKING:
     from .model import CausalLM
@@ -131,8 +131,9 @@ def capture_graphs(m: CausalLM, graph: bool | None) -> int:
             try:
                 m._pf_graphs[key] = prefill_graph_op(m, *key).graph_on(s)
                 n += 1
-            except deviceops.DeviceError:
+            except deviceops.DeviceError as exc:
                 m._pf_graphs[key] = None
+                graph_refused(key, exc)
     s.synchronize()
     return n
 

@@ -7,6 +7,7 @@ parameters go to device buffers the graph reads. Functions of a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from ._forward import Thunk, chain, head, layers_chain
 if TYPE_CHECKING:
     from .model import CausalLM
 
-__all__ = ["bind_chunk", "prefill", "prefill_graph_op"]
+__all__ = ["bind_chunk", "graph_refused", "prefill", "prefill_graph_op"]
 
 
 def prefill(m: CausalLM, slot: int, ids: Sequence[int], start: int, sample: bool,
@@ -50,6 +51,14 @@ def prefill(m: CausalLM, slot: int, ids: Sequence[int], start: int, sample: bool
             m._h_counter[slot] += 1
         prefill_chunk_op(m, slot, part, start + a, tail, None).async_on(s)
     return m._tokens[slot:slot + 1] if sample else None
+
+
+def graph_refused(key: tuple[int, bool], exc: BaseException) -> None:
+    """Say (a ``RuntimeWarning``) that a prefill chunk graph could not be captured: chunks of
+    that padded length then run eagerly, correct but slower, for the model's lifetime."""
+    warnings.warn(f"prefill: the {key[0]}-token chunk graph (first chunk: {key[1]}) could not be "
+                  f"captured ({type(exc).__name__}: {exc}); chunks of that length run eagerly",
+                  RuntimeWarning, stacklevel=3)
 
 
 def pad_len(m: CausalLM, t: int) -> int:
@@ -84,8 +93,9 @@ def prefill_graphed(m: CausalLM, slot: int, part: list[int], start: int, draw: b
         prefill_graph_op(m, *key).sync_on(s)  # this chunk, eagerly; then capture
         try:
             m._pf_graphs[key] = prefill_graph_op(m, *key).graph_on(s)
-        except deviceops.DeviceError:  # capture refused (e.g. a kernel that allocates)
+        except deviceops.DeviceError as exc:  # capture refused (e.g. a kernel that allocates)
             m._pf_graphs[key] = None
+            graph_refused(key, exc)
     else:
         g.launch()
     r = slice(slot, slot + 1)
