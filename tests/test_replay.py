@@ -1,0 +1,91 @@
+"""Bound launches and kernel specs, the parts that need no GPU (kernels/_replay.py,
+kernels/_spec.py): what a recording maps to, when a record is stale, recorder hygiene, and
+the plan key (statics, signatures, aliasing). tests/test_replay_gpu.py checks replays
+against fresh executions on a GPU."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import deviceops
+from deviceops import ShapeError, api, kernels
+from deviceops.extend import set_launch_recorder
+from deviceops.kernels import _fastlaunch, _plan, _replay
+
+
+@pytest.fixture
+def s() -> deviceops.Stream:
+    return deviceops.device("cpu").new_stream()
+
+
+def test_record_maps_storages_to_argument_positions(s: deviceops.Stream) -> None:
+    a, b = api.ones((4,)).sync_on(s), api.zeros((4,)).sync_on(s)
+    view = b.reshape(2, 2)  # the same storage as b
+    args = (a, b, None, view)
+    sets = [([a._storage], [b._storage]), ([view._storage], [b._storage])]
+    rec = _replay.record([("call",)], sets, args)
+    assert rec is not None
+    assert rec.rpos == (0, 1) and rec.wpos == (1,)  # the view maps to b's position
+    assert rec.extra_r == () and rec.extra_w == ()
+
+
+def test_nothing_launched_or_declared_is_not_a_record(s: deviceops.Stream) -> None:
+    a = api.ones((4,)).sync_on(s)
+    assert _replay.record([], [([a._storage], [])], (a,)) is None
+    assert _replay.record([("call",)], [], (a,)) is None
+
+
+def test_a_workspace_is_held_weakly_and_a_dead_one_makes_the_record_stale(
+        s: deviceops.Stream) -> None:
+    a = api.ones((4,)).sync_on(s)
+    ws = api.zeros((64,)).sync_on(s)  # stands for the stream's workspace
+    rec = _replay.record([("call",)], [([a._storage], [ws._storage])], (a,))
+    assert rec is not None and rec.wpos == () and len(rec.extra_w) == 1
+    assert rec.extra_w[0]() is ws._storage
+    del ws
+    gc.collect()
+    assert rec.run(s, (a,), 0) is False  # stale: returns before any driver call
+
+
+def test_recorders_do_not_nest_and_are_reset_after_an_error() -> None:
+    with pytest.raises(ValueError), _replay.recording():
+        assert _fastlaunch.recorder is not None
+        raise ValueError("body failed")
+    assert _fastlaunch.recorder is None
+    prev = set_launch_recorder(None)
+    assert prev is None
+    with _replay.recording(), pytest.raises(RuntimeError, match="do not nest"), _replay.recording():
+        pass
+
+
+def test_statics_are_part_of_the_plan_key(s: deviceops.Stream) -> None:
+    x = api.from_host(np.linspace(-1, 1, 24, dtype=np.float32).reshape(3, 8)).sync_on(s)
+    w = api.ones((8,)).sync_on(s)
+    o = api.zeros((3, 8)).sync_on(s)
+    _plan.clear()
+    kernels.rms_norm(x, w, eps=1e-6, out=o).sync_on(s)
+    a = api.to_host(o).sync_on(s)
+    kernels.rms_norm(x, w, eps=0.5, out=o).sync_on(s)
+    b = api.to_host(o).sync_on(s)
+    assert _plan.stats()["misses"] == 2 and not np.allclose(a, b)
+    kernels.rms_norm(x, w, eps=0.5, out=o).sync_on(s)
+    assert _plan.stats()["hits"] == 1
+
+
+def test_one_spec_serving_two_launchers_names_the_one_called(s: deviceops.Stream) -> None:
+    a, b = api.ones((3, 4)).sync_on(s), api.ones((5, 6)).sync_on(s)
+    with pytest.raises(ShapeError, match=r"^matmul: "):
+        kernels.matmul(a, b)
+    with pytest.raises(ShapeError, match=r"^gemm: "):
+        kernels.gemm(a, b)
+
+
+def test_unhashable_static_still_works_uncached(s: deviceops.Stream) -> None:
+    from deviceops.kernels._norm_ops import _RMS_NORM
+
+    x, w = api.ones((2, 4)).sync_on(s), api.ones((4,)).sync_on(s)
+    out = _RMS_NORM.op((x, w, None), ([1e-6],)).sync_on(s)  # a list: not hashable
+    np.testing.assert_allclose(api.to_host(out).sync_on(s), 1.0, rtol=1e-5)
