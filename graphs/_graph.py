@@ -179,7 +179,7 @@ def host_task(fn: Any, name: str = "host_func") -> DeviceOp[None]:
     ``await``...) inside it raises :class:`~deviceops.NestedExecutionError`
     (waiting on its own stream would deadlock).
     """
-    from deviceops.api import _ApiOp
+    from deviceops._api_op import _ApiOp
 
     if not callable(fn):
         raise TypeError(f"host_task: fn must be callable, got {type(fn).__name__} {fn!r}")
