@@ -28,7 +28,6 @@ Everything here is stable for kernel authors; the modules it comes from are priv
 
 from __future__ import annotations
 
-from . import _trace
 from . import _trace as trace_state
 from ._context import ExecutionContext, enqueue_lock
 from ._dtypes import (
@@ -96,4 +95,4 @@ __all__ = [
 def tracing() -> bool:
     """True while a :func:`deviceops.trace` block records launches (kernels then take their
     fully reported path, not a replay)."""
-    return _trace.current is not None
+    return trace_state.current is not None

@@ -5,14 +5,14 @@ A launcher (``rms_norm``, ``gemm``, ...) describes its kernel with two functions
 * ``check(tensors) -> (out_shape, out_dtype)``: validates shapes, dtypes and layouts
   (raising :class:`~deviceops.ShapeError` / :class:`~deviceops.DTypeError` naming the op,
   the argument and the fix) and says what the output is;
-* ``body(ctx, tensors)``: launches, through :func:`deviceops._launch.launch`.
+* ``body(ctx, tensors)``: launches, through :func:`deviceops.extend.launch`.
 
 :func:`build_op` turns them into a :class:`._launch.KernelOp` whose output argument is
 ``out`` (allocated when ``None``); :func:`multi_op` does the same for several outputs (or an
-output that defaults to an input); both are one implementation.
-When every argument is a Tensor, the check's result comes from the plan cache
-(:mod:`._plan`); Partition and DeviceOp arguments are checked once their values are known,
-still before anything of the op is launched.
+output that defaults to an input); both are one implementation (:func:`_general_op`), which
+:class:`._spec.KernelSpec` also uses for Partition and DeviceOp arguments: those are checked
+once their values are known, still before anything of the op is launched. Tensor arguments
+are checked at construction.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from deviceops.extend import (
 )
 
 from ._launch import KernelOp, as_tensor, contiguous, is_deferred
-from ._plan import cached, static_key
 
 __all__ = ["OPTIONAL_ARGS", "Body", "Check", "MultiCheck", "Outputs", "build_op", "check_out",
            "checked", "multi_op", "noop", "plain_args", "require_tensors", "same_device"]
@@ -112,15 +111,10 @@ def build_op(name: str, args: dict[str, Any], check: Check, body: Body,
     Every argument not named in ``optional`` is required: ``None`` or a value that is
     not a Tensor/Partition/DeviceOp raises ``TypeError`` naming it, at construction.
 
-    When every argument is a Tensor (or ``None``), the check's result is looked up in the
-    plan cache (:mod:`._plan`) first, and the op launches without re-deriving anything.
+    An op built here checks on every call; the library's launchers are
+    :class:`._spec.KernelSpec` s, whose checks are cached and whose launches replay.
     """
-    if plain_args(name, args, optional):  # (multi_op's paths, without its defaults)
-        return _plain_op(name, args, check, True, body, _the_out, _NO_DEFAULTS)
-    return _general_op(name, args, check, True, body, _the_out, _NO_DEFAULTS)
-
-
-_NO_DEFAULTS: Mapping[str, str] = {}
+    return multi_op(name, args, check, body, _the_out, optional=optional, single=True)
 
 
 def _the_out(given: dict[str, Any]) -> Any:
@@ -139,10 +133,8 @@ def multi_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], body:
     ``result(values)`` builds the op's output from the argument values as given (allocated
     outputs filled in).
     """
-    dflt = dict(defaults or {})
-    if plain_args(name, args, optional):
-        return _plain_op(name, args, check, single, body, result, dflt)
-    return _general_op(name, args, check, single, body, result, dflt)
+    plain_args(name, args, optional)  # a required None or a wrong kind raises TypeError
+    return _general_op(name, args, check, single, body, result, dict(defaults or {}))
 
 
 def _outputs(name: str, ts: Mapping[str, Tensor | None], check: Callable[[Any], Any],
@@ -150,41 +142,6 @@ def _outputs(name: str, ts: Mapping[str, Tensor | None], check: Callable[[Any], 
     """The full check of ``ts`` as :data:`Outputs` (``single``: ``check`` gives ``out``'s)."""
     got = checked(name, ts, check)
     return {"out": got} if single else got
-
-
-def _plain_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], single: bool,
-              body: Body, result: Callable[[dict[str, Any]], Any],
-              dflt: Mapping[str, str]) -> KernelOp:
-    """Every argument a Tensor or ``None``: the check's result comes from the plan cache
-    (keyed by ``check`` itself), the launch reuses the argument dict built here."""
-    ts = args  # the launcher's own dict; copied only to fill in defaulted outputs
-    if dflt:
-        ts = dict(args)
-        for k, src in dflt.items():
-            if ts[k] is None:
-                ts[k] = ts[src]
-    vals = tuple(ts.values())  # the key sees the defaulted outputs' aliasing too
-    outs = cached(static_key(check), vals, lambda: _outputs(name, ts, check, single))
-    given = {k: t for k, t in ts.items() if t is not None}
-    first = next(iter(given.values()))
-    dev = first._storage.device
-    missing = [(k, shape, dt) for k, (shape, dt) in outs.items() if ts[k] is None]
-    res = None if missing else result(ts)
-
-    def run(ctx: ExecutionContext, *vs: Any) -> Any:
-        stream = ctx.stream
-        if stream.device is not dev:
-            check_device(first, stream, name)
-        if not missing:
-            body(ctx, given)
-            return res
-        now = dict(ts)
-        for k, shape, dt in missing:
-            now[k] = allocate(stream, shape, dt, name)
-        body(ctx, {k: t for k, t in now.items() if t is not None})
-        return result(now)
-
-    return KernelOp.plain(name, run, vals if ts is args else tuple(args.values()))
 
 
 def _general_op(name: str, args: dict[str, Any], check: Callable[[Any], Any], single: bool,

@@ -247,12 +247,6 @@ def pdl_enabled(device_index: int) -> bool:
 def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int],
                args: tuple[Any, ...], stream_ptr: int) -> None:
     """``ln(...)`` through ``cuLaunchKernelEx`` with programmatic stream serialization."""
-    global _cu_launch_ex
-    if _cu_launch_ex is None:
-        fn = libcuda().cuLaunchKernelEx
-        fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _cu_launch_ex = fn
     entry = ln._cache.get(args)
     if entry is None:
         ln._pack(args)
@@ -265,9 +259,7 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
         if len(_configs) >= _CACHE_LIMIT:
             del _configs[next(iter(_configs))]
         _configs[ckey] = cfg
-    rc = _cu_launch_ex(ctypes.byref(cfg[0]), ln._fptr, params, None)
-    if rc:
-        _pdl_failed(ln, rc)
+    _launch_ex(ln, cfg, params)
     if recorder is not None:
         recorder.append((ln, grid, block, 0, params, entry, cfg))
 
@@ -296,7 +288,17 @@ def _pdl_failed(ln: Launcher, rc: int) -> None:
                       "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
 
 
-_cu_launch_ex_addr: Any = None
+def _launch_ex(ln: Launcher, cfg: tuple[Any, ...], params: int) -> None:
+    """The ``cuLaunchKernelEx`` call of a PDL launch (config address, function, parameters)."""
+    global _cu_launch_ex
+    fn = _cu_launch_ex
+    if fn is None:
+        fn = _cu_launch_ex = libcuda().cuLaunchKernelEx
+        fn.argtypes = [ctypes.c_void_p] * 4
+        fn.restype = ctypes.c_int
+    rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
+    if rc:
+        _pdl_failed(ln, rc)
 
 
 def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
@@ -306,7 +308,6 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
     recorder appended it; ``entry`` keeps the parameter block alive. A PDL launch's config
     names the recording's stream, which is this one (records are per stream).
     """
-    global _cu_launch_ex_addr
     lk = _driver_launch()
     for ln, g, b, smem, params, _entry, cfg in calls:
         if cfg is None:
@@ -315,14 +316,7 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
             except Exception as exc:
                 ln._retry_or_raise(exc, g, b, params, stream_ptr, smem)
             continue
-        fn = _cu_launch_ex_addr
-        if fn is None:
-            fn = _cu_launch_ex_addr = libcuda()["cuLaunchKernelEx"]
-            fn.argtypes = [ctypes.c_void_p] * 4
-            fn.restype = ctypes.c_int
-        rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
-        if rc:
-            _pdl_failed(ln, rc)
+        _launch_ex(ln, cfg, params)
 
 
 # (grid, block, stream) -> (launch config, its attribute): built once, reused (the driver

@@ -81,17 +81,6 @@ class KernelOp(DeviceOp[Any]):
         self._run = run
         self._set_args(args)
 
-    @classmethod
-    def plain(cls, name: str, run: Callable[..., Any], args: tuple[Any, ...]) -> KernelOp:
-        """A KernelOp whose arguments are known to hold no DeviceOp (Tensors, ``None``)."""
-        op = cls.__new__(cls)
-        DeviceOp.__init__(op)
-        op._name = name
-        op._run = run
-        op._args = args
-        op._dpos = ()
-        return op
-
     def _set_args(self, args: tuple[Any, ...]) -> None:
         dpos = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp))
         if dpos:

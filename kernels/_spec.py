@@ -251,8 +251,10 @@ class _PlannedOp(KernelOp):
 
     @classmethod
     def make(cls, plan: Plan, vals: tuple[Any, ...]) -> _PlannedOp:
-        op = cls.__new__(cls)
-        DeviceOp.__init__(op)
+        """The op (as :meth:`KernelSpec.op` builds it inline on its per-call path)."""
+        op = _new_op(cls)
+        op._state = FRESH
+        op._ran_on = 0
         op._name = plan.name
         op._args = vals
         op._plan = plan
