@@ -534,14 +534,18 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
 
 
 def apply_variant(var: str) -> None:
-    """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` knobs."""
+    """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` /
+    ``warps=N`` knobs."""
     defines = []
-    ov = replace(current(), attention_split_min_steps=None)  # SPLIT_MIN_STEPS unless given
+    # SPLIT_MIN_STEPS and the planner's warps unless given
+    ov = replace(current(), attention_split_min_steps=None, attention_split_warps=None)
     for tok in var.split():
         if tok.startswith("min_steps="):
             ov = replace(ov, attention_split_min_steps=int(tok.split("=")[1]))
         elif tok.startswith("target="):
             ov = replace(ov, attention_split_blocks_per_sm=int(tok.split("=")[1]))
+        elif tok.startswith("warps="):
+            ov = replace(ov, attention_split_warps=int(tok.split("=")[1]))
         else:
             defines.append(tok)
     set_overrides(replace(ov, attention_splitkv_defines=tuple(defines)))

@@ -29,6 +29,7 @@ table layout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -238,26 +239,27 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
     return row
 
 
-def bench_models(models: list[str], ms: list[int], variants: list[str], bw: float) -> list[dict[str, Any]]:
+def bench_models(models: list[str], ms: list[int], variants: list[str], bw: float,
+                 layouts: tuple[bool, ...] = (True,)) -> list[dict[str, Any]]:
+    """Model-shape rows; ``layouts``: ``trans_b`` values (True: weights (N, K); False: (K, N))."""
     import cupy as cp
     import torch
 
     timer = _Timer(torch)
     rows = []
     for key in models:
-        for model, layer, k, n in MODELS[key]:
-            for m in ms:
-                vs = [v for v in variants if not v.startswith("skinny") or m <= _gemm.SKINNY_MAX_M]
-                try:
-                    row = _bench(cp, torch, timer, "bfloat16", m, n, k, True, vs, bw)
-                except Exception as exc:  # keep the table going; the row records the failure
-                    row = {"M": m, "N": n, "K": k, "dtype": "bfloat16", "error": repr(exc)[:300]}
-                row.update(model=model, layer=layer)
-                rows.append(row)
-                extra = {k2: round(v, 2) for k2, v in row.items() if k2.startswith("var_")}
-                print(_table([row]).splitlines()[-1], extra, row.get("error", ""), flush=True)
-                torch.cuda.empty_cache()
-                cp.get_default_memory_pool().free_all_blocks()
+        for (model, layer, k, n), m, tb in itertools.product(MODELS[key], ms, layouts):
+            vs = [v for v in variants if not v.startswith("skinny") or m <= _gemm.SKINNY_MAX_M]
+            try:
+                row = _bench(cp, torch, timer, "bfloat16", m, n, k, tb, vs, bw)
+            except Exception as exc:  # keep the table going; the row records the failure
+                row = {"M": m, "N": n, "K": k, "dtype": "bfloat16", "error": repr(exc)[:300]}
+            row.update(model=model, layer=layer + ("" if tb else " b (K, N)"))
+            rows.append(row)
+            extra = {k2: round(v, 2) for k2, v in row.items() if k2.startswith("var_")}
+            print(_table([row]).splitlines()[-1], extra, row.get("error", ""), flush=True)
+            torch.cuda.empty_cache()
+            cp.get_default_memory_pool().free_all_blocks()
     return rows
 
 
@@ -342,6 +344,8 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="also host cost per call")
     ap.add_argument("--variants", default="", help="extra forced configs timed for ours, e.g. skinny:2,skinny:8")
     ap.add_argument("--quick", action="store_true", help="model tables at M = 1 and 32 only")
+    ap.add_argument("--layout", choices=("nk", "kn", "both"), default="nk",
+                    help="model weights as (N, K) with trans_b (checkpoints), as (K, N), or both")
     args = ap.parse_args()
     if args.quick:
         args.m = "1,32"
@@ -366,7 +370,8 @@ def main() -> None:
         models = [x for x in args.models.split(",") if x]
         ms = [int(x) for x in args.m.split(",") if x]
         print(_table([]))
-        out["rows"] = bench_models(models, ms, variants, bw) if models else []
+        layouts = {"nk": (True,), "kn": (False,), "both": (True, False)}[args.layout]
+        out["rows"] = bench_models(models, ms, variants, bw, layouts) if models else []
         if args.classic:
             out["classic"] = bench_classic([])
         if args.host:

@@ -60,6 +60,7 @@ from ._attention_plan import (
     SPLITKV_MIN_BLOCKS,
     attention_workspace_nbytes,
     plan_splitkv,
+    splitkv_warps,
 )
 from ._attention_reference import attention_reference
 
@@ -77,5 +78,6 @@ __all__ = [
     "attention_workspace_nbytes",
     "flash_attention_cuda",
     "plan_splitkv",
+    "splitkv_warps",
     "supported_dtypes",
 ]

@@ -31,6 +31,7 @@ from ._attention_plan import (
     logical_lk,
     plan_splitkv,
     sm90_smem_bytes,
+    splitkv_warps,
     ws_layout,
 )
 from ._experiment import KernelOverrides
@@ -78,9 +79,10 @@ def _sm90_kernel(
 
 
 def _splitkv_kernels(
-    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, extra: tuple[str, ...]
+    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, warps: int,
+    extra: tuple[str, ...],
 ) -> tuple[Any, Any]:
-    key = ("splitkv", device_id, d, gt, bf16, f32, paged, extra)
+    key = ("splitkv", device_id, d, gt, bf16, f32, paged, warps, extra)
     fns = _kernels.get(key)
     if fns is None:
         opts = (
@@ -89,6 +91,7 @@ def _splitkv_kernels(
             f"-DATTN_BF16={int(bf16)}",
             f"-DATTN_F32={int(f32)}",
             f"-DATTN_PAGED={int(paged)}",
+            f"-DATTN_NWARP={warps}",
             f"-DATTN_GRANULE={SPLIT_GRANULE}",
             *extra,
         )
@@ -96,7 +99,8 @@ def _splitkv_kernels(
         if not f32 and gt <= 4 and not overridden:
             # 128 registers: 4 resident blocks per SM instead of 3 (measured on H100:
             # B1 Lk32k GQA 32/8 D128 67.8 -> 56.5 us); float32 and 8 heads/block would spill.
-            opts = (*opts, f"-DATTN_MINB={SPLITKV_MIN_BLOCKS}")
+            # Larger blocks keep the same 128-register budget (16 warps per SM).
+            opts = (*opts, f"-DATTN_MINB={max(1, SPLITKV_MIN_BLOCKS * 4 // warps)}")
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
         fns = (
@@ -253,9 +257,12 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
 
     # Split-KV path (decode, float32, paged, or the portable fallback). n_split is the most
     # splits any row may use (the workspace stride); the kernel splits each row's kv_len.
+    bps = ov.attention_split_blocks_per_sm or SPLIT_BLOCKS_PER_SM
+    warps, may_split = splitkv_warps(b, hq, hkv, lq, lk, d, f32=f32, n_sm=n_sm,
+                                     forced=ov.attention_split_warps, blocks_per_sm=bps)
     gt, n_hchunk, n_split = plan_splitkv(
-        b, hq, hkv, lq, lk, d, n_sm=n_sm, split=workspace is not None,
-        blocks_per_sm=ov.attention_split_blocks_per_sm or SPLIT_BLOCKS_PER_SM,
+        b, hq, hkv, lq, lk, d, n_sm=n_sm, split=workspace is not None and may_split, warps=warps,
+        blocks_per_sm=bps,
         min_steps=(SPLIT_MIN_STEPS if ov.attention_split_min_steps is None
                    else ov.attention_split_min_steps),
     )  # fmt: skip
@@ -274,7 +281,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
     else:
         mb, bs, nb = 0, 0, 0
-    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged,
+    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps,
                                    ov.attention_splitkv_defines)
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
@@ -294,7 +301,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
             wo, wml = base_ptr + o_off, base_ptr + ml_off
         sptr = int(stream.ptr)
         optr = int(out.data.ptr)
-        go(fn, grid, (128, 1, 1),
+        go(fn, grid, (32 * warps, 1, 1),
            (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
            sptr)  # fmt: skip
         if n_split > 1:

@@ -17,6 +17,7 @@ __all__ = [
     "logical_lk",
     "plan_splitkv",
     "sm90_smem_bytes",
+    "splitkv_warps",
     "ws_layout",
 ]
 
@@ -26,10 +27,11 @@ DECODE_MAX_LQ = 8
 MAX_SPLITS = 64
 #: Keys per split are a multiple of this.
 SPLIT_GRANULE = 64
-#: The decode path splits the keys until at most this many blocks per multiprocessor run
-#: (two waves of 4 resident blocks; a row with fewer valid keys uses fewer splits, see
-#: attn_splitkv.cu).
-SPLIT_BLOCKS_PER_SM = 8
+#: The decode path splits the keys until at most this many 4-warp blocks per multiprocessor
+#: run (one wave of 4 resident blocks; was 8, two waves, until the sixth session's sweep:
+#: GQA 32/8 B8 Lk1k 21.6 -> 19.3 us, SmolLM2 B8 Lk2k 16.0 -> 13.2 us; a row with fewer
+#: valid keys uses fewer splits, see attn_splitkv.cu).
+SPLIT_BLOCKS_PER_SM = 4
 #: No split (and no combine launch) when Lk is at most this many block steps of keys: a
 #: short cache costs less in one kernel than in two.
 SPLIT_MIN_STEPS = 4
@@ -107,38 +109,94 @@ def plan_splitkv(
     split: bool,
     blocks_per_sm: int = SPLIT_BLOCKS_PER_SM,
     min_steps: int = SPLIT_MIN_STEPS,
+    warps: int = 4,
 ) -> tuple[int, int, int]:
     """Launch plan of the split-KV kernel: ``(heads per block, head chunks, n_split)``.
 
     ``n_split`` is the most splits any batch row may use (the workspace stride; the kernel
     splits each row's own ``kv_len`` into at most that many). No split without a workspace
     (``split=False``), for ``Lq > DECODE_MAX_LQ``, or for a cache of at most
-    ``min_steps`` block steps of keys; at most ``blocks_per_sm * n_sm`` blocks otherwise
-    (benchmarks sweep both through :mod:`._experiment`). Pure host arithmetic (tested on
-    the cpu).
+    ``min_steps`` block steps of keys; at most ``blocks_per_sm * n_sm`` blocks of 4 warps
+    otherwise (blocks of ``warps`` warps count ``warps / 4`` each; benchmarks sweep all
+    three through :mod:`._experiment`). Pure host arithmetic (tested on the cpu).
     """
     g = hq // hkv
-    gt = 1
-    while gt < min(g, 8):
-        gt *= 2
+    gt = _heads_per_block(g)
     n_hchunk = -(-g // gt)
     base_blocks = b * hkv * lq * n_hchunk
     n_split = 1
-    if split and lq <= DECODE_MAX_LQ and lk > min_steps * _block_step(d):
+    if split and lq <= DECODE_MAX_LQ and lk > min_steps * _block_step(d, warps):
         # Round down: a grid just past a whole number of waves leaves a nearly empty last
         # wave (H100, B8 Lk32k GQA 32/8 D128: 17 splits = 1088 blocks 380 us; the same
         # kernel at 16 x 2048 keys = 1024 blocks 354.5 us, benchmarks/RESULTS-attention.md).
-        want = max(1, blocks_per_sm * n_sm // base_blocks)
+        want = max(1, blocks_per_sm * n_sm * 4 // (warps * base_blocks))
         n_split = min(want, _num_splits_upper(lk))
     return gt, n_hchunk, n_split
 
 
-def _block_step(d: int) -> int:
-    """Keys one split-KV block covers per loop step (4 warps x keys per warp x 4)."""
+def _heads_per_block(g: int) -> int:
+    """Query heads one split-KV block serves: ``g`` rounded up to a power of two, at most 8."""
+    gt = 1
+    while gt < min(g, 8):
+        gt *= 2
+    return gt
+
+
+def splitkv_warps(
+    b: int, hq: int, hkv: int, lq: int, lk: int, d: int, *, f32: bool, n_sm: int,
+    forced: int | None = None, blocks_per_sm: int = SPLIT_BLOCKS_PER_SM,
+) -> tuple[int, bool]:
+    """Warps per split-KV block (4, 8 or 16) and whether the keys may be split.
+
+    Blocks of more than 4 warps need 16-bit data, at most 4 heads per block and their
+    per-warp partials within 32 KiB of shared memory. Measured on H100 (every decode-table
+    point, ``tools/attn_warps_sweep_gpu.py``, benchmarks/RESULTS.md), with ``P`` the
+    (batch row, kv head, query, head chunk) pairs and ``R = 16 n_sm`` the resident warps:
+
+    * a cache of at most ``SPLIT_MIN_STEPS`` 4-warp steps: 8 warps, unsplit;
+    * ``R / 2 <= P w <= R`` for ``w`` = 16 or 8: ``w`` warps, unsplit (one wave, no combine
+      launch: SmolLM2 B32 Lk512 14.8 -> 10.5 us, GQA 32/8 B32 Lk1k 53.6 -> 48.7 us);
+    * too few pairs for 4-warp splits (the split count would pass its cap) and a cache long
+      enough for a full 16-warp step per split: 16 warps, split (GQA B1 Lk4k 16.6 -> 14.8 us);
+    * otherwise 4 warps, split.
+
+    ``forced`` (an experiment override) must fit the same constraints; otherwise
+    ``ValueError``.
+    """
+    gt = _heads_per_block(hq // hkv)
+
+    def ok(w: int) -> bool:
+        return w == 4 or (w in (8, 16) and not f32 and gt <= 4 and w * gt * d * 4 <= 32768)
+
+    if forced is not None:
+        if not ok(forced):
+            raise ValueError(
+                f"flash_attention: {forced} warps per split-KV block cannot serve head dim {d}, "
+                f"{gt} heads per block, float32={f32}; use 4"
+            )
+        return forced, True
+    if lq > DECODE_MAX_LQ or not ok(8):
+        return 4, True
+    pairs = b * hkv * lq * -(-(hq // hkv) // gt)
+    resident = 16 * n_sm
+    if lk <= SPLIT_MIN_STEPS * _block_step(d, 4):
+        return 8, False
+    for w in (16, 8):
+        if ok(w) and resident <= 2 * pairs * w <= 2 * resident:
+            return w, False
+    want4 = blocks_per_sm * n_sm // pairs
+    capped = want4 > min(MAX_SPLITS, _num_splits_upper(lk))
+    if ok(16) and capped and 1 <= want4 // 4 <= lk // _block_step(d, 16):
+        return 16, True
+    return 4, True
+
+
+def _block_step(d: int, warps: int = 4) -> int:
+    """Keys one split-KV block covers per loop step (warps x keys per warp x 4)."""
     lanes = 1
     while lanes < min(32, d // 8):
         lanes *= 2
-    return 4 * (32 // lanes) * 4
+    return warps * (32 // lanes) * 4
 
 
 def ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:

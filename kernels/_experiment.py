@@ -51,6 +51,8 @@ class KernelOverrides:
         attention_split_min_steps: replaces ``SPLIT_MIN_STEPS`` (no split for a cache of
             at most this many block steps of keys).
         attention_split_blocks_per_sm: replaces ``SPLIT_BLOCKS_PER_SM`` (the split target).
+        attention_split_warps: warps per split-KV block (4, 8 or 16) instead of the
+            planner's choice.
     """
 
     gemm_path: str | None = None
@@ -62,11 +64,17 @@ class KernelOverrides:
     attention_splitkv_defines: tuple[str, ...] = ()
     attention_split_min_steps: int | None = None
     attention_split_blocks_per_sm: int | None = None
+    attention_split_warps: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_path not in (None, "splitkv"):
             raise ValueError(
                 f"KernelOverrides: attention_path={self.attention_path!r}; use None or 'splitkv'"
+            )
+        if self.attention_split_warps not in (None, 4, 8, 16):
+            raise ValueError(
+                f"KernelOverrides: attention_split_warps={self.attention_split_warps!r}; "
+                "use None, 4, 8 or 16"
             )
         for name in ("gemm_sm90_defines", "attention_sm90_defines", "attention_splitkv_defines"):
             val = getattr(self, name)

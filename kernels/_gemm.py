@@ -36,7 +36,9 @@ handed in, so calls can be captured into CUDA graphs):
   into ``mma.sync`` fragments (``out^T = W a^T``, the k order permuted identically in both
   operands), warps of a block split K and reduce through shared memory, no workspace.
 * ``gemm_gemv`` (any sm): f16/bf16, b not transposed, at most 8 rows and ``N % 8 == 0``:
-  CUDA-core FMA streaming B once with 16-byte loads, no split-K round trip.
+  CUDA-core FMA streaming B once, each half-warp reading 256 contiguous bytes of a row; on
+  sm_90 a cluster of up to 8 blocks splits K and reduces through distributed shared memory
+  (one launch, no workspace, deterministic); :func:`._gemm_plan.gemv_config`.
 * ``gemm_sm80`` (sm_80+: A100, L4, H100, ...): ``cp.async`` 3-stage pipeline, ``ldmatrix``
   and ``mma.sync`` m16n8k16 (f16/bf16) or m16n8k8 (tf32); any shape and alignment.
 * ``gemm_simt`` (any sm_70+): float32 FFMA register-tiled SGEMM (128x128x8 tiles).
@@ -65,6 +67,7 @@ from ._gemm_plan import (
     _dims,
     _plan,
     gemm_workspace_nbytes,
+    gemv_config,
     skinny_config,
 )
 from ._gemm_reference import _act_np, _round_tf32, gemm_reference
@@ -84,5 +87,6 @@ __all__ = [
     "gemm_cuda",
     "gemm_reference",
     "gemm_workspace_nbytes",
+    "gemv_config",
     "skinny_config",
 ]

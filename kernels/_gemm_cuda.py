@@ -283,9 +283,12 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
 
         return run_skinny
     if path == "gemv":
-        ln = _launcher(dev, "gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}",), "ppppiiiqffiii")
-        grid_gv = (G._cdiv(n, 16), 1, batch)
-        tail_gv = (m, n, k, w_bstride, *epi)
+        cl, mr, lpr, pf = G.gemv_config(m, n, k, cc)
+        a_vec = int(k % 8 == 0 and a16)
+        ln = _launcher(dev, "gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}", f"GV_CL={cl}", f"GV_MR={mr}",
+                       f"GV_LPR={lpr}", f"GV_PF={pf}"), "ppppiiiqffiiii")  # fmt: skip
+        grid_gv = (G._cdiv(n, 8 * lpr), cl, batch)
+        tail_gv = (m, n, k, w_bstride, *epi, a_vec)
 
         def run_gemv(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
             ln(grid_gv, (256, 1, 1), (ap, bp, op, biasp or op, *tail_gv), sp)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "skinny_config"]
+__all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "gemv_config", "skinny_config"]
 
 # sm_90 configs: name -> (BN, NCW, STAGES); block tile is (64 * NCW) x BN.
 SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
@@ -23,6 +23,9 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
     "64x128": (128, 1, 8),
 }
 GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
+# On sm_90 the GEMV serves M = 1, and M <= 4 for weights of at most this many elements; the
+# TMA tiles are faster above (H100, tools/gemv_gpu.py: M = 8 4096x4096 64.4 vs 18.9 us).
+_GEMV_SMALL_WEIGHT = 1 << 21
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
@@ -144,7 +147,8 @@ def _plan(
         return "sm80", wm, s, _cdiv(kt, s)
     if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
         return "skinny", skinny_config(batch, m, n, k), 1, 0
-    if not trans_b and gemv_ok and m <= GEMV_MAX_M and n % 8 == 0:
+    if not trans_b and gemv_ok and n % 8 == 0 and (m == 1 or (m <= GEMV_MAX_M and (not sm90 or (
+            m <= 4 and k * n <= _GEMV_SMALL_WEIGHT)))):
         return "gemv", None, 1, 0
     if sm90:
         return ("sm90", *_plan_sm90(batch, m, n, k, n_sm))
@@ -153,6 +157,28 @@ def _plan(
     kt = _cdiv(k, 32)
     s = _splits_for(tiles, kt, n_sm)
     return "sm80", wm, s, _cdiv(kt, s)
+
+
+def gemv_config(m: int, n: int, k: int, cc: int) -> tuple[int, int, int, int]:
+    """``(cluster slices of K, rows compiled for, lanes per row segment, prefetch)`` of the
+    ``gemm_gemv`` kernel (b as (K, N)).
+
+    Strips of ``8 * lanes`` columns (64 for ``N <= 1024``, else 128); on sm_90 a cluster of
+    up to 8 blocks splits K (one launch, no workspace) until the grid holds two blocks per
+    SM, each slice keeping at least 128 rows (one step of the block's row groups); the next
+    step's rows are prefetched when a block has at least 1024 rows. Measured on H100
+    (``tools/gemv_gpu.py``, benchmarks/RESULTS.md). Other GPUs: one slice.
+    """
+    lpr = 8 if n <= 1024 else 16
+    strips = _cdiv(n, 8 * lpr)
+    cl = 1
+    if cc >= 90:
+        while cl < 8 and strips * cl < 2 * _NOMINAL_SMS and k >= 256 * cl:
+            cl *= 2
+    mr = 1
+    while mr < m:
+        mr *= 2
+    return cl, mr, lpr, int(k // cl >= 1024)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,13 +27,15 @@ from deviceops.kernels import _experiment
 from .conftest import to_np
 
 # Optional split-KV variant under test, in benchmarks/attention.py's syntax (NVRTC defines plus
-# min_steps=N / target=N), so a device run can validate a variant before it becomes the default.
+# min_steps=N / target=N / warps=N), so a device run can validate a variant before it becomes the default.
 _variant: dict[str, Any] = {}
 for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
     if _tok.startswith("min_steps="):
         _variant["attention_split_min_steps"] = int(_tok.split("=")[1])
     elif _tok.startswith("target="):
         _variant["attention_split_blocks_per_sm"] = int(_tok.split("=")[1])
+    elif _tok.startswith("warps="):
+        _variant["attention_split_warps"] = int(_tok.split("=")[1])
     else:
         _variant["attention_splitkv_defines"] = (*_variant.get("attention_splitkv_defines", ()), _tok)
 
@@ -149,9 +151,9 @@ def test_workspace_nbytes() -> None:
 
 def test_plan_splitkv() -> None:
     plan = attn.plan_splitkv
-    # GQA 32/8 D128 on 132 SMs: two waves of 4 blocks per SM at most, never just past them
-    assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True) == (4, 1, 16)  # 1024 blocks
-    assert plan(32, 32, 8, 1, 4096, 128, n_sm=132, split=True) == (4, 1, 4)
+    # GQA 32/8 D128 on 132 SMs: one wave of 4 blocks per SM at most, never just past it
+    assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True) == (4, 1, 8)  # 512 blocks
+    assert plan(32, 32, 8, 1, 4096, 128, n_sm=132, split=True) == (4, 1, 2)
     assert plan(1, 32, 8, 1, 4096, 128, n_sm=132, split=True)[2] == attn.MAX_SPLITS
     # SmolLM2 9/3 heads of 64: 3 heads per kv head served by one block of 4
     assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True) == (4, 1, 1)  # <= 4 steps: no split
@@ -176,8 +178,8 @@ def test_plan_splitkv_knobs() -> None:
     assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True)[2] == 1  # 4 block steps: no split
     assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True, min_steps=0)[2] > 1
     full = plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True)[2]
-    half = plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True, blocks_per_sm=4)[2]
-    assert (full, half) == (16, 8)
+    half = plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True, blocks_per_sm=2)[2]
+    assert (full, half) == (8, 4)
 
 
 def test_kernel_overrides_scoped() -> None:
@@ -742,6 +744,65 @@ def _check_kv_len(dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
             assert np.isfinite(out.astype(np.float64)).all(), (causal, ws)
             err = rel_err(out, want)
             assert err < TOL[dtype], (causal, ws, kv_len, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(32, 9, 3), (64, 9, 3), (128, 32, 8), (128, 4, 4)])
+@pytest.mark.parametrize("lq", [1, 3, 8])
+def test_gpu_wide_blocks(warps: int, dtype: np.dtype, d: int, hq: int, hkv: int, lq: int) -> None:
+    """8- and 16-warp split-KV blocks, split and unsplit, contiguous and paged caches."""
+    rng = np.random.default_rng()
+    b, lk = 3, 1111
+    kv_len = np.array([lq, lk, int(rng.integers(lq, lk))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    kp, vp, table = _paged(rng, k, v, kv_len, 16)
+    for min_steps in (0, 1 << 20):  # split whenever possible / never
+        with _experiment.overrides(attention_split_warps=warps,
+                                   attention_split_min_steps=min_steps):
+            for causal in (True, False):
+                want = ref64(q, k, v, causal, kv_len=kv_len)
+                out = _run_gpu_kv(q, k, v, causal, kv_len)
+                assert rel_err(out, want) < TOL[dtype], ("contiguous", min_steps, causal)
+                out = _run_gpu_kv(q, kp, vp, causal, kv_len, table)
+                assert rel_err(out, want) < TOL[dtype], ("paged", min_steps, causal)
+
+
+def test_splitkv_warps_rule() -> None:
+    """The measured rule (H100 sweep): wide unsplit blocks for batches that fill one wave,
+    16-warp splits for few long rows, 8 warps for short caches; 4 otherwise and for float32."""
+    def w(*args: int, **kw: Any) -> tuple[int, bool]:
+        return attn.splitkv_warps(*args, n_sm=132, **{"f32": False, **kw})
+
+    assert w(32, 9, 3, 1, 512, 64) == (16, False)  # SmolLM2 B32: 96 pairs
+    assert w(32, 9, 3, 1, 2048, 64) == (16, False)
+    assert w(32, 32, 8, 1, 1024, 128) == (8, False)  # GQA B32: 256 pairs
+    assert w(8, 32, 8, 1, 1024, 128) == (4, True)  # GQA B8: 64 pairs split
+    assert w(1, 32, 8, 1, 1024, 128) == (4, True)
+    assert w(1, 32, 8, 1, 4096, 128) == (16, True)  # GQA B1 long cache
+    assert w(1, 9, 3, 1, 1024, 64) == (4, True)  # too short for 16-warp steps per split
+    assert w(1, 9, 3, 1, 256, 64) == (8, False)  # short cache
+    assert w(1, 32, 8, 1, 4096, 128, f32=True) == (4, True)
+    assert w(1, 32, 8, 20, 4096, 128) == (4, True)  # not decode
+    assert w(64, 32, 8, 1, 4096, 128) == (4, True)  # 512 pairs: 4-warp blocks fill the GPU
+    with pytest.raises(ValueError, match="16 warps per split-KV block cannot serve head dim 256"):
+        w(1, 32, 8, 1, 4096, 256, forced=16)
+    with pytest.raises(ValueError, match="float32=True"):
+        w(1, 9, 3, 1, 512, 64, f32=True, forced=8)
+    assert w(1, 9, 3, 1, 512, 64, forced=16) == (16, True)
+    for args in [(32, 9, 3, 1, 512, 64), (1, 32, 8, 1, 32768, 128), (8, 64, 8, 1, 4096, 256)]:
+        assert w(*args)[0] in (4, 8, 16)
+        assert w(*args, f32=True) == (4, True)
+
+
+def test_plan_splitkv_counts_wide_blocks() -> None:
+    """A block of 16 warps counts as four of 4 warps against the split target."""
+    p4 = attn.plan_splitkv(8, 32, 8, 1, 32768, 128, n_sm=132, split=True, warps=4)
+    p16 = attn.plan_splitkv(8, 32, 8, 1, 32768, 128, n_sm=132, split=True, warps=16)
+    assert p4 == (4, 1, 8) and p16 == (4, 1, 2)
 
 
 @pytest.mark.gpu

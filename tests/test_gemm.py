@@ -188,7 +188,8 @@ def test_plan_paths_for_inference_shapes() -> None:
     for m in (1, 8, 17, 32, 64):
         assert plan(1, m, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "skinny"
     assert plan(1, 65, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "sm90"
-    assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"  # (K, N) b
+    assert plan(1, 1, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"  # (K, N) b
+    assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "sm90"
     assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, True, False)[0] == "sm90"  # misaligned
     assert plan(1, 8, 4096, 4096, F32, False, True, 132, True, True, True)[0] == "simt"
 
@@ -327,6 +328,9 @@ def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: A
     dout = cupy.asarray(c) if cs["beta"] != 0.0 else cupy.full((*batch, m, n), np.nan, dtype=dt)
     nbytes = _gemm.gemm_workspace_nbytes(a.shape, b_given.shape, dt, tb)
     ws = cupy.empty(max(nbytes, 12 * c.size) // 4 + 1, dtype=np.float32)
+    # the poison fill ran on CuPy's legacy default stream, which a non-blocking `stream` does
+    # not wait for: without this a fast kernel could finish before the fill overwrites it
+    cupy.cuda.Device().synchronize()
     with overrides(gemm_path=cs["force"]):
         _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
                         tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
@@ -433,6 +437,71 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
               "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": "skinny", "trans_b": True}  # fmt: skip
         err = _run_case(cupy, rng, cs, stream)
         assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_gemv_b_kn_odd_shapes(dtype: np.dtype[Any]) -> None:
+    """The GEMV path (b as (K, N), M <= 8): K slices of a cluster (K from 1 to 4103, K % 8 != 0
+    included), strip tails in N, every row count, batched weights, epilogues; deterministic."""
+    cupy = _cupy()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    shapes = [(1, 8, 1), (1, 136, 7), (2, 264, 255), (3, 4096, 256), (4, 520, 511), (1, 1000, 1024),
+              (1, 128, 1543), (1, 2056, 3001), (1, 4104, 4103), (1, 4096, 4096), (4, 576, 1536), (1, 49160, 584),
+              (1, 14336, 4096)]
+    for i, (m, n, k) in enumerate(shapes):
+        assert _gemm._plan(1, m, n, k, dtype, False, True, 132, True, False, True)[0] == "gemv"
+        cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
+              "bias": i % 2 == 0, "act": ACTS[i % 4], "alpha": 0.5 if i % 2 else 1.0,
+              "beta": -0.5 if i % 3 == 0 else 0.0, "force": None, "trans_b": False}  # fmt: skip
+        err = _run_case(cupy, rng, cs, stream)
+        assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
+    for batch, bb, m in (((3,), True, 1), ((2,), False, 2)):
+        cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": 72, "k": 1200, "batch": batch, "b_batched": bb,
+              "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": None, "trans_b": False}  # fmt: skip
+        err = _run_case(cupy, rng, cs, stream)
+        assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
+    # the cluster reduction sums the K slices in a fixed order: bit-identical repeats
+    a = cupy.asarray(_rand(rng, (1, 4096), dtype))
+    b = cupy.asarray(_rand(rng, (4096, 1000), dtype))
+    outs = []
+    for _ in range(3):
+        o = cupy.full((1, 1000), np.nan, dtype=dtype)
+        cupy.cuda.Device().synchronize()  # the fill ran on the legacy stream
+        _gemm.gemm_cuda(a, b, o, stream=stream)
+        stream.synchronize()
+        outs.append(cupy.asnumpy(o).view(np.uint16))
+    assert all((x == outs[0]).all() for x in outs[1:]), f"seed={seed}: gemv results differ between runs"
+
+
+def test_gemv_config() -> None:
+    """Cluster slices of K on sm_90 until two blocks per SM (at least 128 rows each), one
+    slice elsewhere; rows rounded up to a power of two; narrow strips for small N."""
+    assert _gemm.gemv_config(1, 4096, 4096, 90) == (8, 1, 16, 0)
+    assert _gemm.gemv_config(1, 14336, 4096, 90) == (4, 1, 16, 1)
+    assert _gemm.gemv_config(1, 49152, 576, 90) == (1, 1, 16, 0)
+    assert _gemm.gemv_config(3, 576, 1536, 90) == (8, 4, 8, 0)
+    assert _gemm.gemv_config(8, 4096, 1023, 90) == (4, 8, 16, 0)
+    assert _gemm.gemv_config(2, 4096, 255, 90) == (1, 2, 16, 0)
+    assert _gemm.gemv_config(1, 4096, 4096, 80) == (1, 1, 16, 1)
+    for m in range(1, 9):
+        for n, k in ((8, 1), (1000, 100), (4096, 256), (128256, 1000), (576, 5000)):
+            cl, mr, lpr, pf = _gemm.gemv_config(m, n, k, 90)
+            assert mr >= m and cl in (1, 2, 4, 8) and (cl == 1 or k // cl >= 128) and lpr in (8, 16)
+            assert pf == int(k // cl >= 1024)
+
+
+def test_plan_gemv_rows() -> None:
+    """b as (K, N) on sm_90: the GEMV for one row (and up to 4 rows of a small weight), the
+    TMA tiles above; without the TMA path the GEMV takes up to 8 rows."""
+    plan = _gemm._plan
+    assert plan(1, 1, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"
+    assert plan(1, 2, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "sm90"
+    assert plan(1, 4, 3072, 576, BF16, False, True, 132, True, False, True)[0] == "gemv"
+    assert plan(1, 5, 3072, 576, BF16, False, True, 132, True, False, True)[0] == "sm90"
+    assert plan(1, 8, 4096, 4096, BF16, False, False, 132, True, False, True)[0] == "gemv"
 
 
 @pytest.mark.gpu

@@ -39,7 +39,8 @@ def variants() -> list[Variant]:
                                 (f"BN={bn}", f"NCW={ncw}", f"STAGES={st}", f"GEMM_BF16={bf16}",
                                  f"GEMM_EPI_PLAIN={plain}", f"GEMM_TRANS_B={tb}"), "a"))
     for bf16 in (0, 1):
-        out.append(("gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}",), ""))
+        for mr in (1, 2, 4, 8):
+            out.append(("gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}", "GV_CL=8", f"GV_MR={mr}"), ""))
         out.append(("gemm_reduce.cu", "gemm_splitk_reduce", ("GEMM_OUT_F32=0", f"GEMM_BF16={bf16}"), ""))
         for m in range(1, _gemm.SKINNY_MAX_M + 1, 8):
             for nk in (4096, 576):  # large and small weights

@@ -23,7 +23,7 @@ VARIANTS = [
     ("gemm_sm80.cu", "WARPS_M=1 GEMM_TF32=1"),
     ("gemm_simt.cu", ""),
     ("gemm_reduce.cu", "GEMM_BF16=1"),
-    ("gemm_gemv.cu", "GEMM_BF16=1"),
+    ("gemm_gemv.cu", "GEMM_BF16=1 GV_CL=8 GV_MR=1"),
 ]
 
 

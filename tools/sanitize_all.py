@@ -80,6 +80,11 @@ def _cases(name: str, rng: np.random.Generator, dt: str) -> list[Case] | None:
         if name == "gemm":
             out.append(("batched (3, 5, 24)@(24, 40) trans_b", {"a": f(3, 5, 24), "b": f(40, 24)},
                         lambda t: K.gemm(t["a"], t["b"], trans_b=True)))
+            # the GEMV's cluster paths (sm_90): 8 and 2 slices of K, odd K, strip tails
+            for m, n, k in [(1, 1000, 1543), (3, 264, 300)]:
+                ins = {"a": f(m, k, scale=0.5), "b": f(k, n, scale=0.5), "bias": f(n)}
+                out.append((f"gemv {m}x{n}x{k} bias gelu", ins, lambda t: K.gemm(
+                    t["a"], t["b"], bias=t["bias"], activation="gelu")))
     elif name == "flash_attention":
         for b, hq, hkv, lq, lk, d, causal in [(1, 2, 1, 5, 37, 64, True), (2, 4, 2, 1, 70, 128, False),
                                               (1, 1, 1, 33, 33, 64, True)]:
@@ -93,6 +98,12 @@ def _cases(name: str, rng: np.random.Generator, dt: str) -> list[Case] | None:
                "kv_len": i32([20, 45]), "bt": i32([[1, 3, 5], [2, 4, 0]])}
         out.append(("decode paged (pool 6x16, table 2x3)", ins, lambda t: K.flash_attention(
             t["q"], t["k"], t["v"], kv_len=t["kv_len"], block_table=t["bt"])))
+        # wide split-KV blocks (16-bit): 16 warps unsplit (66 pairs), 16 warps split (8 pairs)
+        for b, hq, hkv, lk, d in [(22, 9, 3, 300, 64), (1, 32, 8, 4100, 128)]:
+            ins = {"q": f(b, hq, 1, d), "k": f(b, hkv, lk, d), "v": f(b, hkv, lk, d),
+                   "kv_len": i32([lk - 7 * (i % 3) for i in range(b)])}
+            out.append((f"decode wide B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d} kv_len", ins, lambda t: K.flash_attention(
+                t["q"], t["k"], t["v"], kv_len=t["kv_len"])))
     elif name in ("rms_norm", "layer_norm"):
         fn = getattr(K, name)
         for r, c in [(1, 1), (3, 37), (5, 1000), (2, 4099)]:

@@ -5,7 +5,8 @@
 // Grid: x = ((i * Hkv + hk) * n_hchunk + hc)  (query position i, kv head hk, head chunk hc),
 //       y = split (at most n_split), z = batch.
 // A block serves GT query heads that share kv head hk (GQA: heads hk*g .. hk*g+g-1), so each
-// K/V row is read from memory once for all of them. 4 warps; a warp covers KPW keys per step,
+// K/V row is read from memory once for all of them. NWARP warps (4, 8 or 16: more warps per
+// block serve a short cache with fewer splits); a warp covers KPW keys per step,
 // LPK lanes per key, each lane 8 head-dim elements (one 16-byte load of K and of V; two for
 // float32). Each lane group keeps its own running max / sum / accumulator (fp32); they are
 // merged across the warp with shuffles and across warps in shared memory.
@@ -23,7 +24,8 @@
 // row b lives in physical block clamp(block_table[b, j / block_size], 0, num_blocks - 1).
 //
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
-// block: 1/2/4/8), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK (keys per lane group per step);
+// block: 1/2/4/8), ATTN_NWARP (warps per block), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK
+// (keys per lane group per step);
 // experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
 // distance in steps), ATTN_MINB (launch bounds).
 #include "attn_common.cuh"
@@ -59,7 +61,10 @@
 #define ATTN_UK 4
 #endif
 #define UK ATTN_UK  // keys per lane group per step
-#define NWARP 4
+#ifndef ATTN_NWARP
+#define ATTN_NWARP 4
+#endif
+#define NWARP ATTN_NWARP
 
 __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -1,0 +1,41 @@
+#!/bin/bash
+# Sixth-session kernel work on the GPU machine (issue 13): the new GEMV (b as (K, N)) and the
+# 8/16-warp split-KV decode blocks — correctness first, then the timings.
+#   check: GPU tests of the changed kernels (gemm, attention), then
+#   sweep: attention warps x split target at every decode-table point (tools/attn_warps_sweep_gpu.py)
+#   gemvx: tools/gemv_gpu.py (GEMV kernel variants beside cuBLAS, NaN-poisoned repeats)
+#   tables: benchmarks/attention.py --decode-tables
+#   san:   compute-sanitizer memcheck + racecheck over gemm and flash_attention
+#   gemv:  benchmarks/gemm.py model rows with b as (K, N) at M = 1, 8 beside cuBLAS
+# Usage: OUT=out bash tools/s6_kernels.sh check sweep gemv ...
+OUT=${OUT:-/tmp/s6k}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+if ls .whl/*.whl >/dev/null 2>&1 || ls build/wheels_rel/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site $(ls .whl/*.whl build/wheels_rel/*.whl 2>/dev/null) > "$OUT/pip_whl.log" 2>&1 \
+        && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+for step in "$@"; do case "$step" in
+check)
+    timeout ${T_CHECK:-200} python3 -m pytest -q -p no:cacheprovider --timeout 150 \
+        tests/test_gemm.py tests/test_attention.py -k "${CHECK_K:-gemv or random_shapes or edge or skinny or wide_blocks or decode or kv_len or paged or graph}" \
+        > "$OUT/check.log" 2>&1; echo "check rc=$?"; grep -E "^(FAILED|ERROR)|Error" "$OUT/check.log" | head; tail -1 "$OUT/check.log"; t check ;;
+sweep)
+    (cd benchmarks && timeout ${T_SWEEP:-200} python3 ../tools/attn_warps_sweep_gpu.py --reps ${REPS:-30} \
+        --json "$OUT/attn_warps_sweep.json" > "$OUT/attn_warps_sweep.log" 2>&1); echo "sweep rc=$?"
+    sed -n '/^point/,$p' "$OUT/attn_warps_sweep.log"; t sweep ;;
+gemv)
+    timeout ${T_GEMV:-150} python3 benchmarks/gemm.py --models ${MODELS:-8b,smol} --m 1,8 --layout kn \
+        --json "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1; echo "gemv rc=$?"; cat "$OUT/gemv.log" | cut -c1-200; t gemv ;;
+gemvx)
+    timeout ${T_GEMVX:-240} python3 tools/gemv_gpu.py --json "$OUT/gemv_variants.json" > "$OUT/gemv_variants.log" 2>&1
+    echo "gemvx rc=$?"; cut -c1-400 "$OUT/gemv_variants.log"; t gemvx ;;
+san)
+    timeout ${T_SAN:-280} python3 tools/sanitize_all.py --tools memcheck,racecheck --only gemm,flash_attention \
+        --timeout 260 --json "$OUT/san.json" > "$OUT/san.log" 2>&1; echo "san rc=$?"; tail -12 "$OUT/san.log"; t san ;;
+tables)
+    (cd benchmarks && timeout ${T_TABLES:-200} python3 attention.py --decode-tables --reps 40 \
+        --json "$OUT/attention_decode.json" > "$OUT/attention_decode.log" 2>&1); echo "tables rc=$?"
+    grep -v "^#" "$OUT/attention_decode.log" | tail -32; t tables ;;
+esac; done
