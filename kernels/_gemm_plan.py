@@ -166,7 +166,8 @@ def gemv_config(m: int, n: int, k: int, cc: int) -> tuple[int, int, int, int]:
     Strips of ``8 * lanes`` columns (64 for ``N <= 1024``, else 128); on sm_90 a cluster of
     up to 8 blocks splits K (one launch, no workspace) until the grid holds two blocks per
     SM, each slice keeping at least 128 rows (one step of the block's row groups); the next
-    step's rows are prefetched when a block has at least 1024 rows. Measured on H100
+    step's rows are prefetched when a block of a cluster of at most 4 has at least 1024 rows
+    (with 8 slices the prefetch lost: 1x4096x4096 16.7 -> 21.2 us). Measured on H100
     (``tools/gemv_gpu.py``, benchmarks/RESULTS.md). Other GPUs: one slice.
     """
     lpr = 8 if n <= 1024 else 16
@@ -178,7 +179,7 @@ def gemv_config(m: int, n: int, k: int, cc: int) -> tuple[int, int, int, int]:
     mr = 1
     while mr < m:
         mr *= 2
-    return cl, mr, lpr, int(k // cl >= 1024)
+    return cl, mr, lpr, int(cl <= 4 and k // cl >= 1024)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -486,11 +486,12 @@ def test_gemv_config() -> None:
     assert _gemm.gemv_config(8, 4096, 1023, 90) == (4, 8, 16, 0)
     assert _gemm.gemv_config(2, 4096, 255, 90) == (1, 2, 16, 0)
     assert _gemm.gemv_config(1, 4096, 4096, 80) == (1, 1, 16, 1)
+    assert _gemm.gemv_config(1, 4096, 14336, 90) == (8, 1, 16, 0)
     for m in range(1, 9):
         for n, k in ((8, 1), (1000, 100), (4096, 256), (128256, 1000), (576, 5000)):
             cl, mr, lpr, pf = _gemm.gemv_config(m, n, k, 90)
             assert mr >= m and cl in (1, 2, 4, 8) and (cl == 1 or k // cl >= 128) and lpr in (8, 16)
-            assert pf == int(k // cl >= 1024)
+            assert pf == int(cl <= 4 and k // cl >= 1024)
 
 
 def test_plan_gemv_rows() -> None:

@@ -5,6 +5,7 @@
 #   sweep: attention warps x split target at every decode-table point (tools/attn_warps_sweep_gpu.py)
 #   gemvx: tools/gemv_gpu.py (GEMV kernel variants beside cuBLAS, NaN-poisoned repeats)
 #   tables: benchmarks/attention.py --decode-tables
+#   final: kernel/nn GPU test files (three processes), the GEMV table, op_cost.py
 #   san:   compute-sanitizer memcheck + racecheck over gemm and flash_attention
 #   gemv:  benchmarks/gemm.py model rows with b as (K, N) at M = 1, 8 beside cuBLAS
 # Usage: OUT=out bash tools/s6_kernels.sh check sweep gemv ...
@@ -34,6 +35,19 @@ gemvx)
 san)
     timeout ${T_SAN:-280} python3 tools/sanitize_all.py --tools memcheck,racecheck --only gemm,flash_attention \
         --timeout 260 --json "$OUT/san.json" > "$OUT/san.log" 2>&1; echo "san rc=$?"; tail -12 "$OUT/san.log"; t san ;;
+final)
+    P="python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs"
+    timeout 330 $P tests/test_gemm.py tests/test_kernel_ops.py > "$OUT/final_g1.log" 2>&1 & p1=$!
+    timeout 330 $P tests/test_attention.py tests/test_replay_gpu.py > "$OUT/final_g2.log" 2>&1 & p2=$!
+    timeout 330 $P tests/test_transformer_kernels.py tests/test_nn_gpu_paged.py tests/test_nn_tiny.py \
+        tests/test_nn_paged.py tests/test_plan_cache.py tests/test_graphs.py > "$OUT/final_g3.log" 2>&1 & p3=$!
+    wait $p1; r1=$?; wait $p2; r2=$?; wait $p3; r3=$?
+    for g in g1 g2 g3; do echo "$g: $(tail -1 "$OUT/final_$g.log")"; grep -E "^(FAILED|ERROR)" "$OUT/final_$g.log" | head; done
+    echo "rc $r1 $r2 $r3"; t "final tests"
+    timeout 60 python3 benchmarks/gemm.py --models 8b --m 1 --layout kn --json "$OUT/gemv_final.json" \
+        > "$OUT/gemv_final.log" 2>&1; echo "gemv rc=$?"; grep -v Deprecation "$OUT/gemv_final.log" | cut -c1-150; t gemv
+    timeout 150 python3 benchmarks/op_cost.py --rounds 5 --n 200 --json "$OUT/op_cost.json" > "$OUT/op_cost.log" 2>&1
+    echo "op_cost rc=$?"; grep -v "^# " "$OUT/op_cost.log" | tail -22; t op_cost ;;
 tables)
     (cd benchmarks && timeout ${T_TABLES:-200} python3 attention.py --decode-tables --reps 40 \
         --json "$OUT/attention_decode.json" > "$OUT/attention_decode.log" 2>&1); echo "tables rc=$?"
