@@ -4,7 +4,8 @@
 #     kernel, nn/serve and other files in three parallel pytest processes, then the files
 #     with timing assertions alone — and the prefill bisect (tools/prefill_bisect_gpu.py on
 #     this tree and on _old_s4/, the fourth session's package, if present)
-#   w2 (carry .w2 .whl build/wheels_rel), within 30 s of tests: real-weights nn tests, decode.py
+#   w1 (carry .w1): only the first half of the GGUF
+#   w2 (carry .w2 .whl build/wheels_rel), within 30 s of tests or w1: real-weights nn tests, decode.py
 set -o pipefail
 OUT=${OUT:-/tmp/s6}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -46,6 +47,8 @@ tests)
     fi
     t "prefill bisect"
     ;;
+w1)
+    mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied" ;;
 w2)
     [ -f /tmp/wts/part00 ] || { echo "machine went cold: no part00"; exit 2; }
     cp .w2/part01 /tmp/wts/ && cat /tmp/wts/part00 /tmp/wts/part01 > /tmp/wts/model.gguf
