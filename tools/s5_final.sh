@@ -5,14 +5,8 @@
 #   b (carry .w2 .whl build/wheels_rel), within 30 s of a: real-weights nn tests, decode.py,
 #     a short serve run
 set -o pipefail
-OUT=${OUT:-/tmp/s5final}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1 || ls build/wheels_rel/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $(ls .whl/*.whl build/wheels_rel/*.whl 2>/dev/null) > "$OUT/pip_whl.log" 2>&1 \
-        && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+OUT=${OUT:-/tmp/s5final}
+source "$(dirname "$0")/device_prologue.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "$1" in
 tests)

@@ -7,14 +7,8 @@
 #   w1 (carry .w1): only the first half of the GGUF
 #   w2 (carry .w2 .whl build/wheels_rel), within 30 s of tests or w1: real-weights nn tests, decode.py
 set -o pipefail
-OUT=${OUT:-/tmp/s6}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1 || ls build/wheels_rel/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $(ls .whl/*.whl build/wheels_rel/*.whl 2>/dev/null) > "$OUT/pip_whl.log" 2>&1 \
-        && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+OUT=${OUT:-/tmp/s6}
+source "$(dirname "$0")/device_prologue.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 PYT="python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs"
 SERIAL="test_streams test_scheduling test_async test_benchmarks test_examples test_backend"

@@ -9,14 +9,8 @@
 #   san:   compute-sanitizer memcheck + racecheck over gemm and flash_attention
 #   gemv:  benchmarks/gemm.py model rows with b as (K, N) at M = 1, 8 beside cuBLAS
 # Usage: OUT=out bash tools/s6_kernels.sh check sweep gemv ...
-OUT=${OUT:-/tmp/s6k}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1 || ls build/wheels_rel/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $(ls .whl/*.whl build/wheels_rel/*.whl 2>/dev/null) > "$OUT/pip_whl.log" 2>&1 \
-        && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+OUT=${OUT:-/tmp/s6k}
+source "$(dirname "$0")/device_prologue.sh"
 for step in "$@"; do case "$step" in
 check)
     timeout ${T_CHECK:-200} python3 -m pytest -q -p no:cacheprovider --timeout 150 \
