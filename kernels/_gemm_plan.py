@@ -147,8 +147,7 @@ def _plan(
         return "sm80", wm, s, _cdiv(kt, s)
     if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
         return "skinny", skinny_config(batch, m, n, k), 1, 0
-    if not trans_b and gemv_ok and n % 8 == 0 and (m == 1 or (m <= GEMV_MAX_M and (not sm90 or (
-            m <= 4 and k * n <= _GEMV_SMALL_WEIGHT)))):
+    if not trans_b and gemv_ok and n % 8 == 0 and _gemv_rows_ok(m, n, k, sm90):
         return "gemv", None, 1, 0
     if sm90:
         return ("sm90", *_plan_sm90(batch, m, n, k, n_sm))
@@ -157,6 +156,16 @@ def _plan(
     kt = _cdiv(k, 32)
     s = _splits_for(tiles, kt, n_sm)
     return "sm80", wm, s, _cdiv(kt, s)
+
+
+def _gemv_rows_ok(m: int, n: int, k: int, sm90: bool) -> bool:
+    """Whether the GEMV serves ``m`` rows: one row always; with the TMA tiles available, up
+    to 4 rows of a weight of at most ``_GEMV_SMALL_WEIGHT`` elements; else up to 8 rows."""
+    if m == 1:
+        return True
+    if not sm90:
+        return m <= GEMV_MAX_M
+    return m <= 4 and k * n <= _GEMV_SMALL_WEIGHT
 
 
 def gemv_config(m: int, n: int, k: int, cc: int) -> tuple[int, int, int, int]:
