@@ -415,11 +415,18 @@ def bars_for(rows: list[dict[str, Any]]) -> list[Bar]:
     return bars
 
 
-def per_op_table(b: Bench, n: int, rounds: int) -> tuple[list[dict[str, Any]], list[Bar], list[str]]:
-    """Check and measure every case; print the table and the bars; (rows, bars, skipped)."""
+def per_op_table(b: Bench, n: int, rounds: int, only: str | None = None
+                 ) -> tuple[list[dict[str, Any]], list[Bar], list[str]]:
+    """Check and measure every case (or those whose name contains one of the comma-separated
+    words of ``only``); print the table and the bars; (rows, bars, skipped)."""
     stream = b.device.new_stream()
     c = Ctx(b, stream, b.smoke or not b.is_cuda)
     cases, skipped = all_cases(c)
+    if only is not None:
+        words = [w for w in only.split(",") if w]
+        cases = [cs for cs in cases if any(w in cs.name for w in words)]
+        if not cases:
+            raise SystemExit(f"op_cost: no case name contains {only!r}")
     rows: list[dict[str, Any]] = []
     for cs in cases:
         try:
@@ -453,11 +460,14 @@ def main() -> int:
     add_common_args(p)
     p.add_argument("--n", type=int, default=None, help="calls per sample (default 200; smoke 5)")
     p.add_argument("--rounds", type=int, default=None, help="samples per case (default 9; smoke 2)")
+    p.add_argument("--only", default=None, metavar="TEXT",
+                   help="measure only the cases whose name contains one of these comma-separated "
+                        "words (e.g. 'allocating,saxpy')")
     args = p.parse_args()
     b = setup(args)
     n = args.n or (5 if b.smoke else 200)
     rounds = args.rounds or (2 if b.smoke else 9)
-    rows, bars, skipped = per_op_table(b, n, rounds)
+    rows, bars, skipped = per_op_table(b, n, rounds, args.only)
     write_json(args.json, "op_cost", b, {"calls": n, "rounds": rounds}, rows, bars,
                {"skipped": skipped})
     return 0

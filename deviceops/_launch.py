@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _trace
-from ._tensor import Storage, Tensor, after_access, before_access
+from ._storage import ordered
+from ._tensor import Storage, Tensor
 
 if TYPE_CHECKING:
     from ._context import ExecutionContext
@@ -61,31 +62,19 @@ def launch(
     stream = ctx.stream
     rs = [t._storage for t in reads]
     ws = [t._storage for t in writes]
-    before_access(stream, rs, ws)
     tracer = _trace.current
-    if tracer is not None:
-        token = tracer.begin(name, stream)
-    stream.backend.submit(stream, name, rs, ws, cpu_fn, cuda_fn)
-    seq = stream.bump()
-    after_access(stream, seq, rs, ws)
+    if tracer is None:
+        seq = ordered(stream, rs, ws, stream.backend.submit, stream, name, rs, ws, cpu_fn, cuda_fn)
+    else:
+        seq = ordered(stream, rs, ws, _traced_submit, tracer, stream, name, rs, ws, cpu_fn, cuda_fn)
     if _recorder is not None:
         _recorder.append((rs, ws))
-    if tracer is not None:
-        tracer.end(token, stream)
     return seq
 
 
-def ordered(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage],
-            call: Callable[..., None], *args: Any) -> int:
-    """``call(*args)`` ordered like a :func:`launch` over the storages ``reads`` / ``writes``.
-
-    For device work the caller submits itself, already bound to ``stream`` (a recorded
-    driver call, a memoised elementwise launch): waits on conflicting work of other
-    streams first, counts the work on ``stream`` and updates the hazard records after.
-    Not traced (callers take :func:`launch` while a trace is recording).
-    """
-    before_access(stream, reads, writes)
-    call(*args)
-    seq = stream.bump()
-    after_access(stream, seq, reads, writes)
-    return seq
+def _traced_submit(tracer: Any, stream: Stream, name: str, rs: list[Storage], ws: list[Storage],
+                   cpu_fn: Callable[[], None], cuda_fn: Callable[[Any], None]) -> None:
+    """:meth:`Backend.submit` between the trace's marks of the op."""
+    token = tracer.begin(name, stream)
+    stream.backend.submit(stream, name, rs, ws, cpu_fn, cuda_fn)
+    tracer.end(token, stream)

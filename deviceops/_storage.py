@@ -6,9 +6,10 @@ its memory last:
 * ``write``: ``(stream, seq)`` of the last op that wrote it;
 * ``reads``: ``{stream: seq}`` of ops that read it since.
 
-:func:`before_access` makes the executing stream wait on exactly the events
-that order it after conflicting work on other streams (read-after-write,
-write-after-read, write-after-write); :func:`after_access` updates the record.
+:func:`ordered` makes the executing stream wait on exactly the events that
+order it after conflicting work on other streams (read-after-write,
+write-after-read, write-after-write), makes the op's device call and updates the
+record: the one hazard step of every op, capture included.
 
 When a storage dies while a stream other than the one it was allocated on may
 still use it, its memory is parked (:func:`sweep` releases it once those streams
@@ -21,14 +22,14 @@ allocation of its shape and dtype on its stream.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Stream
 
-__all__ = ["Storage", "after_access", "before_access", "parked_count", "sweep"]
+__all__ = ["Storage", "ordered", "parked_count", "sweep"]
 
 
 class Storage:
@@ -37,13 +38,14 @@ class Storage:
     __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "spare_key",
                  "write")
 
-    def __init__(self, base: Any, device: Device, alloc_stream: Stream | None) -> None:
+    def __init__(self, base: Any, device: Device, alloc_stream: Stream | None,
+                 spare_key: tuple[tuple[int, ...], int] | None = None) -> None:
         self.base = base
         self.device = device
         self.alloc_stream = alloc_stream
-        # set by allocate(): the key under which the array may be kept for reuse on
+        # given by allocate(): the key under which the array may be kept for reuse on
         # alloc_stream when this storage dies unreferenced (see _spare)
-        self.spare_key: tuple[tuple[int, ...], int] | None = None
+        self.spare_key = spare_key
         self.write: tuple[Stream, int] | None = None
         self.reads: dict[Stream, int] = {}
         # [(op name, error)] of the device work that last wrote this memory and
@@ -139,8 +141,21 @@ def parked_count() -> int:
     return len(_parked)
 
 
-def before_access(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage]) -> None:
-    """Order ``stream`` after conflicting earlier work on other streams."""
+def ordered(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage],
+            call: Callable[..., None], *args: Any) -> int:
+    """``call(*args)``, ordered over the storages ``reads`` / ``writes``: the hazard step of
+    every op. Returns the op's sequence number on ``stream``.
+
+    Before the call, ``stream`` waits (events, only where needed) for the work of other
+    streams that last wrote what it reads or writes (read-after-write, write-after-write)
+    and that read what it writes (write-after-read). After it, the op is counted on
+    ``stream`` and the records are updated: ``reads`` were read at this point of
+    ``stream``, ``writes`` written (their earlier reads are then superseded). While
+    ``stream`` is captured, the capture notes every storage. If ``call`` raises, nothing
+    is counted or recorded.
+
+    Written out as one function (no helper calls): it runs once per op on every path.
+    """
     for st in reads:
         w = st.write
         if w is not None and w[0] is not stream:
@@ -149,13 +164,13 @@ def before_access(stream: Stream, reads: Sequence[Storage], writes: Sequence[Sto
         w = st.write
         if w is not None and w[0] is not stream:
             stream.wait_for(w[0], w[1])
-        for s, q in st.reads.items():
-            if s is not stream:
-                stream.wait_for(s, q)
-
-
-def after_access(stream: Stream, seq: int, reads: Sequence[Storage], writes: Sequence[Storage]) -> None:
-    """Record that op ``seq`` of ``stream`` read ``reads`` and wrote ``writes``."""
+        if st.reads:
+            for s, q in st.reads.items():
+                if s is not stream:
+                    stream.wait_for(s, q)
+    call(*args)
+    seq = stream.seq + 1  # (Stream.bump)
+    stream.seq = seq
     for st in reads:
         st.reads[stream] = seq
     for st in writes:
@@ -168,3 +183,4 @@ def after_access(stream: Stream, seq: int, reads: Sequence[Storage], writes: Seq
             cap.note(st, False)
         for st in writes:
             cap.note(st, True)
+    return seq

@@ -22,8 +22,7 @@ from ._errors import DeviceError, DTypeError, ShapeError
 from ._storage import (
     SPARE_MAX_BYTES,
     Storage,
-    after_access,
-    before_access,
+    _parked,
     parked_count,
     sweep,
 )
@@ -33,10 +32,9 @@ if TYPE_CHECKING:
     from ._op import DeviceOp
     from ._stream import Stream
 
-# Storage, before_access, after_access, sweep and parked_count are re-exported: the
-# hazard record's users import them from here
-__all__ = ["Partition", "Storage", "Tensor", "after_access", "before_access", "parked_count",
-           "sweep"]
+# Storage, sweep and parked_count are re-exported: the hazard record's users import them
+# from here
+__all__ = ["Partition", "Storage", "Tensor", "parked_count", "sweep"]
 
 
 # signature -> a small int (Tensor.signature_id); bounded: past the bound, new signatures
@@ -379,23 +377,36 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
             op=op,
             device=str(stream.device),
         )
-    sweep()
     dt = normalize_dtype(dtype, op=op)
-    dev = stream.device
     key = None
     if stream.backend.spare_arrays and type(shape) is tuple:
         key = (shape, id(dt))
-        got = stream.spare.get(key)
-        if got:
-            arr = got.pop()
-            st = Storage(arr, dev, stream)
-            st.spare_key = key
-            return Tensor(arr, dev, _storage=st)
+        got = take_spare(stream, key)
+        if got is not None:
+            return got
+    elif _parked:
+        sweep()
     arr = _empty(stream, shape, dt, op)
-    st = Storage(arr, dev, stream)
-    if key is not None and arr.nbytes <= SPARE_MAX_BYTES:
-        st.spare_key = key
-    return Tensor(arr, dev, _storage=st)
+    if key is not None and arr.nbytes > SPARE_MAX_BYTES:
+        key = None
+    return Tensor(arr, stream.device, _storage=Storage(arr, stream.device, stream, key))
+
+
+def take_spare(stream: Stream, key: tuple[tuple[int, ...], int]) -> Tensor | None:
+    """A spare array of ``stream`` for ``key`` = ``(shape, id(dtype))`` as a new tensor, or
+    ``None`` when there is none (or ``stream`` is capturing): then call :func:`allocate`.
+
+    The allocation fast path of an op whose output's shape and dtype are known from its
+    plan; it releases parked memory first, as :func:`allocate` does.
+    """
+    if _parked:
+        sweep()
+    got = stream.spare.get(key)
+    if not got or stream.capture is not None:
+        return None
+    arr = got.pop()
+    dev = stream.device
+    return Tensor(arr, dev, _storage=Storage(arr, dev, stream, key))
 
 
 def _empty(stream: Stream, shape: tuple[int, ...], dt: np.dtype[Any], op: str) -> Any:

@@ -13,6 +13,7 @@ enqueues its device work through :func:`launch` (or, for pre-recorded driver cal
 | :data:`enqueue_lock`                   | held while an op is enqueued (one enqueue at a time)|
 | :class:`Tensor`, :class:`Partition`, :class:`Storage` | tensors, tilings, the memory behind them |
 | :func:`allocate`, :func:`check_device` | an output on the executing stream; a device check   |
+| :func:`take_spare`                     | an output from the stream's spare arrays, if any    |
 | :func:`launch`                         | hazards + enqueue of one unit of device work        |
 | :func:`ordered`                        | hazards + a driver call made by the caller          |
 | :func:`set_launch_recorder`            | observe the storages each :func:`launch` touches    |
@@ -50,10 +51,9 @@ from ._tensor import (
     Partition,
     Storage,
     Tensor,
-    after_access,
     allocate,
-    before_access,
     check_device,
+    take_spare,
 )
 
 __all__ = [
@@ -71,9 +71,7 @@ __all__ = [
     "Storage",
     "Stream",
     "Tensor",
-    "after_access",
     "allocate",
-    "before_access",
     "bfloat16",
     "check_device",
     "drive",
@@ -87,6 +85,7 @@ __all__ = [
     "normalize_dtype",
     "ordered",
     "set_launch_recorder",
+    "take_spare",
     "trace_state",
     "tracing",
 ]

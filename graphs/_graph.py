@@ -29,7 +29,7 @@ from deviceops._capture import CaptureState
 from deviceops._context import ExecutionContext, enqueue_lock, guard, refuse_nested
 from deviceops._errors import CaptureError, SchedulingError
 from deviceops._op import _OWNED, DeviceOp, _owned_error
-from deviceops._tensor import after_access, before_access
+from deviceops._storage import ordered
 
 if TYPE_CHECKING:
     from deviceops._stream import Stream
@@ -90,10 +90,8 @@ class CudaGraph(Generic[T]):
         if stream.capture is not None:
             raise CaptureError("launching a CudaGraph inside another capture is not supported",
                                op=self._state.op_name)
-        before_access(stream, self._reads, self._writes)
-        stream.backend.replay(stream, self._native, self._state.tasks)
-        seq = stream.bump()
-        after_access(stream, seq, self._reads, self._writes)
+        ordered(stream, self._reads, self._writes, stream.backend.replay, stream, self._native,
+                self._state.tasks)
         self.launches += 1
 
     def launch(self) -> None:

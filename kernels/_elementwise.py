@@ -45,7 +45,9 @@ from deviceops.extend import (
     int32,
     int64,
     launch,
+    normalize_dtype,
     ordered,
+    take_spare,
     trace_state,
     tracing,
 )
@@ -183,7 +185,15 @@ class _ElementwiseOp(KernelOp):
         stream = ctx.stream
         if plan is not None and plan.device is stream.device and trace_state.current is None:
             if plan.alloc is not None:
-                return self._alloc_launch(stream, plan)
+                # an allocating add/mul whose inputs and launch plan match an earlier one
+                w = take_spare(stream, plan.spare)  # type: ignore[arg-type]
+                if w is None:
+                    shape, dt = plan.alloc
+                    w = allocate(stream, shape, dt, self._name)
+                a = self._args
+                ordered(stream, (a[0]._storage, a[1]._storage), (w._storage,), plan.ln,
+                        plan.grid, plan.block, (w._array.data.ptr, *plan.args), stream.native.ptr)
+                return w
             # the launch plan of an identical earlier launch (see _memo); the storages come
             # from this op's own arguments (the memo holds none)
             a = self._args
@@ -205,15 +215,6 @@ class _ElementwiseOp(KernelOp):
                         plan.args, plan.flat)
             return w_arg
         return self._body(ctx, self._args)
-
-    def _alloc_launch(self, stream: Any, plan: _EwPlan) -> Tensor:
-        """An allocating ``add``/``mul`` whose inputs and launch plan match an earlier one."""
-        shape, dt = plan.alloc  # type: ignore[misc]
-        w = allocate(stream, shape, dt, self._name)
-        rs = (self._args[0]._storage, self._args[1]._storage)
-        ordered(stream, rs, (w._storage,), plan.ln, plan.grid, plan.block,
-                (w._array.data.ptr, *plan.args), stream.native.ptr)
-        return w
 
     def _body(self, ctx: ExecutionContext, vals: Any) -> Any:
         name = self._name
@@ -309,12 +310,14 @@ class _EwPlan:
     (an allocating op's: the arguments after the output pointer, and ``alloc`` = the
     output's ``(shape, dtype)``)."""
 
-    __slots__ = ("alloc", "args", "block", "device", "entry", "flat", "grid", "ln")
+    __slots__ = ("alloc", "args", "block", "device", "entry", "flat", "grid", "ln", "spare")
 
     def __init__(self, device: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...],
                  flat: bool, alloc: tuple[Any, Any] | None = None) -> None:
         self.device, self.ln, self.grid, self.block = device, ln, grid, block
         self.args, self.flat, self.alloc = args, flat, alloc
+        # an allocating op's spare-array key (deviceops.extend.take_spare)
+        self.spare = None if alloc is None else (alloc[0], id(normalize_dtype(alloc[1])))
         # the launcher's packed-parameter entry for ``args`` (kept alive here; None if the
         # launch was not packed by ``ln``, e.g. a PDL launch while capturing)
         self.entry: tuple[Any, ...] | None = ln._cache.get(args) if alloc is None else None
@@ -331,13 +334,6 @@ def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan:
 
 # allocating add/mul: the last launch's inputs (weakly) and its plan less the output
 _alloc_memo: dict[str, tuple[Any, Any, _EwPlan]] = {}
-
-
-def _recall_alloc(name: str, x: Tensor, y: Tensor) -> _EwPlan | None:
-    m = _alloc_memo.get(name)
-    if m is None or m[0]() is not x or m[1]() is not y:
-        return None
-    return m[2]
 
 
 def _recall(name: str, w: Any, x: Any, y: Any, a: float,
@@ -385,9 +381,10 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
     if type(x) is Tensor and type(y) is Tensor:
         if out is None:
-            plan = _recall_alloc(name, x, y)
-            if plan is not None:  # the inputs of the last allocating launch: validated
-                return _ElementwiseOp(name, (x, y, None), 0.0, False, plan)
+            m = _alloc_memo.get(name)  # (_recall_alloc, written out: the hot path)
+            if m is not None and m[0]() is x and m[1]() is y:
+                # the inputs of the last allocating launch: validated
+                return _ElementwiseOp(name, (x, y, None), 0.0, False, m[2])
         to = type(out)
         plan = (_recall(name, out, x, y, 0.0) if to is Tensor else
                 _recall(name, out.tensor, x, y, 0.0, out.tile_shape) if to is Partition else None)

@@ -308,7 +308,7 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
     recorder appended it; ``entry`` keeps the parameter block alive. A PDL launch's config
     names the recording's stream, which is this one (records are per stream).
     """
-    lk = _driver_launch()
+    lk = _cu_launch or _driver_launch()
     for ln, g, b, smem, params, _entry, cfg in calls:
         if cfg is None:
             try:

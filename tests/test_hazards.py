@@ -125,3 +125,33 @@ def test_zip_results_same_under_every_policy(dev: deviceops.Device, policy: str)
         outs = deviceops.zip(*[kernels.mul(src, src) for _ in range(6)]).then(
             lambda ts: kernels.add(ts[0], ts[5])).sync()
     np.testing.assert_array_equal(to_np(outs), 4.5)
+
+
+def test_ordered_records_and_waits_exactly() -> None:
+    """The hazard step itself (``extend.ordered``), on cpu streams: which events it waits on,
+    what it records, and that a raising call leaves no record and no count."""
+    from deviceops.extend import ordered
+
+    dev = deviceops.device("cpu")
+    a, b = dev.new_stream(), dev.new_stream()
+    x = api.zeros((4,)).async_on(a)  # (not synchronized: B must wait for these writes)
+    y = api.zeros((4,)).async_on(a)
+    sx, sy = x._storage, y._storage
+    calls: list[int] = []
+    seq = ordered(b, (sx,), (sy,), calls.append, 1)  # B reads x, writes y: both written on A
+    assert calls == [1] and seq == b.seq
+    assert sx.reads == {b: seq} and sy.write == (b, seq) and sy.reads == {}
+    assert b._waited.get(a.id, 0) == a.seq  # ordered after A's writes
+    # A now writes x, which B read: write-after-read makes A wait for B
+    seq_a = ordered(a, (), (sx,), calls.append, 2)
+    assert a._waited.get(b.id, 0) == seq and sx.write == (a, seq_a) and sx.reads == {}
+
+    def boom() -> None:
+        raise RuntimeError("driver said no")
+
+    before = (b.seq, dict(sy.reads), sy.write)
+    with pytest.raises(RuntimeError, match="driver said no"):
+        ordered(b, (sy,), (sx,), boom)
+    assert (b.seq, sy.reads, sy.write) == before and sx.write == (a, seq_a)
+    a.synchronize()
+    b.synchronize()

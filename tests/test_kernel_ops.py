@@ -187,6 +187,29 @@ def test_argmax_matches_numpy(dtype: str, stream: deviceops.Stream) -> None:
     assert got.shape == (2, 3) and got.dtype == np.int64
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_argmax_vocab_rows(dtype: str, stream: deviceops.Stream) -> None:
+    """Vocabulary-sized rows: 16-byte vector loads (aligned rows: 49152 and 4096 columns) and
+    the scalar path (49157 columns: rows 1 and 2 start unaligned), ties between threads and
+    inside one vector, the maximum in the tail, NaN anywhere."""
+    rng = np.random.default_rng()
+    for shape in [(3, 49152), (3, 49157), (4, 4096), (3, 1031)]:
+        xh = rand(rng, shape, dtype)
+        top = np.max(f64(xh)) + 1
+        cols = shape[1]
+        xh[0, cols - 1] = top                      # the last column (a tail when unaligned)
+        xh[1, [cols // 2, 9, cols - 3]] = top + 1  # ties far apart: the first index wins
+        xh[2, [5, 6]] = top + 2                    # a tie inside one vector
+        if shape[0] > 3:
+            xh[3, [700, 17]] = np.nan              # the first NaN wins
+        x = dev_t(xh, stream)
+        out = api.full(shape[:-1], -7, "int32").sync_on(stream)
+        got = to_np(kernels.argmax(x, out=out).sync_on(stream))
+        want = np.argmax(f64(xh), axis=-1)
+        np.testing.assert_array_equal(got, want, err_msg=f"{shape} {dtype}")
+        assert want[1] == 9 and want[2] == 5
+
+
 def test_argmax_nan_and_errors(stream: deviceops.Stream) -> None:
     xh = np.array([[1.0, np.nan, 5.0, np.nan], [0.0, -1.0, 2.0, 2.0]], np.float32)
     got = to_np(kernels.argmax(dev_t(xh, stream)).sync_on(stream))

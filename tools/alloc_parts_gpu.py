@@ -1,10 +1,15 @@
 """Where the time of an allocating op goes on a GPU (diagnostics for issue 12's allocating add).
 
-Usage (GPU machine): ``python3 tools/alloc_parts_gpu.py``. Prints µs per call, best of 7 x 2000.
+Usage (GPU machine): ``python3 tools/alloc_parts_gpu.py [--profile]``. Prints µs per call,
+best of 7 x 2000; ``--profile``: then a cProfile (internal time) of the allocating ``add``,
+the partition-form ``saxpy`` and ``argmax`` loops.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +19,15 @@ import numpy as np
 import deviceops
 from deviceops import api, kernels
 from deviceops._tensor import Storage, Tensor, allocate
+from deviceops.extend import DeviceOp, ExecutionContext
+from deviceops.kernels import _elementwise
+
+
+class _Nothing(DeviceOp[None]):
+    """An op that enqueues nothing: what async_on costs around an op's own work."""
+
+    def _execute(self, ctx: ExecutionContext) -> None:
+        return None
 
 
 def per_call(fn: Callable[[], Any], n: int = 2000, rounds: int = 7) -> float:
@@ -55,12 +69,37 @@ def main() -> None:
     }
     o = api.empty((1024,)).sync_on(s)
     rows["kernels.add(x, x, out=o).async_on"] = lambda: kernels.add(x, x, out=o).async_on(s)
+    part = api.zeros((1024,)).sync_on(s).partition((256,))
+    rows["kernels.saxpy(part, 1.0, x).async_on"] = lambda: kernels.saxpy(part, 1.0, x).async_on(s)
+    logits = api.ones((1, 49152), "float16").sync_on(s)
+    tok = api.zeros((1,), "int32").sync_on(s)
+    rows["kernels.argmax(logits, out=tok).async_on"] = (
+        lambda: kernels.argmax(logits, out=tok).async_on(s))
+    rows["_Nothing().async_on (op + async_on)"] = lambda: _Nothing().async_on(s)
+    ln = _elementwise._launcher(0, "add_flat", f32)
+    out0 = cp.empty((1024,), f32)
+    args = (out0.data.ptr, x.array.data.ptr, x.array.data.ptr, 1024)
+    sptr = ns.ptr
+    rows["Launcher call (driver launch only)"] = lambda: ln((4, 1, 1), (256, 1, 1), args, sptr)
     for name, fn in rows.items():
         assert fn is not None
         fn()
         print(f"{name:36s} {per_call(fn):7.2f} us", flush=True)
         s.synchronize()
         torch.cuda.synchronize()
+    if "--profile" in sys.argv:
+        for name in ("kernels.add(x, x).async_on", "kernels.saxpy(part, 1.0, x).async_on",
+                     "kernels.argmax(logits, out=tok).async_on"):
+            fn = rows[name]
+            assert fn is not None
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(5000):
+                fn()
+            pr.disable()
+            s.synchronize()
+            print(f"--- cProfile: {name} x 5000")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
 
 
 def _with(ns: Any, cp: Any, f32: Any) -> Any:

@@ -104,6 +104,45 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+// The elements of one 16-byte vector, columns c0, c0 + 1, ...
+template <typename T>
+__device__ __forceinline__ void argmax_vec(const uint4& u, int c0, float& bv, int& bi) {
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int j = 0; j < 16 / (int)sizeof(T); ++j) {
+        const float v = ld(e[j]);
+        if (better(v, c0 + j, bv, bi)) { bv = v; bi = c0 + j; }
+    }
+}
+
+// One thread's share of a row: 16-byte vectors t, t + tpr, ... (four loads in flight) when
+// the row is 16-byte aligned, then the columns past the last whole vector one by one.
+// The visiting order does not matter: better() breaks ties by index.
+template <typename T>
+__device__ __forceinline__ void argmax_scan(const T* __restrict__ xr, int cols, int t, int tpr,
+                                            float& bv, int& bi) {
+    constexpr int V = 16 / sizeof(T);
+    int done = 0;
+    if ((reinterpret_cast<unsigned long long>(xr) & 15) == 0) {
+        const int nv = cols / V;
+        const uint4* xv = reinterpret_cast<const uint4*>(xr);
+        int c = t;
+        for (; c + 3 * tpr < nv; c += 4 * tpr) {
+            uint4 u[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) u[k] = __ldg(xv + c + k * tpr);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) argmax_vec<T>(u[k], (c + k * tpr) * V, bv, bi);
+        }
+        for (; c < nv; c += tpr) argmax_vec<T>(__ldg(xv + c), c * V, bv, bi);
+        done = nv * V;
+    }
+    for (int c = done + t; c < cols; c += tpr) {
+        const float v = ld(xr[c]);
+        if (better(v, c, bv, bi)) { bv = v; bi = c; }
+    }
+}
+
 // out[r] = argmax(x[r, :])   (first index of the maximum, NumPy semantics)
 template <typename T, typename I>
 __global__ void argmax(I* __restrict__ out, const T* __restrict__ x, long long rows, int cols,
@@ -116,13 +155,9 @@ __global__ void argmax(I* __restrict__ out, const T* __restrict__ x, long long r
          base += (long long)gridDim.x * rpb) {
         const long long r = base + threadIdx.x / tpr;
         if (r >= rows) continue;
-        const T* xr = x + r * cols;
         float bv = NEG_INF;
         int bi = 0x7fffffff;
-        for (int c = t; c < cols; c += tpr) {
-            const float v = ld(xr[c]);
-            if (better(v, c, bv, bi)) { bv = v; bi = c; }
-        }
+        argmax_scan(x + r * cols, cols, t, tpr, bv, bi);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
