@@ -19,7 +19,8 @@ enqueues its device work through :func:`launch` (or, for pre-recorded driver cal
 | :func:`set_launch_recorder`            | observe the storages each :func:`launch` touches    |
 | :func:`tracing`, ``trace_state``       | whether a :func:`deviceops.trace` is recording      |
 |                                        | (``trace_state.current is not None``: one read)     |
-| ``FRESH``                              | the state of a DeviceOp made without ``__init__``   |
+| ``FRESH``, ``DONE``                    | a DeviceOp's state when made without ``__init__``;  |
+|                                        | once executed (for an op that overrides ``_exec``)  |
 | :class:`Stream`                        | the stream interface (``native``, ``capture``, ...) |
 | dtypes: ``FLOATING``, ``normalize_dtype``, ``is_floating``, the dtype constants | |
 | errors: ``ShapeError``, ``DTypeError``, ``DeviceError``, ``DriverError``, ``CaptureError``, ``LaunchError`` | |
@@ -43,6 +44,7 @@ from ._dtypes import (
 )
 from ._errors import CaptureError, DeviceError, DriverError, DTypeError, LaunchError, ShapeError
 from ._launch import launch, ordered, set_launch_recorder
+from ._op import _DONE as DONE
 from ._op import _FRESH as FRESH
 from ._op import DeviceOp
 from ._op import _drive as drive
@@ -57,6 +59,7 @@ from ._tensor import (
 )
 
 __all__ = [
+    "DONE",
     "FLOATING",
     "FRESH",
     "CaptureError",

@@ -30,8 +30,8 @@ from typing import Any
 
 from deviceops.extend import DriverError
 
-__all__ = ["KernelFn", "Launcher", "fast_kernel", "launch_packed", "launch_pdl", "libcuda",
-           "pdl_enabled", "replay_calls"]
+__all__ = ["KernelFn", "Launcher", "driver_launch", "fast_kernel", "launch_packed", "launch_pdl",
+           "libcuda", "pdl_enabled", "replay_calls"]
 
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
            "q": ctypes.c_int64}
@@ -55,7 +55,7 @@ def libcuda() -> Any:
     return _libcuda
 
 
-def _driver_launch() -> Any:
+def driver_launch() -> Any:
     """CuPy's typed binding of ``cuLaunchKernel`` (resolved once)."""
     global _cu_launch
     if _cu_launch is None:
@@ -84,7 +84,7 @@ class Launcher:
         self._fptr = int(kernel.kernel.ptr)
         self._types = tuple(_CTYPES[c] for c in codes)
         self._cache: dict[tuple[Any, ...], Any] = {}
-        self._launch = _driver_launch()
+        self._launch = driver_launch()
         self.name = name
         self.device_index = device_index
 
@@ -125,7 +125,7 @@ class Launcher:
         if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
             cupy.cuda.runtime.setDevice(self.device_index)
             try:
-                _driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                  shared_mem, stream_ptr, params, 0)
                 return
             except Exception as again:
@@ -274,7 +274,7 @@ def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, in
     """
     params = entry[0]
     try:
-        (_cu_launch or _driver_launch())(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1],
+        (_cu_launch or driver_launch())(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1],
                                          block[2], smem, stream_ptr, params, 0)
     except Exception as exc:
         ln._retry_or_raise(exc, grid, block, params, stream_ptr, smem)
@@ -308,7 +308,7 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
     recorder appended it; ``entry`` keeps the parameter block alive. A PDL launch's config
     names the recording's stream, which is this one (records are per stream).
     """
-    lk = _cu_launch or _driver_launch()
+    lk = _cu_launch or driver_launch()
     for ln, g, b, smem, params, _entry, cfg in calls:
         if cfg is None:
             try:

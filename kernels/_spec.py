@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from deviceops.extend import (
+    DONE,
     FRESH,
     DeviceOp,
     ExecutionContext,
@@ -259,6 +260,14 @@ class _PlannedOp(KernelOp):
         op._args = vals
         op._plan = plan
         return op
+
+    def _exec(self, ctx: ExecutionContext) -> Any:
+        # DeviceOp._exec with _execute folded in (one call less on every planned op's path)
+        if self._state == DONE:
+            return DeviceOp._exec(self, ctx)  # raises: a DeviceOp runs once
+        self._state = DONE
+        self._ran_on = ctx.stream.id
+        return self._plan.execute(ctx, self._args)
 
     def _execute(self, ctx: ExecutionContext) -> Any:
         return self._plan.execute(ctx, self._args)

@@ -20,6 +20,10 @@ from deviceops import _async, api
 from deviceops._stream import Event
 from deviceops.kernels.testing import slow_copy
 
+# The op outlasts the wait before the cancel by 100x: a loaded machine (parallel pytest on the
+# GPU host) once let a 3 ms op finish before a 0.5 ms sleep returned, so nothing was cancelled.
+OP_S = 0.05
+
 
 def _live_events() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, Event))
@@ -33,7 +37,7 @@ def test_cancelled_awaits_of_finished_loops_are_freed(lib: str) -> None:
     dst = api.zeros((64,)).sync_on(s)
 
     async def aio() -> None:
-        t = asyncio.ensure_future(_await(slow_copy(dst, x, 0.003)))
+        t = asyncio.ensure_future(_await(slow_copy(dst, x, OP_S)))
         await asyncio.sleep(0.0005)  # parked on the op's event
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -41,7 +45,7 @@ def test_cancelled_awaits_of_finished_loops_are_freed(lib: str) -> None:
 
     async def tr() -> None:
         with trio.move_on_after(0.0005):
-            await slow_copy(dst, x, 0.003)
+            await slow_copy(dst, x, OP_S)
 
     def one_round() -> None:
         with deviceops.using(deviceops.scheduling.SingleStream(s)):

@@ -212,3 +212,35 @@ def test_no_replay_under_experiment_overrides() -> None:
     kernels.gemm(a, b, o).sync_on(s)
     assert _replay.stats()["replayed"] == n0 + 1
     np.testing.assert_allclose(api.to_host(o).sync_on(s).astype(np.float32), 256.0)
+
+
+def test_single_launch_replay_falls_back_on_a_driver_error() -> None:
+    """A one-launch record calls the driver directly; if that call raises, the general replay
+    runs instead (its retry on a context error, else DriverError): the launch still happens
+    once and the hazard record is counted once."""
+    s = deviceops.device(0).new_stream()
+    x = api.ones((3, 576), F16).sync_on(s)
+    w = api.ones((576,), F16).sync_on(s)
+    o = api.empty((3, 576), F16).sync_on(s)
+    kernels.rms_norm(x, w, eps=1e-5, out=o).sync_on(s)  # recorded
+    plan_recs = [r for r in gc.get_objects() if type(r) is _replay.Record and r.one is not None]
+    assert plan_recs, "the rms_norm record should be a single plain launch"
+    real = plan_recs[0].one[0]
+    failed: list[int] = []
+
+    def flaky(*args: Any) -> None:
+        failed.append(1)
+        raise RuntimeError("simulated driver failure")
+
+    for r in plan_recs:
+        r.one = (flaky, *r.one[1:])
+    try:
+        _poison(s, o)
+        n0, seq0 = _replay.stats()["replayed"], s.seq
+        kernels.rms_norm(x, w, eps=1e-5, out=o).sync_on(s)
+        assert failed and _replay.stats()["replayed"] == n0 + 1 and s.seq == seq0 + 1
+        got = api.to_host(o).sync_on(s).astype(np.float32)
+        np.testing.assert_allclose(got, 1.0, rtol=2e-3)
+    finally:
+        for r in plan_recs:
+            r.one = (real, *r.one[1:])

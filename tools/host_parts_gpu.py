@@ -88,7 +88,7 @@ def main() -> None:
         tref = per_call(ref, torch.cuda.synchronize)
         print(f"{name:22s} {total:8.2f} {build:8.2f} {tref:8.2f}")
     # the driver floor: a launch with a cached parameter block, CuPy's typed binding
-    from deviceops.kernels._fastlaunch import _driver_launch
+    from deviceops.kernels._fastlaunch import driver_launch
     raw = cp.RawKernel(r'extern "C" __global__ void k(float* a, int n) { }', "k")
     raw.compile()
     fptr = int(raw.kernel.ptr)
@@ -97,7 +97,7 @@ def main() -> None:
     holders = (ctypes.c_void_p(xs.array.data.ptr), ctypes.c_int32(1))
     params = (ctypes.c_void_p * 2)(*(ctypes.addressof(h) for h in holders))
     addr = ctypes.addressof(params)
-    launch = _driver_launch()
+    launch = driver_launch()
     sp = s.native.ptr  # type: ignore[attr-defined]
     floor = per_call(lambda: launch(fptr, 1, 1, 1, 32, 1, 1, 0, sp, addr, 0), sync)
     rawc = per_call(lambda: raw((1,), (32,), (xs.array, np.int32(1)), stream=s.native), sync)  # type: ignore[attr-defined]
