@@ -535,10 +535,11 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
 
 def apply_variant(var: str) -> None:
     """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` /
-    ``warps=N`` knobs."""
+    ``warps=N`` / ``cluster=N`` knobs."""
     defines = []
     # SPLIT_MIN_STEPS and the planner's warps unless given
-    ov = replace(current(), attention_split_min_steps=None, attention_split_warps=None)
+    ov = replace(current(), attention_split_min_steps=None, attention_split_warps=None,
+                 attention_cluster=None)
     for tok in var.split():
         if tok.startswith("min_steps="):
             ov = replace(ov, attention_split_min_steps=int(tok.split("=")[1]))
@@ -546,6 +547,8 @@ def apply_variant(var: str) -> None:
             ov = replace(ov, attention_split_blocks_per_sm=int(tok.split("=")[1]))
         elif tok.startswith("warps="):
             ov = replace(ov, attention_split_warps=int(tok.split("=")[1]))
+        elif tok.startswith("cluster="):
+            ov = replace(ov, attention_cluster=int(tok.split("=")[1]))
         else:
             defines.append(tok)
     set_overrides(replace(ov, attention_splitkv_defines=tuple(defines)))

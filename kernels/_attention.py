@@ -51,6 +51,7 @@ from __future__ import annotations
 from ._attention_check import MAX_HEAD_DIM, attention_check, supported_dtypes
 from ._attention_cuda import flash_attention_cuda
 from ._attention_plan import (
+    CLUSTER_MAX,
     DECODE_MAX_LQ,
     MAX_SPLITS,
     SM90_CONFIGS,
@@ -60,11 +61,13 @@ from ._attention_plan import (
     SPLITKV_MIN_BLOCKS,
     attention_workspace_nbytes,
     plan_splitkv,
+    splitkv_cluster,
     splitkv_warps,
 )
 from ._attention_reference import attention_reference
 
 __all__ = [
+    "CLUSTER_MAX",
     "DECODE_MAX_LQ",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
@@ -78,6 +81,7 @@ __all__ = [
     "attention_workspace_nbytes",
     "flash_attention_cuda",
     "plan_splitkv",
+    "splitkv_cluster",
     "splitkv_warps",
     "supported_dtypes",
 ]

@@ -31,6 +31,7 @@ from ._attention_plan import (
     logical_lk,
     plan_splitkv,
     sm90_smem_bytes,
+    splitkv_cluster,
     splitkv_warps,
     ws_layout,
 )
@@ -79,10 +80,10 @@ def _sm90_kernel(
 
 
 def _splitkv_kernels(
-    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, warps: int,
+    device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, warps: int, cl: int,
     extra: tuple[str, ...],
 ) -> tuple[Any, Any]:
-    key = ("splitkv", device_id, d, gt, bf16, f32, paged, warps, extra)
+    key = ("splitkv", device_id, d, gt, bf16, f32, paged, warps, cl, extra)
     fns = _kernels.get(key)
     if fns is None:
         opts = (
@@ -92,6 +93,7 @@ def _splitkv_kernels(
             f"-DATTN_F32={int(f32)}",
             f"-DATTN_PAGED={int(paged)}",
             f"-DATTN_NWARP={warps}",
+            f"-DATTN_CL={cl}",
             f"-DATTN_GRANULE={SPLIT_GRANULE}",
             *extra,
         )
@@ -269,7 +271,8 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
     x_blocks = hkv * lq * n_hchunk
     rows = b * hq * lq
     o_off = ml_off = 0
-    if n_split > 1:
+    cl, n_split = splitkv_cluster(n_split, cc, d, ov.attention_cluster)
+    if n_split > 1 and cl == 1:
         o_off, ml_off, need = ws_layout(rows, n_split, d)
         if workspace.nbytes < need:
             n_split = 1
@@ -281,8 +284,9 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
     else:
         mb, bs, nb = 0, 0, 0
-    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps,
+    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl,
                                    ov.attention_splitkv_defines)
+    combined = n_split > 1 and cl == 1  # partials through the workspace: the combine kernel
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
     # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
@@ -296,7 +300,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         kvl = 0 if kv_len is None else int(kv_len.data.ptr)
         btp = 0 if bt is None else int(bt.data.ptr)
         wo = wml = 0
-        if n_split > 1:
+        if combined:
             base_ptr = int(ws.data.ptr)
             wo, wml = base_ptr + o_off, base_ptr + ml_off
         sptr = int(stream.ptr)
@@ -304,7 +308,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         go(fn, grid, (32 * warps, 1, 1),
            (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
            sptr)  # fmt: skip
-        if n_split > 1:
+        if combined:
             go(combine, cgrid, (64, 1, 1), (wo, wml, optr, kvl, *ctail), sptr)
 
     return run_splitkv

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CLUSTER_MAX",
     "DECODE_MAX_LQ",
     "MAX_SPLITS",
     "SM90_CONFIGS",
@@ -17,6 +18,7 @@ __all__ = [
     "logical_lk",
     "plan_splitkv",
     "sm90_smem_bytes",
+    "splitkv_cluster",
     "splitkv_warps",
     "ws_layout",
 ]
@@ -35,6 +37,8 @@ SPLIT_BLOCKS_PER_SM = 4
 #: No split (and no combine launch) when Lk is at most this many block steps of keys: a
 #: short cache costs less in one kernel than in two.
 SPLIT_MIN_STEPS = 4
+#: Most splits one thread-block cluster merges (sm_90: the portable cluster size).
+CLUSTER_MAX = 8
 #: Resident blocks per SM the 16-bit split-KV kernel is compiled for (__launch_bounds__).
 SPLITKV_MIN_BLOCKS = 4
 
@@ -197,6 +201,33 @@ def _block_step(d: int, warps: int = 4) -> int:
     while lanes < min(32, d // 8):
         lanes *= 2
     return warps * (32 // lanes) * 4
+
+
+def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None
+                    ) -> tuple[int, int]:
+    """``(cluster size, n_split)``: how the split-KV partials of a row group are merged.
+
+    Cluster size 1: through the workspace and the combine kernel (``n_split`` unchanged).
+    Otherwise (sm_90) the split blocks of a row group form one thread-block cluster and
+    merge through distributed shared memory (no workspace traffic, no second kernel), with
+    the split rounded down to a power of two of at most ``CLUSTER_MAX``. The planner's rule,
+    from an H100 sweep of the decode tables (``tools/attn_cluster_gpu.py``,
+    benchmarks/RESULTS.md): head dim at most 64 and a planned split of 2 to
+    ``2 * CLUSTER_MAX`` (SmolLM2 B8 Lk1k 11.3 -> 10.0 us, B1 Lk512 7.6 -> 6.9 us); head dim
+    128 keeps the combine kernel (GQA 32/8 B8 Lk4k 52.8 -> 65.7 us in clusters of 8), as do
+    longer splits (SmolLM2 B1 Lk2k: 32 splits 9.4 us, 8 in a cluster 10.0 us).
+    ``forced`` = 0: never; 2/4/8: whenever the keys are split, capping them at that many.
+    Pure host arithmetic (tested on the cpu).
+    """
+    if cc < 90 or n_split <= 1 or forced == 0:
+        return 1, n_split
+    if forced is None and (d > 64 or n_split > 2 * CLUSTER_MAX):
+        return 1, n_split
+    cap = CLUSTER_MAX if forced is None else forced
+    cl = 2
+    while cl * 2 <= min(n_split, cap):
+        cl *= 2
+    return cl, cl
 
 
 def ws_layout(rows: int, n_split: int, d: int) -> tuple[int, int, int]:

@@ -53,6 +53,10 @@ class KernelOverrides:
         attention_split_blocks_per_sm: replaces ``SPLIT_BLOCKS_PER_SM`` (the split target).
         attention_split_warps: warps per split-KV block (4, 8 or 16) instead of the
             planner's choice.
+        attention_cluster: split-KV merge in a thread-block cluster (sm_90): ``0`` never
+            (workspace + combine kernel), ``2``/``4``/``8`` whenever the keys are split, at
+            most that many splits (``None``: the planner's rule,
+            ``_attention_plan.splitkv_cluster``).
     """
 
     gemm_path: str | None = None
@@ -65,6 +69,7 @@ class KernelOverrides:
     attention_split_min_steps: int | None = None
     attention_split_blocks_per_sm: int | None = None
     attention_split_warps: int | None = None
+    attention_cluster: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_path not in (None, "splitkv"):
@@ -75,6 +80,11 @@ class KernelOverrides:
             raise ValueError(
                 f"KernelOverrides: attention_split_warps={self.attention_split_warps!r}; "
                 "use None, 4, 8 or 16"
+            )
+        if self.attention_cluster not in (None, 0, 2, 4, 8):
+            raise ValueError(
+                f"KernelOverrides: attention_cluster={self.attention_cluster!r}; "
+                "use None, 0, 2, 4 or 8"
             )
         for name in ("gemm_sm90_defines", "attention_sm90_defines", "attention_splitkv_defines"):
             val = getattr(self, name)

@@ -36,6 +36,8 @@ for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
         _variant["attention_split_blocks_per_sm"] = int(_tok.split("=")[1])
     elif _tok.startswith("warps="):
         _variant["attention_split_warps"] = int(_tok.split("=")[1])
+    elif _tok.startswith("cluster="):
+        _variant["attention_cluster"] = int(_tok.split("=")[1])
     else:
         _variant["attention_splitkv_defines"] = (*_variant.get("attention_splitkv_defines", ()), _tok)
 
@@ -769,6 +771,54 @@ def test_gpu_wide_blocks(warps: int, dtype: np.dtype, d: int, hq: int, hkv: int,
                 assert rel_err(out, want) < TOL[dtype], ("contiguous", min_steps, causal)
                 out = _run_gpu_kv(q, kp, vp, causal, kv_len, table)
                 assert rel_err(out, want) < TOL[dtype], ("paged", min_steps, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [0, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize(("d", "hq", "hkv", "lq"),
+                         [(64, 9, 3, 1), (128, 32, 8, 1), (32, 4, 4, 3), (128, 32, 8, 8)])
+def test_gpu_cluster_merge(cluster: int, dtype: np.dtype, d: int, hq: int, hkv: int,
+                           lq: int) -> None:
+    """Split partials merged inside a thread-block cluster of 2, 4 or 8 blocks (sm_90), or
+    through the workspace and the combine kernel (0): rows with fewer valid keys than splits,
+    a full cache, contiguous and paged; equal results from run to run, bit for bit."""
+    cp = _cupy()
+    if cluster and cp.cuda.Device().compute_capability < "90":
+        pytest.skip("thread-block clusters need sm_90")
+    rng = np.random.default_rng()
+    b, lk = 4, 1500
+    kv_len = np.array([lq, 70, lk, int(rng.integers(lq, lk))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    kp, vp, table = _paged(rng, k, v, kv_len, 16)
+    with _experiment.overrides(attention_cluster=cluster, attention_split_min_steps=0):
+        for causal in (True, False):
+            want = ref64(q, k, v, causal, kv_len=kv_len)
+            out = _run_gpu_kv(q, k, v, causal, kv_len)
+            assert rel_err(out, want) < TOL[dtype], ("contiguous", causal)
+            again = _run_gpu_kv(q, k, v, causal, kv_len)
+            assert np.array_equal(out.view(np.uint8), again.view(np.uint8)), "not deterministic"
+            out = _run_gpu_kv(q, kp, vp, causal, kv_len, table)
+            assert rel_err(out, want) < TOL[dtype], ("paged", causal)
+
+
+def test_splitkv_cluster_rule() -> None:
+    """The measured rule: cluster merge on sm_90 for head dim <= 64 and a planned split of 2
+    to 16 (rounded down to a power of two, at most 8); forced sizes cap any split; never
+    below sm_90, unsplit, or when off."""
+    def c(n: int, cc: int = 90, d: int = 64, forced: int | None = None) -> tuple[int, int]:
+        return attn.splitkv_cluster(n, cc, d, forced)
+
+    assert c(1) == (1, 1) and c(6, cc=80) == (1, 6) and c(6, forced=0) == (1, 6)
+    assert c(2) == (2, 2) and c(3) == (2, 2) and c(5) == (4, 4) and c(8) == (8, 8)
+    assert c(16) == (8, 8) and c(17) == (1, 17) and c(64) == (1, 64)
+    assert c(8, d=128) == (1, 8) and c(8, d=32) == (8, 8)
+    assert c(64, forced=8) == (8, 8) and c(64, forced=2) == (2, 2) and c(3, forced=8) == (2, 2)
+    assert c(8, d=128, forced=4) == (4, 4) and c(1, forced=8) == (1, 1)
+    with pytest.raises(ValueError, match="attention_cluster"):
+        _experiment.KernelOverrides(attention_cluster=16)
 
 
 def test_splitkv_warps_rule() -> None:

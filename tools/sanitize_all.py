@@ -104,6 +104,17 @@ def _cases(name: str, rng: np.random.Generator, dt: str) -> list[Case] | None:
                    "kv_len": i32([lk - 7 * (i % 3) for i in range(b)])}
             out.append((f"decode wide B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d} kv_len", ins, lambda t: K.flash_attention(
                 t["q"], t["k"], t["v"], kv_len=t["kv_len"])))
+        # split partials merged in a thread-block cluster (sm_90, head dim 64): 8 and 4 splits,
+        # rows with fewer valid keys than splits, and a paged cache
+        for b, hq, hkv, lk in [(1, 9, 3, 1000), (6, 9, 3, 600)]:
+            ins = {"q": f(b, hq, 1, 64), "k": f(b, hkv, lk, 64), "v": f(b, hkv, lk, 64),
+                   "kv_len": i32([max(1, lk - 250 * i) for i in range(b)])}
+            out.append((f"decode cluster B{b} Hq{hq} Hkv{hkv} Lk{lk} D64 kv_len", ins,
+                        lambda t: K.flash_attention(t["q"], t["k"], t["v"], kv_len=t["kv_len"])))
+        ins = {"q": f(2, 9, 1, 64), "k": f(40, 3, 16, 64), "v": f(40, 3, 16, 64),
+               "kv_len": i32([600, 130]), "bt": i32([[(7 * j) % 40 for j in range(40)]] * 2)}
+        out.append(("decode cluster paged (pool 40x16, table 2x40)", ins, lambda t: K.flash_attention(
+            t["q"], t["k"], t["v"], kv_len=t["kv_len"], block_table=t["bt"])))
     elif name in ("rms_norm", "layer_norm"):
         fn = getattr(K, name)
         for r, c in [(1, 1), (3, 37), (5, 1000), (2, 4099)]:

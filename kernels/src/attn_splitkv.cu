@@ -20,6 +20,13 @@
 //   n_act  > 1: it writes partials ws_o (B, Hq, Lq, n_split, D) and ws_ml (..., 2) = (m, l),
 //               base-2 max and sum; attn_splitkv_combine merges the n_act valid ones.
 //
+// Cluster merge (ATTN_CL = 2, 4 or 8; sm_90): grid y = ATTN_CL splits form one thread-block
+// cluster; each block keeps its partial (m, l, o) in shared memory and, after a cluster
+// barrier, rank q merges every ATTN_CL-th (head, dim) output of the row group over the ranks
+// in rank order (distributed shared memory; deterministic) and writes o. No workspace, no
+// combine kernel. Splits past n_act take part with an empty key range (no early exit: every
+// block of a cluster must reach its barriers).
+//
 // Paged KV (ATTN_PAGED=1): K/V are a block pool (num_blocks, Hkv, block_size, D) and key j of
 // row b lives in physical block clamp(block_table[b, j / block_size], 0, num_blocks - 1).
 //
@@ -47,6 +54,14 @@
 #endif
 #ifndef ATTN_MINB  // minimum resident blocks per SM (__launch_bounds__), caps registers
 #define ATTN_MINB 1
+#endif
+#ifndef ATTN_CL  // splits merged inside one thread-block cluster (1: workspace + combine)
+#define ATTN_CL 1
+#endif
+#if ATTN_CL > 1
+#define ATTN_CLUSTER_ATTR __cluster_dims__(1, ATTN_CL, 1)
+#else
+#define ATTN_CLUSTER_ATTR
 #endif
 #ifndef ATTN_GRANULE  // keys per split are a multiple of this (_attention.SPLIT_GRANULE)
 #define ATTN_GRANULE 64
@@ -159,7 +174,47 @@ __device__ __forceinline__ void split_geometry(int kvl, int n_split, int& chunk,
   n_act = max(1, (kvl + c - 1) / c);
 }
 
-extern "C" __global__ void __launch_bounds__(NWARP * 32, ATTN_MINB)
+#if ATTN_CL > 1
+// The cluster's merge of its ATTN_CL split partials (o[t][d] unnormalised against max m[t],
+// sum l[t]) into the outputs of heads t < ng: row0 + t * Lq of O. Every block calls it.
+__device__ __forceinline__ void cluster_merge(elem_t* __restrict__ O, float (&o)[NWARP][GT][DH],
+                                              const float (&m)[GT], const float (&l)[GT], int ng,
+                                              size_t row0, int Lq) {
+  __shared__ float w[GT][ATTN_CL];  // each rank's weight in the merged row
+  const u32 rank = cluster_rank();
+  cluster_barrier();  // every block's partial is complete and visible cluster-wide
+  if (threadIdx.x < ng) {
+    const int t = threadIdx.x;
+    float a[ATTN_CL], mx = ATTN_NEG_INF;
+#pragma unroll
+    for (int r = 0; r < ATTN_CL; ++r) {
+      a[r] = ld_cluster_f32(&m[t], (u32)r);
+      mx = fmaxf(mx, a[r]);
+    }
+    const float mu = mx == ATTN_NEG_INF ? 0.f : mx;  // no valid key anywhere: output 0
+    float lt = 0.f;
+#pragma unroll
+    for (int r = 0; r < ATTN_CL; ++r) {
+      a[r] = fast_exp2(a[r] - mu);
+      lt += ld_cluster_f32(&l[t], (u32)r) * a[r];
+    }
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+#pragma unroll
+    for (int r = 0; r < ATTN_CL; ++r) w[t][r] = a[r] * inv;
+  }
+  __syncthreads();
+  for (int idx = rank + ATTN_CL * threadIdx.x; idx < ng * DH; idx += ATTN_CL * NWARP * 32) {
+    const int t = idx / DH, d = idx % DH;
+    float acc = 0.f;
+#pragma unroll
+    for (int r = 0; r < ATTN_CL; ++r) acc = fmaf(w[t][r], ld_cluster_f32(&o[0][t][d], (u32)r), acc);
+    store1(O + (row0 + (size_t)t * Lq) * DH + d, acc);
+  }
+  cluster_barrier();  // no block exits while another still reads its shared memory
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(NWARP * 32, ATTN_MINB) ATTN_CLUSTER_ATTR
 attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              const elem_t* __restrict__ K,  // (B, Hkv, Lk, D) or pool (NB, Hkv, BS, D)
              const elem_t* __restrict__ V,  // same as K
@@ -172,6 +227,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              int n_hchunk, int max_blocks, int block_size, int num_blocks) {
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
   __shared__ float sm_o[NWARP][GT][DH];
+#if ATTN_CL > 1
+  __shared__ float cl_m[GT], cl_l[GT];  // this block's partial max and sum per head
+#endif
 
   // Programmatic dependent launch (sm_90+): wait for the previous kernel's results before
   // reading anything, and let the combine kernel launch while this grid runs.
@@ -193,7 +251,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const int kvl = valid_keys(kv_len, b, Lk);
   int chunk, n_act;
   split_geometry(kvl, n_split, chunk, n_act);
+#if ATTN_CL == 1
   if (split >= n_act) return;  // block-uniform, before any barrier
+#endif
   const int off = kvl - Lq;
   const int kend = causal ? min(kvl, i + off + 1) : kvl;
   const int ks = split * chunk;
@@ -387,6 +447,13 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       lt += sm_l[w][t] * a;
       ot += sm_o[w][t][d] * a;
     }
+#if ATTN_CL > 1
+    sm_o[0][t][d] = ot;  // this block's partial: (t, d) is read and written by this thread only
+    if (d == 0) {
+      cl_m[t] = mx;
+      cl_l[t] = lt;
+    }
+#else
     const size_t row = ((size_t)b * Hq + h0 + t) * Lq + i;
     if (n_act == 1) {
       store1(O + row * DH + d, lt > 0.f ? ot / lt : 0.f);
@@ -398,7 +465,11 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
         ws_ml[prow * 2 + 1] = lt;
       }
     }
+#endif
   }
+#if ATTN_CL > 1
+  cluster_merge(O, sm_o, cl_m, cl_l, ng, ((size_t)b * Hq + h0) * Lq + i, Lq);
+#endif
 }
 
 #define CNT 64  // combine threads; n_split <= CNT (_attention.MAX_SPLITS)

@@ -41,18 +41,14 @@
 
 __device__ __forceinline__ void cluster_sync_all() {
 #if GV_CL > 1
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  cluster_barrier();
 #endif
 }
 
 // part[] of cluster block `rank` (rank == own rank: a plain shared load).
 __device__ __forceinline__ float ld_rank(const float* p, u32 rank) {
 #if GV_CL > 1
-  u32 addr;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(smem_u32(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+  return ld_cluster_f32(p, rank);
 #else
   return *p;
 #endif

@@ -22,3 +22,38 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// Thread-block clusters (sm_90+). cluster_barrier: every thread of every block of the cluster
+// arrives (release) and waits (acquire), so shared-memory writes before it are visible to
+// all blocks after it; it is also a block-wide barrier. ld_cluster_f32: a float in the
+// shared memory of cluster block `rank` (distributed shared memory), `p` being the same
+// variable in this block. cluster_rank: this block's rank in its cluster.
+__device__ __forceinline__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
+#if __CUDA_ARCH__ >= 900
+  u32 addr;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(smem_u32(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+#else
+  return *p;
+#endif
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#else
+  return 0;
+#endif
+}
