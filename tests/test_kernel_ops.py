@@ -424,7 +424,10 @@ def test_capture_needs_workspace_reserved(dev: deviceops.Device) -> None:
     g.update(api.memcpy(a, dev_t(ah, stream)))
     g.launch()
     g.synchronize()
-    assert rel_err(to_np(out), 2.0 * f64(ah) @ np.ones((128, 64))) < 1e-5
+    # every output is the same sum of 128 terms, which can nearly cancel: the error is bounded
+    # against the sum of their magnitudes (float32 accumulation), not the sum itself
+    err = np.abs(to_np(out) - 2.0 * f64(ah) @ np.ones((128, 64))).max()
+    assert err <= 1e-5 * 2.0 * np.abs(f64(ah)).sum(), err
 
 
 # ----------------------------------------------------------------------------- attention
