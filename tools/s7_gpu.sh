@@ -11,6 +11,8 @@
 #          (tools/attn_cluster_gpu.py), the decode tables beside SDPA
 #   final12: issue 12's figures: overhead.py (chains + the per-op table), graph_replay.py,
 #          await_latency.py
+#   replay: graph replay in both forms (graph_replay.py --form partition / flat) after the
+#          elementwise, graph and kernel-op GPU tests (for branch wip/tiled-pdl)
 # Usage: OUT=out bash tools/s7_gpu.sh ab parts opcost tests
 OUT=${OUT:-/tmp/s7}
 source "$(dirname "$0")/device_prologue.sh"
@@ -70,4 +72,11 @@ final12)
     echo "graph_replay rc=$?"; tail -15 "$OUT/graph_replay.log"; t graph_replay
     (cd benchmarks && timeout 200 python3 await_latency.py --iters 1000 --load 3000 --json "$OUT/await_latency.json" \
         > "$OUT/await_latency.log" 2>&1); echo "await rc=$?"; tail -25 "$OUT/await_latency.log"; t await ;;
+replay)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 150 tests/test_elementwise.py tests/test_graphs.py \
+        tests/test_kernel_ops.py tests/test_hazards.py tests/test_nn_tiny.py > "$OUT/replay_tests.log" 2>&1
+    echo "replay tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/replay_tests.log" | head; tail -1 "$OUT/replay_tests.log"
+    for f in partition flat; do
+        (cd benchmarks && timeout 90 python3 graph_replay.py --form $f --json "$OUT/graph_replay_$f.json" 2>&1 | tail -9)
+    done; t replay ;;
 esac; done
