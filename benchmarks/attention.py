@@ -306,6 +306,22 @@ DECODE_TABLES = [
 L2_BYTES = 50 << 20
 
 
+def decode_table_points() -> list[tuple[str, int, int, int, int, int]]:
+    """Every point of :data:`DECODE_TABLES` as a :data:`SWEEP_POINTS` entry
+    ``(label, Hq, Hkv, D, B, Lk)`` (label: the table's first word, e.g. ``"GQA"``)."""
+    return [(label.split()[0], hq, hkv, d, b, lk)
+            for label, hq, hkv, d, batches, lks in DECODE_TABLES for b in batches for lk in lks]
+
+
+def report_sweep(rows: list[dict[str, Any]], json_path: str) -> None:
+    """The end of a decode sweep tool: the points with a wrong result, and the JSON."""
+    bad = [(r["point"], k) for r in rows for k in r if k.endswith("BAD_ERR")]
+    print("wrong results:", bad or "none")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 class _Timer:
     """Device time of one call with the host hidden behind a spin queued first."""
 

@@ -11,15 +11,12 @@ Usage (GPU machine, from benchmarks/): ``python3 ../tools/attn_cluster_gpu.py [-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) + "/../benchmarks")
 import attention as A
 
-GQA = [("GQA", 32, 8, 128, b, lk) for b in (1, 8, 32) for lk in (1024, 4096, 32768)]
-SMOL = [("SmolLM2", 9, 3, 64, b, lk) for b in (1, 8, 32) for lk in (128, 256, 512, 1024, 2048)]
 VARIANTS = ["cluster=0", "", "cluster=4", "cluster=8"]
 
 
@@ -28,7 +25,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    A.SWEEP_POINTS = GQA + SMOL
+    A.SWEEP_POINTS = A.decode_table_points()
     rows = A.sweep_decode(a.reps, VARIANTS, [A.attn.SPLIT_BLOCKS_PER_SM])
     keys = [f"{v or 'default'}|{A.attn.SPLIT_BLOCKS_PER_SM}" for v in VARIANTS]
     print("\npoint                  " + "  ".join(f"{k.split('|')[0]:>10s}" for k in keys)
@@ -36,11 +33,7 @@ def main() -> None:
     for r in rows:
         t = [r[k] for k in keys]
         print(f"{r['point']:22s} " + "  ".join(f"{x:10.2f}" for x in t) + f"   {t[1] / t[0]:.3f}")
-    bad = [(r["point"], k) for r in rows for k in r if k.endswith("BAD_ERR")]
-    print("wrong results:", bad or "none")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    A.report_sweep(rows, a.json)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,11 @@ Usage (GPU machine, from benchmarks/): ``python3 ../tools/attn_warps_sweep_gpu.p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) + "/../benchmarks")
 import attention as A
-
-GQA = [("GQA", 32, 8, 128, b, lk) for b in (1, 8, 32) for lk in (1024, 4096, 32768)]
-SMOL = [("SmolLM2", 9, 3, 64, b, lk) for b in (1, 8, 32) for lk in (128, 256, 512, 1024, 2048)]
 
 
 def main() -> None:
@@ -27,7 +23,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--only", default="", help="point label filter")
     a = ap.parse_args()
-    A.SWEEP_POINTS = [p for p in GQA + SMOL if a.only in p[0]]
+    A.SWEEP_POINTS = [p for p in A.decode_table_points() if a.only in p[0]]
     variants = ["warps=4", "warps=8", "warps=16", "warps=8 min_steps=0", "warps=16 min_steps=0"]
     rows = A.sweep_decode(a.reps, variants, [1, 2, 4, 8])
     print("\npoint | default (warps=4|8) | best | best config")
@@ -35,11 +31,7 @@ def main() -> None:
         t = {k: v for k, v in r.items() if k != "point" and not k.endswith("BAD_ERR")}
         best = min(t, key=t.__getitem__)
         print(f"{r['point']:22s} {t['warps=4|8']:8.2f} {t[best]:8.2f}  {best}")
-    bad = [(r["point"], k) for r in rows for k in r if k.endswith("BAD_ERR")]
-    print("wrong results:", bad or "none")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    A.report_sweep(rows, a.json)
 
 
 if __name__ == "__main__":
