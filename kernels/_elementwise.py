@@ -212,7 +212,7 @@ class _ElementwiseOp(KernelOp):
                         stream.native.ptr, entry)
             else:
                 ordered(stream, rs, (ws,), _submit, stream, plan.ln, plan.grid, plan.block,
-                        plan.args, plan.flat)
+                        plan.args)
             return w_arg
         return self._body(ctx, self._args)
 
@@ -257,7 +257,7 @@ class _ElementwiseOp(KernelOp):
         else:
             args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
             rs = (x._storage, y._storage)
-        ordered(stream, rs, (ws,), _submit, stream, ln, grid, block, args, flat)
+        ordered(stream, rs, (ws,), _submit, stream, ln, grid, block, args)
         if not self._deferred and y is not None and self._args[2] is None:  # allocated out
             _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), _EwPlan(
                 stream.device, ln, grid, block, args[1:], flat, (wa.shape, wa.dtype)))
@@ -289,10 +289,10 @@ def _noop(*_: Any) -> None:
     pass
 
 
-def _submit(stream: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...], flat: bool) -> None:
+def _submit(stream: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...]) -> None:
     """The driver call of an elementwise launch (programmatic dependent launch while
-    capturing a flat kernel on sm_90)."""
-    if stream.capture is not None and flat and pdl_enabled(ln.device_index):
+    capturing on sm_90: the flat and the tiled kernels wait for their predecessor first)."""
+    if stream.capture is not None and pdl_enabled(ln.device_index):
         launch_pdl(ln, grid, block, args, stream.native.ptr)
     else:
         ln(grid, block, args, stream.native.ptr)

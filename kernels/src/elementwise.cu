@@ -24,7 +24,18 @@ template <typename T> __device__ __forceinline__ T mul_(T a, T b) { T r; st(r, l
 template <> __device__ __forceinline__ int mul_(int a, int b) { return a * b; }
 template <> __device__ __forceinline__ long long mul_(long long a, long long b) { return a * b; }
 
+// Programmatic dependent launch (sm_90+): wait for the previous kernel's
+// results, then let the next kernel begin launching. No-ops when launched
+// without the attribute.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_PROLOGUE asm volatile("griddepcontrol.wait;" ::: "memory"); \
+                     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+#define PDL_PROLOGUE
+#endif
+
 #define TILE_LOOP                                                                   \
+    PDL_PROLOGUE                                                                    \
     const int n = tr * tc;                                                          \
     for (long long by = blockIdx.y; by * tr < rows; by += gridDim.y)                \
         for (int e = threadIdx.x; e < n; e += blockDim.x) {                         \
@@ -62,16 +73,6 @@ __global__ void mul(T* __restrict__ out, const T* __restrict__ x, const T* __res
 
 // Flat variants for unpartitioned tensors: one element per thread, grid-stride
 // (no per-element division), the common case of the eager and graph hot paths.
-// Programmatic dependent launch (sm_90+): wait for the previous kernel's
-// results, then let the next kernel begin launching. No-ops when launched
-// without the attribute.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_PROLOGUE asm volatile("griddepcontrol.wait;" ::: "memory"); \
-                     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#else
-#define PDL_PROLOGUE
-#endif
-
 #define FLAT_LOOP                                                                   \
     PDL_PROLOGUE                                                                    \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;     \
