@@ -126,14 +126,17 @@ def test_reference_matches_float64(dtype: np.dtype[Any], act: str | None) -> Non
         c = _rand(rng, (*batch, m, n), dtype)
         out = _gemm.gemm_reference(a, b, bias=bias, activation=act, alpha=0.5, beta=-1.5, c=c)
         assert out.dtype == dtype and out.shape == (*batch, m, n)
-        v = 0.5 * (a.astype(np.float64) @ b.astype(np.float64)) - 1.5 * c.astype(np.float64) + bias.astype(np.float64)
+        pre = 0.5 * (a.astype(np.float64) @ b.astype(np.float64)) - 1.5 * c.astype(np.float64) + bias.astype(np.float64)
+        v = pre
         if act == "relu":
             v = np.maximum(v, 0)
         elif act == "gelu":
             v = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
         elif act == "silu":
             v = v / (1 + np.exp(-v))
-        assert _rel(out, v) < {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype.name]
+        # bounded against the pre-activation values: a one-element GELU output can be an fp16
+        # subnormal (-1e-6: 1.7% relative error from the output's rounding alone; CI, 2026-11-23)
+        assert _rel(out, v, pre) < {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype.name]
 
 
 def test_reference_beta_zero_ignores_c_and_tf32_rounds() -> None:
