@@ -271,7 +271,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
     x_blocks = hkv * lq * n_hchunk
     rows = b * hq * lq
     o_off = ml_off = 0
-    cl, n_split = splitkv_cluster(n_split, cc, d, ov.attention_cluster)
+    cl, n_split = splitkv_cluster(n_split, cc, d, ov.attention_cluster, groups=b * x_blocks, n_sm=n_sm)
     if n_split > 1 and cl == 1:
         o_off, ml_off, need = ws_layout(rows, n_split, d)
         if workspace.nbytes < need:

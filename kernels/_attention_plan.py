@@ -203,8 +203,8 @@ def _block_step(d: int, warps: int = 4) -> int:
     return warps * (32 // lanes) * 4
 
 
-def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None
-                    ) -> tuple[int, int]:
+def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None, groups: int = 0,
+                    n_sm: int = 132) -> tuple[int, int]:
     """``(cluster size, n_split)``: how the split-KV partials of a row group are merged.
 
     Cluster size 1: through the workspace and the combine kernel (``n_split`` unchanged).
@@ -214,14 +214,17 @@ def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None
     from an H100 sweep of the decode tables (``tools/attn_cluster_gpu.py``,
     benchmarks/RESULTS.md): head dim at most 64 and a planned split of 2 to
     ``2 * CLUSTER_MAX`` (SmolLM2 B8 Lk1k 11.3 -> 10.0 us, B1 Lk512 7.6 -> 6.9 us); head dim
-    128 keeps the combine kernel (GQA 32/8 B8 Lk4k 52.8 -> 65.7 us in clusters of 8), as do
-    longer splits (SmolLM2 B1 Lk2k: 32 splits 9.4 us, 8 in a cluster 10.0 us).
+    128 keeps the combine kernel (GQA 32/8 B8 Lk4k 52.8 -> 65.7 us in clusters of 8). A longer
+    split is capped to a cluster only while the capped grid, ``groups`` row groups (blocks
+    per split) x ``CLUSTER_MAX``, still fills ``n_sm`` SMs: SmolLM2 B8 Lk2k, 24 groups and 22
+    splits, 13.34 -> 12.53 us in clusters of 8; B1 Lk2k, 3 groups and 32 splits, keeps the
+    combine kernel (9.4 us; 10.0 in clusters of 8). ``groups`` = 0: unknown, no long splits.
     ``forced`` = 0: never; 2/4/8: whenever the keys are split, capping them at that many.
     Pure host arithmetic (tested on the cpu).
     """
     if cc < 90 or n_split <= 1 or forced == 0:
         return 1, n_split
-    if forced is None and (d > 64 or n_split > 2 * CLUSTER_MAX):
+    if forced is None and (d > 64 or (n_split > 2 * CLUSTER_MAX and groups * CLUSTER_MAX < n_sm)):
         return 1, n_split
     cap = CLUSTER_MAX if forced is None else forced
     cl = 2

@@ -806,14 +806,17 @@ def test_gpu_cluster_merge(cluster: int, dtype: np.dtype, d: int, hq: int, hkv: 
 
 def test_splitkv_cluster_rule() -> None:
     """The measured rule: cluster merge on sm_90 for head dim <= 64 and a planned split of 2
-    to 16 (rounded down to a power of two, at most 8); forced sizes cap any split; never
-    below sm_90, unsplit, or when off."""
-    def c(n: int, cc: int = 90, d: int = 64, forced: int | None = None) -> tuple[int, int]:
-        return attn.splitkv_cluster(n, cc, d, forced)
+    to 16 (rounded down to a power of two, at most 8), or longer when 8 blocks per row group
+    still fill the SMs; forced sizes cap any split; never below sm_90, unsplit, or when off."""
+    def c(n: int, cc: int = 90, d: int = 64, forced: int | None = None, groups: int = 0) -> tuple[int, int]:
+        return attn.splitkv_cluster(n, cc, d, forced, groups=groups, n_sm=132)
 
     assert c(1) == (1, 1) and c(6, cc=80) == (1, 6) and c(6, forced=0) == (1, 6)
     assert c(2) == (2, 2) and c(3) == (2, 2) and c(5) == (4, 4) and c(8) == (8, 8)
     assert c(16) == (8, 8) and c(17) == (1, 17) and c(64) == (1, 64)
+    assert c(22, groups=24) == (8, 8) and c(32, groups=3) == (1, 32)  # SmolLM2 B8 / B1 Lk2k
+    assert c(22, groups=16) == (1, 22) and c(22, groups=17) == (8, 8)  # 8 x groups vs 132 SMs
+    assert c(22, d=128, groups=64) == (1, 22)
     assert c(8, d=128) == (1, 8) and c(8, d=32) == (8, 8)
     assert c(64, forced=8) == (8, 8) and c(64, forced=2) == (2, 2) and c(3, forced=8) == (2, 2)
     assert c(8, d=128, forced=4) == (4, 4) and c(1, forced=8) == (1, 1)
