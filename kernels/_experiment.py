@@ -36,9 +36,10 @@ class KernelOverrides:
     Attributes:
         gemm_path: ``"sm80"``, ``"simt"``, ``"skinny"`` or an sm_90 tile config
             (``"128x256"``, ``"128x128"``, ``"64x128"``), optionally with ``":S"``: ``S``
-            split-K slices (``"skinny:S"``: ``S`` k-split warps). A path that cannot run
-            the call raises ``ShapeError`` (sm_90 configs, skinny) or is ignored (``sm80``
-            for float32 without tf32, ``simt`` for 16-bit dtypes).
+            split-K slices (``"skinny:S"``: ``S`` k-split warps; ``"skinny:S:T:U"`` also ``T``
+            16-row weight tiles per warp and ``U`` k-chunks per load round, 0 = planned).
+            A path that cannot run the call raises ``ShapeError`` (sm_90 configs, skinny)
+            or is ignored (``sm80`` for float32 without tf32, ``simt`` for 16-bit dtypes).
         gemm_sm90_defines: extra NVRTC ``-D`` defines for the sm_90 GEMM kernel.
         gemm_sm90_plain_epilogue: compile the convert-and-store-only epilogue for plain
             products (``False``: the general epilogue everywhere).

@@ -245,10 +245,11 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     tma_ok = is16 and cc == 90 and k % 8 == 0 and n % 8 == 0 and ptrs16
 
     force = ov.gemm_path
-    force_cfg, force_s = force, 0
+    force_cfg, force_s, force_more = force, 0, (0, 0)
     if force and ":" in force:
-        force_cfg, s_txt = force.split(":")
-        force_s = int(s_txt)
+        force_cfg, *nums = force.split(":")
+        force_s = int(nums[0])
+        force_more = (int(nums[1]) if len(nums) > 1 else 0, int(nums[2]) if len(nums) > 2 else 0)
     if force_cfg in G.SM90_CONFIGS and not tma_ok:
         raise ShapeError(f"gemm: forced sm_90 config {force} not usable for this call", op="gemm")
     gemv_ok = not force and b16
@@ -258,8 +259,8 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     if force_cfg == "skinny":
         if path != "skinny":
             raise ShapeError(f"gemm: forced skinny path not usable for this call (M={m}, K={k})", op="gemm")
-        if force_s:
-            cfg = G.skinny_config(batch, m, n, k, force_s)
+        if force_s or any(force_more):
+            cfg = G.skinny_config(batch, m, n, k, force_s, *force_more)
     elif force_cfg in G.SM90_CONFIGS:
         path, cfg = "sm90", force_cfg
     elif force_cfg == "sm80" and (is16 or tf32):

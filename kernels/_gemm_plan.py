@@ -28,6 +28,7 @@ GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm
 _GEMV_SMALL_WEIGHT = 1 << 21
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
+_SKINNY_LARGE_BYTES = 64 << 20  # skinny, one m-fragment: from here 8 chunks of loads in flight
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -98,29 +99,40 @@ def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int,
     return best[1], best[2], best[3]
 
 
-def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0) -> tuple[int, int, int, int, int]:
+def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0, tr: int = 0, u: int = 0
+                  ) -> tuple[int, int, int, int, int]:
     """Geometry of the skinny (``M <= 64``, ``trans_b``) kernel: ``(MF, TR, U, KS, KCW)``.
 
     ``MF`` m-fragments of 8 rows; ``TR`` 16-row weight tiles per warp (2 halves the
-    activation re-reads for ``MF >= 3`` on large weights; small weights, which are latency
-    bound, keep 1 for more blocks); ``U`` 32-wide k-chunks loaded per round (registers in
-    flight ``U * (8 TR + 4 MF)`` <= 64, or 96 for small weights: one round per warp);
-    ``KS`` warps of a block splitting K (8 for one m-fragment and for grids of <= 256
-    tiles, else 4: the best of 2 / 4 / 8 measured on H100 at the SmolLM2 and 8B shapes,
-    2026-11-23; at least 2 chunks each); ``KCW`` k-chunks per warp. ``ks > 0`` forces
-    ``KS`` (experiments).
+    activation re-reads for ``MF >= 3`` on large, wide weights, N > 6144; small weights,
+    which are latency bound, and narrower ones keep 1 for more blocks); ``U`` 32-wide k-chunks
+    loaded per round (registers in flight ``U * (8 TR + 4 MF)`` <= 64, or 96 for small
+    weights, for one m-fragment on weights of 64 MB or more (U = 8) and for ``MF >= 3`` with
+    ``TR`` = 1; never more chunks than a warp has); ``KS`` warps of a block splitting K (8 for
+    one m-fragment and for grids of <= 256 tiles, else 4; 4 for ``MF >= 3`` with ``TR`` = 1 on
+    large weights; at least 2 chunks each); ``KCW`` k-chunks per warp. Measured on H100,
+    2026-11-23 (``tools/s8_gpu.sh sweep``: 8B M = 32 qkv / o / down 23.9 / 18.5 / 50.8 ->
+    22.7 / 17.7 / 47.3 µs; M = 1 14336x4096 42.4 -> 41.0 µs). ``ks``, ``tr``, ``u`` > 0 force
+    ``KS``, ``TR`` (1 or 2) and ``U`` (1 to 8) (experiments).
     """
     mf = _cdiv(m, 8)
-    small = batch * n * k * 2 < _SKINNY_SMALL_BYTES
-    tr = 1 if mf <= 2 or small else 2
-    u = max(1, min(4, (96 if small else 64) // (8 * tr + 4 * mf)))
+    nbytes = batch * n * k * 2
+    small = nbytes < _SKINNY_SMALL_BYTES
+    narrow = batch * n <= 6144
+    if tr <= 0:
+        tr = 1 if mf <= 2 or small or narrow else 2
+    tr = min(tr, 2)
     chunks = _cdiv(k, 32)
     tiles = batch * _cdiv(n, 16 * tr)
+    wide_u = small or (mf == 1 and nbytes >= _SKINNY_LARGE_BYTES) or (mf >= 3 and tr == 1)
     if ks <= 0:
-        ks = 8 if mf == 1 or tiles <= 256 else 4
+        ks = 4 if mf >= 3 and tr == 1 and not small else 8 if mf == 1 or tiles <= 256 else 4
         ks = min(ks, chunks // 2)
     ks = max(1, min(ks, 8, chunks))
     kcw = _cdiv(chunks, ks)
+    if u <= 0:
+        u = max(1, min(8 if wide_u and not small else 4, (96 if wide_u else 64) // (8 * tr + 4 * mf), kcw))
+    u = min(u, 8)
     return mf, tr, u, _cdiv(chunks, kcw), kcw
 
 

@@ -205,9 +205,22 @@ def test_skinny_config_covers_k_and_fits_registers(m: int, n: int, k: int) -> No
     chunks = -(-k // 32)
     assert 8 * mf >= m > 8 * (mf - 1)
     assert 1 <= ks <= 8 and ks * kcw >= chunks and (ks - 1) * kcw < chunks  # every chunk, no idle warp
-    assert u * (8 * tr + 4 * mf) <= (96 if n * k * 2 < 8 << 20 else 64) or u == 1
+    assert u * (8 * tr + 4 * mf) <= 96 or u == 1  # registers of loads in flight
+    assert 1 <= u <= kcw and tr in (1, 2)  # never more chunks a round than a warp has
     assert ks * tr * mf * 512 <= 64 * 1024  # reduction buffer (dynamic shared memory)
     assert _gemm.skinny_config(1, m, n, k, ks=3)[3] <= 3
+
+
+def test_skinny_config_measured_rules() -> None:
+    """The H100 sweep's choices (tools/s8_gpu.sh sweep): 8 chunks in flight for one
+    m-fragment on weights >= 64 MB; 1 tile per warp, 4 warps, 4 chunks for M > 16 on large
+    weights up to N = 6144; 2 tiles per warp on wider ones; small weights unchanged."""
+    c = _gemm.skinny_config
+    assert c(1, 1, 14336, 4096) == (1, 1, 8, 8, 16) and c(1, 8, 4096, 14336)[2] == 8
+    assert c(1, 1, 4096, 4096) == (1, 1, 4, 8, 16)  # 32 MB: 4 chunks
+    assert c(1, 32, 4096, 4096) == (4, 1, 4, 4, 32) and c(1, 32, 6144, 4096)[:4] == (4, 1, 4, 4)
+    assert c(1, 32, 14336, 4096) == (4, 2, 2, 4, 32)
+    assert c(1, 32, 576, 576) == (4, 1, 3, 6, 3)  # 18 chunks over 6 warps: 3 a round
 
 
 def test_workspace_nbytes_trans_b() -> None:

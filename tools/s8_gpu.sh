@@ -3,7 +3,10 @@
 # wip/slab-gemm (benchmarks/RESULTS-gemm.md, "Eighth session").
 #   attn: the split-KV cluster rule for long splits: the attention / replay GPU tests of the
 #         cluster, kv_len, paged and replay cases, then the decode tables beside SDPA
-# Usage: OUT=out bash tools/s8_gpu.sh attn
+#   sweep: benchmarks/gemm.py with forced skinny:KS:TR:U geometries at M = 32 (both model
+#         tables) and M = 1 / 8 (8B), each row's fastest variant beside the planner's choice
+#   decode: the GEMM, replay, tiny-model and kernel-op GPU tests, then gemm.py --m 1,8,32
+# Usage: OUT=out bash tools/s8_gpu.sh attn sweep decode
 OUT=${OUT:-/tmp/s8}
 source "$(dirname "$0")/device_prologue.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 --version
@@ -15,4 +18,18 @@ attn)
     (cd benchmarks && timeout 240 python3 attention.py --decode-tables --reps ${REPS:-30} \
         --json "$OUT/attention_decode.json" > "$OUT/attention_decode.log" 2>&1); echo "tables rc=$?"
     grep -E "^\| " "$OUT/attention_decode.log" | head -40; t tables ;;
+sweep)  # the register-only skinny kernel's geometry (skinny:KS:TR:U) at the decode rows below 1.0x
+    for spec in "32|smol,8b|${V32:-skinny:8:1:2,skinny:8:1:3,skinny:8:1:4,skinny:4:1:4,skinny:8:2:1,skinny:8:2:2,skinny:8:2:3,skinny:4:2:2,skinny:2:2:2}" \
+                "1,8|8b|${V18:-skinny:8:1:6,skinny:8:1:8,skinny:4:1:8,skinny:4:1:4,skinny:8:2:4,skinny:8:2:2}"; do
+        IFS='|' read -r ms models vars <<< "$spec"
+        (cd benchmarks && timeout 250 python3 gemm.py --m "$ms" --models "$models" --variants "$vars" \
+            --json "$OUT/sweep_${ms/,/_}.json" > "$OUT/sweep_${ms/,/_}.log" 2>&1); echo "sweep M=$ms rc=$?"
+        python3 tools/gemm_sweep_report.py "$OUT/sweep_${ms/,/_}.json"
+    done; t sweep ;;
+decode)  # the planner's skinny rules: GEMM / replay / tiny-model GPU tests, then the decode table
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 250 tests/test_gemm.py tests/test_replay_gpu.py \
+        tests/test_nn_tiny.py tests/test_kernel_ops.py > "$OUT/decode_tests.log" 2>&1
+    echo "decode tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/decode_tests.log" | head; tail -1 "$OUT/decode_tests.log"; t tests
+    (cd benchmarks && timeout 250 python3 gemm.py --m 1,8,32 --json "$OUT/gemm_decode.json" > "$OUT/gemm_decode.log" 2>&1)
+    echo "gemm decode rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/gemm_decode.json"; t table ;;
 esac; done
