@@ -219,6 +219,8 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
     path, cfg, splits, _ = _gemm._plan(batch, mm, nn, kk, dt, tf32, sm90, _gemm._NOMINAL_SMS, True, trans_b, True)
     if path == "skinny":
         path += " mf{} tr{} u{} ks{}".format(*cfg[:4])
+    elif path == "tma":
+        path += f" bn{cfg[0]} cl{cfg[1]} kps{cfg[2]} st{cfg[3]}"
     elif isinstance(cfg, str):
         path = cfg
     path += f"/s{splits}" if splits > 1 else ""
@@ -249,7 +251,7 @@ def bench_models(models: list[str], ms: list[int], variants: list[str], bw: floa
     rows = []
     for key in models:
         for (model, layer, k, n), m, tb in itertools.product(MODELS[key], ms, layouts):
-            vs = [v for v in variants if not v.startswith("skinny") or m <= _gemm.SKINNY_MAX_M]
+            vs = [v for v in variants if not v.startswith(("skinny", "tma")) or m <= _gemm.SKINNY_MAX_M]
             try:
                 row = _bench(cp, torch, timer, "bfloat16", m, n, k, tb, vs, bw)
             except Exception as exc:  # keep the table going; the row records the failure

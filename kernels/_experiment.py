@@ -37,7 +37,8 @@ class KernelOverrides:
         gemm_path: ``"sm80"``, ``"simt"``, ``"skinny"`` or an sm_90 tile config
             (``"128x256"``, ``"128x128"``, ``"64x128"``), optionally with ``":S"``: ``S``
             split-K slices (``"skinny:S"``: ``S`` k-split warps; ``"skinny:S:T:U"`` also ``T``
-            16-row weight tiles per warp and ``U`` k-chunks per load round, 0 = planned).
+            16-row weight tiles per warp and ``U`` k-chunks per load round, 0 = planned;
+            ``"tma"`` / ``"tma:S"``: the swapped-operand TMA skinny kernel, ``S`` K slices).
             A path that cannot run the call raises ``ShapeError`` (sm_90 configs, skinny)
             or is ignored (``sm80`` for float32 without tf32, ``simt`` for 16-bit dtypes).
         gemm_sm90_defines: extra NVRTC ``-D`` defines for the sm_90 GEMM kernel.

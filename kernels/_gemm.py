@@ -69,6 +69,8 @@ from ._gemm_plan import (
     gemm_workspace_nbytes,
     gemv_config,
     skinny_config,
+    skinny_tma_config,
+    skinny_tma_smem,
 )
 from ._gemm_reference import _act_np, _round_tf32, gemm_reference
 
@@ -89,4 +91,6 @@ __all__ = [
     "gemm_workspace_nbytes",
     "gemv_config",
     "skinny_config",
+    "skinny_tma_config",
+    "skinny_tma_smem",
 ]

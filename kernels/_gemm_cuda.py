@@ -222,6 +222,28 @@ def _check_arrays(arrs: tuple[tuple[str, Any], ...]) -> int:
     return dev
 
 
+def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int], batch: int, m: int, n: int, k: int,
+                      b_batched: bool, bf16: int, epi: tuple[float, float, int, int, int]) -> _Run:
+    """The swapped-operand TMA skinny kernel: the weight as the wgmma A operand, K over a cluster."""
+    bn, cl, kps, stages = cfg
+    defs = (f"BN={bn}", "NCW=2", f"STAGES={stages}", f"SW_CL={cl}", f"GEMM_BF16={bf16}", "GEMM_TRANS_B=1")
+    fn = _kernel(dev, "gemm_skinny_tma.cu", "gemm_skinny_tma", defs, arch_suffix="a")
+    smem = G.skinny_tma_smem(bn, stages)
+    set_max_dynamic_smem(fn, smem)
+    bb = batch if b_batched else 1
+    geo_x = ((k, m, batch), (k * 2, m * k * 2), (64, bn, 1))
+    geo_w = ((k, n, bb), (k * 2, n * k * 2), (64, 128, 1))
+    i32, f32 = ctypes.c_int32, ctypes.c_float
+    tail = tuple(zip((i32,) * 5 + (f32, f32, i32, i32, i32), (m, n, G._cdiv(k, 64), kps, int(b_batched), *epi),
+                     strict=True))  # fmt: skip
+    tl = _TmaLaunch(fn, dev, (G._cdiv(n, 128), cl, batch), (384, 1, 1), smem, geo_x, geo_w, tail)
+
+    def run_tma(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
+        tl((ap, bp, op, biasp or op, op), sp)
+
+    return run_tma
+
+
 def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
            trans_b: bool, ws_nbytes: int, ov: KernelOverrides) -> _Run:
     """Check the arguments and compute the launch plan of one problem (see the module doc);
@@ -253,7 +275,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     if force_cfg in G.SM90_CONFIGS and not tma_ok:
         raise ShapeError(f"gemm: forced sm_90 config {force} not usable for this call", op="gemm")
     gemv_ok = not force and b16
-    skinny_ok = (not force or force_cfg == "skinny") and cc >= 80 and a16 and b16
+    skinny_ok = (not force or force_cfg in ("skinny", "tma")) and cc >= 80 and a16 and b16
     path, cfg, splits, kps = G._plan(batch, m, n, k, odt, tf32, tma_ok, G._NOMINAL_SMS, gemv_ok, trans_b,
                                      skinny_ok)  # fmt: skip
     if force_cfg == "skinny":
@@ -261,6 +283,10 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
             raise ShapeError(f"gemm: forced skinny path not usable for this call (M={m}, K={k})", op="gemm")
         if force_s or any(force_more):
             cfg = G.skinny_config(batch, m, n, k, force_s, *force_more)
+    elif force_cfg == "tma":
+        if path not in ("skinny", "tma") or cc != 90:
+            raise ShapeError(f"gemm: forced tma path not usable for this call (M={m}, K={k}, sm_{cc})", op="gemm")
+        path, cfg = "tma", G.skinny_tma_config(batch, m, n, k, force_s)
     elif force_cfg in G.SM90_CONFIGS:
         path, cfg = "sm90", force_cfg
     elif force_cfg == "sm80" and (is16 or tf32):
@@ -283,6 +309,8 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
             ln(grid_sk, block_sk, (ap, bp, op, biasp or op, *tail_sk), sp, smem)
 
         return run_skinny
+    if path == "tma":
+        return _build_skinny_tma(dev, cfg, batch, m, n, k, b_batched, bf16, epi)
     if path == "gemv":
         cl, mr, lpr, pf = G.gemv_config(m, n, k, cc)
         a_vec = int(k % 8 == 0 and a16)

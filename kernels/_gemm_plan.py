@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "gemv_config", "skinny_config"]
+__all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "gemv_config", "skinny_config",
+           "skinny_tma_config", "skinny_tma_smem"]
 
 # sm_90 configs: name -> (BN, NCW, STAGES); block tile is (64 * NCW) x BN.
 SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
@@ -136,6 +137,31 @@ def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0, tr: int = 0, 
     return mf, tr, u, _cdiv(chunks, kcw), kcw
 
 
+def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0) -> tuple[int, int, int, int]:
+    """Geometry of the swapped-operand TMA kernel (``gemm_skinny_tma.cu``, sm_90, M <= 64):
+    ``(BN, CL, KPS, STAGES)``.
+
+    ``BN`` activation rows padded for the wgmma N dimension (32 or 64); ``CL`` K slices, one
+    cluster (at most 8; enough tiles of 128 weight rows x slices to give every SM a block, at
+    least 4 k-tiles a slice); ``KPS`` 64-wide k-tiles a slice; ``STAGES`` of the TMA ring (4 for
+    BN 32, 3 for BN 64: two blocks an SM). ``cl`` > 0 forces ``CL`` (experiments).
+    """
+    bn = 32 if m <= 32 else 64
+    kt = _cdiv(k, 64)
+    tiles = batch * _cdiv(n, 128)
+    if cl <= 0:
+        cl = max(1, min(8, _NOMINAL_SMS // tiles, kt // 4))
+    cl = max(1, min(cl, 8, kt))
+    kps = _cdiv(kt, cl)
+    return bn, _cdiv(kt, kps), kps, 4 if bn == 32 else 3
+
+
+def skinny_tma_smem(bn: int, stages: int) -> int:
+    """Dynamic shared memory of the TMA skinny kernel: alignment slack, the ring, the
+    barriers and the partial tile ``[BN][128 + 4]`` float32."""
+    return 1024 + stages * (128 * 64 * 2 + bn * 64 * 2) + 16 * stages + bn * (128 + 4) * 4
+
+
 def _plan(
     batch: int, m: int, n: int, k: int, dtype: np.dtype[Any], tf32: bool, sm90: bool, n_sm: int,
     gemv_ok: bool = True, trans_b: bool = False, skinny_ok: bool = False,
@@ -158,6 +184,8 @@ def _plan(
         s = _splits_for(tiles, kt, n_sm)
         return "sm80", wm, s, _cdiv(kt, s)
     if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
+        if sm90 and m > 16 and batch * n > 6144 and batch * n * k * 2 >= _SKINNY_SMALL_BYTES:
+            return "tma", skinny_tma_config(batch, m, n, k), 1, 0  # wide weights: the TMA ring
         return "skinny", skinny_config(batch, m, n, k), 1, 0
     if not trans_b and gemv_ok and n % 8 == 0 and _gemv_rows_ok(m, n, k, sm90):
         return "gemv", None, 1, 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any
@@ -191,6 +192,11 @@ def test_plan_paths_for_inference_shapes() -> None:
     for m in (1, 8, 17, 32, 64):
         assert plan(1, m, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "skinny"
     assert plan(1, 65, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "sm90"
+    for m, n, k in ((17, 14336, 4096), (32, 128256, 4096), (64, 49152, 576)):  # wide weights, M > 16, sm_90
+        assert plan(1, m, n, k, BF16, False, True, 132, True, True, True)[0] == "tma"
+        assert plan(1, m, n, k, BF16, False, False, 132, True, True, True)[0] == "skinny"
+    assert plan(1, 16, 14336, 4096, BF16, False, True, 132, True, True, True)[0] == "skinny"
+    assert plan(1, 32, 8192, 256, BF16, False, True, 132, True, True, True)[0] == "skinny"  # 4 MB: small
     assert plan(1, 1, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"  # (K, N) b
     assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "sm90"
     assert plan(1, 8, 4096, 4096, BF16, False, True, 132, True, True, False)[0] == "sm90"  # misaligned
@@ -221,6 +227,17 @@ def test_skinny_config_measured_rules() -> None:
     assert c(1, 32, 4096, 4096) == (4, 1, 4, 4, 32) and c(1, 32, 6144, 4096)[:4] == (4, 1, 4, 4)
     assert c(1, 32, 14336, 4096) == (4, 2, 2, 4, 32)
     assert c(1, 32, 576, 576) == (4, 1, 3, 6, 3)  # 18 chunks over 6 warps: 3 a round
+
+
+@pytest.mark.parametrize("m", [1, 17, 32, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (14336, 4096), (4096, 14336), (49152, 576), (8, 8), (100, 72)])
+def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: int) -> None:
+    bn, cl, kps, stages = _gemm.skinny_tma_config(1, m, n, k)
+    kt = -(-k // 64)
+    assert bn in (32, 64) and bn >= m and 1 <= cl <= 8 and cl * kps >= kt and (cl - 1) * kps < kt
+    assert _gemm.skinny_tma_smem(bn, stages) <= 113 * 1024  # two blocks an SM
+    assert _gemm.skinny_tma_config(1, m, n, k, cl=3)[1] <= 3
+    assert _gemm.skinny_tma_config(1, 32, 4096, 4096) == (32, 4, 16, 4)  # 32 tiles x 4 slices
 
 
 def test_workspace_nbytes_trans_b() -> None:
@@ -314,6 +331,8 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
         rows = m if b_batched else m * math.prod(batch)
         if trans_b and k % 8 == 0 and rows <= 64:
             opts += ["skinny", "skinny", "skinny:1", "skinny:3"]
+            if cc == 90:
+                opts += ["tma", "tma:1", "tma:3"]
         force = str(rng.choice(opts))
     elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
         force = "simt:3"
@@ -430,8 +449,10 @@ def test_gpu_refuses_before_launch() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
-    """The skinny path (trans_b, M <= 64) on odd M / N and K % 8 == 0 (tails in every dim)."""
+    """The skinny paths (trans_b, M <= 64: registers only and, on sm_90, the swapped-operand
+    TMA kernel with its cluster K slices) on odd M / N and K % 8 == 0 (tails in every dim)."""
     cupy = _cupy()
+    cc = int(cupy.cuda.Device().compute_capability)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -441,16 +462,21 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
     for i, (m, n, k) in enumerate(shapes):
         act = ACTS[i % 4]
         beta = -0.5 if i % 3 == 0 else 0.0
-        for force in ("skinny", "skinny:1", None):
+        forces: tuple[str | None, ...] = ("skinny", "skinny:1", None)
+        if cc == 90:  # the TMA kernel: planned K slices, one slice, three
+            forces += ("tma", "tma:1", "tma:3")
+        for force in forces:
             cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
                   "bias": i % 2 == 0, "act": act, "alpha": 0.5 if i % 2 else 1.0, "beta": beta, "force": force,
                   "trans_b": True}  # fmt: skip
             err = _run_case(cupy, rng, cs, stream)
             assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
     # batched weights (b_batched) and a batch folded into M
-    for batch, bb in (((3,), True), ((2, 3), False)):
+    for (batch, bb), force in itertools.product((((3,), True), ((2, 3), False)), ("skinny", "tma:2")):
+        if force.startswith("tma") and cc != 90:
+            continue
         cs = {"kind": dtype.name, "dtype": dtype, "m": 5, "n": 72, "k": 200, "batch": batch, "b_batched": bb,
-              "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": "skinny", "trans_b": True}  # fmt: skip
+              "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": force, "trans_b": True}  # fmt: skip
         err = _run_case(cupy, rng, cs, stream)
         assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
 

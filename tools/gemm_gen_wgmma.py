@@ -39,7 +39,7 @@ def main() -> None:
         "#ifndef GEMM_TRANS_B\n#define GEMM_TRANS_B 0\n#endif\n"
         "#if GEMM_TRANS_B\n#define WGMMA_TB \"0\"\n#else\n#define WGMMA_TB \"1\"\n#endif\n\n"
     ]
-    for n in (64, 128, 256):
+    for n in (32, 64, 128, 256):
         parts.append(wrapper(n, "bf16", "_bf16"))
         parts.append(wrapper(n, "f16", "_f16"))
     OUT.write_text("\n".join(parts))

@@ -52,16 +52,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   const int wg = threadIdx.x >> 7;
   const int tid = threadIdx.x & 127;
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 4 * NCW);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&tmA) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&tmB) : "memory");
-  }
+  if (threadIdx.x == 0) ring_init(full, empty, &tmA, &tmB);
   __syncthreads();
 
   if (wg == 0) {
@@ -78,18 +69,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         const int ke = min(kt_total, kb + kps);
         const int bzb = b_batched ? bz : 0;
         for (int kt = kb; kt < ke; ++kt, ++it) {
-          const int st = it % STAGES;
-          const u32 ph = (u32)(it / STAGES) & 1u;
-          mbar_wait(empty + 8 * st, ph ^ 1u);
-          mbar_arrive_tx(full + 8 * st, STAGE_BYTES);
-          const u32 sa = base + st * STAGE_BYTES;
+          const u32 sa = ring_acquire(base, full, empty, it);
           const u32 sb = sa + A_BYTES;
-          tma_load3(sa, &tmA, full + 8 * st, kt * BK, tm * BM, bz);
+          const u32 fb = full + 8 * (it % STAGES);
+          tma_load3(sa, &tmA, fb, kt * BK, tm * BM, bz);
 #if GEMM_TRANS_B
-          tma_load3(sb, &tmB, full + 8 * st, kt * BK, tn * BN, bzb);  // [BN][64 k], like A
+          tma_load3(sb, &tmB, fb, kt * BK, tn * BN, bzb);  // [BN][64 k], like A
 #else
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j) tma_load3(sb + j * (BK * 128), &tmB, full + 8 * st, tn * BN + 64 * j, kt * BK, bzb);
+          for (int j = 0; j < BN / 64; ++j) tma_load3(sb + j * (BK * 128), &tmB, fb, tn * BN + 64 * j, kt * BK, bzb);
 #endif
         }
       }
@@ -112,25 +100,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) d[i] = 0.f;
       int prev = -1;
-      for (int kt = kb; kt < ke; ++kt, ++it) {
-        const int st = it % STAGES;
-        const u32 ph = (u32)(it / STAGES) & 1u;
-        mbar_wait(full + 8 * st, ph);
-        const u32 sa = base + st * STAGE_BYTES + c * (64 * 128);
-        const u32 sb = base + st * STAGE_BYTES + A_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-          WGMMA(d, make_desc(sa + kk * 32, 16, 1024), B_DESC(sb, kk));
-        }
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (prev >= 0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty + 8 * prev);
-        }
-        prev = st;
-      }
+      for (int kt = kb; kt < ke; ++kt, ++it) ring_mma(d, base, full, empty, c, it, prev, lane);
       wgmma_wait<0>();
       fence_regs(d);
       if (prev >= 0) {

@@ -56,3 +56,51 @@ __device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int
   tm = first_m + in % gsz;
   tn = in / gsz;
 }
+
+// ---- the TMA ring shared by gemm_sm90.cu and gemm_skinny_tma.cu ----
+// STAGES stages of STAGE_BYTES (A tile, then B tile) at `base`; full[s] (one arrival plus the
+// TMA transaction bytes) says stage s landed, empty[s] (one arrival per consumer warp) says it
+// may be overwritten. Iteration `it` of a thread's sequence uses stage it % STAGES with phase
+// (it / STAGES) & 1.
+
+// Thread 0: the barriers, and the tensor maps prefetched (a __syncthreads must follow).
+__device__ __forceinline__ void ring_init(u32 full, u32 empty, const void* tm_a, const void* tm_b) {
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) {
+    mbar_init(full + 8 * s, 1);
+    mbar_init(empty + 8 * s, 4 * NCW);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("prefetch.tensormap [%0];" ::"l"(tm_a) : "memory");
+  asm volatile("prefetch.tensormap [%0];" ::"l"(tm_b) : "memory");
+}
+
+// Producer: wait until iteration `it`'s stage is free, expect its bytes; returns the stage's
+// shared address (A tile; the B tile follows at + A_BYTES).
+__device__ __forceinline__ u32 ring_acquire(u32 base, u32 full, u32 empty, int it) {
+  const int st = it % STAGES;
+  mbar_wait(empty + 8 * st, ((u32)(it / STAGES) & 1u) ^ 1u);
+  mbar_arrive_tx(full + 8 * st, STAGE_BYTES);
+  return base + st * STAGE_BYTES;
+}
+
+// Consumer warpgroup c, iteration `it`: wait for the stage, d += A[64c .. 64c + 64) x B over
+// its 64 k, and release the previous iteration's stage once this one's wgmma are issued
+// (one arrival per warp). `prev`: the stage to release next (-1: none).
+__device__ __forceinline__ void ring_mma(float (&d)[NACC], u32 base, u32 full, u32 empty, int c, int it, int& prev,
+                                         int lane) {
+  const int st = it % STAGES;
+  mbar_wait(full + 8 * st, (u32)(it / STAGES) & 1u);
+  const u32 sa = base + st * STAGE_BYTES + c * (64 * 128);
+  const u32 sb = base + st * STAGE_BYTES + A_BYTES;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) WGMMA(d, make_desc(sa + kk * 32, 16, 1024), B_DESC(sb, kk));
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (prev >= 0) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + 8 * prev);
+  }
+  prev = st;
+}

@@ -1,0 +1,106 @@
+// Skinny GEMM on Hopper tensor cores with the operands swapped (sm_90a), for 17..64 rows
+// and large weights given (N, K) (trans_b), f16/bf16, float32 accumulation:
+//
+//   out[b, m, n] = act(alpha * sum_k a[b, m, k] * W[(b,) n, k] + beta * out_prev + bias[n])
+//
+// computed as out^T = W a^T: the weight is the wgmma A operand (BM = 64 * NCW rows a block,
+// K-major, TMA 128B-swizzled tiles of 64 k), the activation the B operand (BN = 8 * ceil(M / 8)
+// padded rows, K-major, zero-filled past M by TMA). The weight streams through a STAGES-deep
+// TMA ring (full/empty mbarriers, one producer thread), so many bytes are in flight per SM
+// without registers; every block reads the activation tiles of its K slice once for BM
+// weight rows.
+//
+// Grid: x = tiles of BM weight rows, y = SW_CL K slices of kps k-tiles (one thread-block
+// cluster), z = batch. After its K slice each block writes its partial tile red[m][row]
+// (float32) to shared memory; after a cluster barrier block rank q sums rows
+// [q * BM / SW_CL, ...) over the ranks in rank order (distributed shared memory,
+// deterministic), applies the epilogue and stores out[b, m, n] (consecutive threads:
+// consecutive n). One launch, no workspace. Host checks: K % 8 == 0, 16-byte aligned a / W.
+#include "gemm_common.cuh"
+#include "gemm_wgmma.cuh"
+
+// The host passes every geometry define (kernels/_gemm_cuda.py, _build_skinny_tma).
+#if !defined(BN) || !defined(NCW) || !defined(STAGES) || !defined(SW_CL)
+#error "gemm_skinny_tma.cu: compile with -DBN= -DNCW= -DSTAGES= -DSW_CL="
+#endif
+#define BM (64 * NCW)
+#define GROUP_M 8  // unused here (the header's tile-order decode needs it)
+#include "gemm_sm90_common.cuh"
+#define SW_RP (BM + 4)  // red[] row pitch (floats): lanes of one store fall in distinct banks
+
+#if SW_CL > 1
+#define SW_CLUSTER_ATTR __cluster_dims__(1, SW_CL, 1)
+#else
+#define SW_CLUSTER_ATTR
+#endif
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
+    gemm_skinny_tma(const __grid_constant__ TmaDesc tmX,  // a as (K, M, batch) [inner first]
+                    const __grid_constant__ TmaDesc tmW,  // W as (K, N, batch_w)
+                    u16* __restrict__ out,                // (batch, M, N)
+                    const u16* __restrict__ bias,         // (N,) or null
+                    float* __restrict__ unused_ws, int M, int N, int kt_total, int kps, int b_batched,
+                    float alpha, float beta, int act, int has_bias, int has_beta) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 full = base + STAGES * STAGE_BYTES;  // STAGES x u64
+  const u32 empty = full + STAGES * 8;           // STAGES x u64
+  float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + STAGES * STAGE_BYTES + 16 * STAGES);
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int tile = blockIdx.x, q = blockIdx.y, bz = blockIdx.z;
+  const int kb = q * kps, ke = min(kt_total, kb + kps);
+
+  if (threadIdx.x == 0) ring_init(full, empty, &tmW, &tmX);
+  __syncthreads();
+
+  float d[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) d[i] = 0.f;
+  if (wg == 0) {
+    // ---------------- producer: one thread issues the TMA loads ----------------
+    if (tid == 0) {
+      const int bw = b_batched ? bz : 0;
+      for (int kt = kb, it = 0; kt < ke; ++kt, ++it) {
+        const u32 sa = ring_acquire(base, full, empty, it), fb = full + 8 * (it % STAGES);
+        tma_load3(sa, &tmW, fb, kt * BK, tile * BM, bw);        // [BM][64 k]
+        tma_load3(sa + A_BYTES, &tmX, fb, kt * BK, 0, bz);      // [BN][64 k]
+      }
+    }
+  } else {
+    // ---------------- consumers: warpgroup c owns weight rows [64c, 64c + 64) ----------------
+    const int c = wg - 1, lane = tid & 31;
+    int prev = -1;
+    for (int kt = kb, it = 0; kt < ke; ++kt, ++it) ring_mma(d, base, full, empty, c, it, prev, lane);
+    wgmma_wait<0>();
+    fence_regs(d);
+    // accumulator i of lane: weight row 64c + 16 warp + lane / 4 + 8 ((i / 2) % 2),
+    // activation row m = 8 (i / 4) + 2 (lane % 4) + i % 2
+    const int warp = tid >> 5;
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int r = 64 * c + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int m = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      red[m * SW_RP + r] = d[i];
+    }
+  }
+  // every block's red[] is complete and visible cluster-wide (without a cluster launch the
+  // block is a cluster of one: the barrier and the rank-0 reads stay within it)
+  cluster_barrier();
+
+  const Epi e{alpha, beta, act, has_bias, has_beta};
+  const int r_lo = q * BM / SW_CL, r_n = (q + 1) * BM / SW_CL - r_lo;
+  for (int i = threadIdx.x; i < M * r_n; i += NTHREADS) {
+    const int m = i / r_n, r = r_lo + i % r_n;
+    const int n = tile * BM + r;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < SW_CL; ++w) v += ld_cluster_f32(&red[m * SW_RP + r], (u32)w);
+    if (n < N) {
+      u16* p = out + ((size_t)bz * M + m) * N + n;
+      const float prev = has_beta ? h2f(*p) : 0.f;
+      const float bv = has_bias ? h2f(bias[n]) : 0.f;
+      *p = f2h(epi_apply(e, v, prev, bv));
+    }
+  }
+  cluster_barrier();  // no block exits while another still reads its red[]
+}
