@@ -248,21 +248,15 @@ class _ElementwiseOp(KernelOp):
             return self._launch_general(ctx, w_arg, w, x, y)
         # cuda, untraced: the driver call, ordered like a launch (extend.ordered)
         wa = w._array
-        flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
-        ln = _launcher(stream.device.index, _FLAT_NAMES[name] if flat else name, wa.dtype)
+        ln, grid, block, args = _driver_args(name, stream.device.index, wa, w_arg, self._a, x, y)
         ws = w._storage
-        if y is None:
-            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, *geo)
-            rs: tuple[Storage, ...] = (x._storage, ws)
-        else:
-            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
-            rs = (x._storage, y._storage)
+        rs: tuple[Storage, ...] = (x._storage, ws) if y is None else (x._storage, y._storage)
         ordered(stream, rs, (ws,), _submit, stream, ln, grid, block, args)
         if not self._deferred and y is not None and self._args[2] is None:  # allocated out
             _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), _EwPlan(
-                stream.device, ln, grid, block, args[1:], flat, (wa.shape, wa.dtype)))
+                stream.device, ln, grid, block, args[1:], (wa.shape, wa.dtype)))
         elif not self._deferred and type(w_arg) in (Tensor, Partition):
-            _remember(name, w, x, y, self._a, _EwPlan(stream.device, ln, grid, block, args, flat),
+            _remember(name, w, x, y, self._a, _EwPlan(stream.device, ln, grid, block, args),
                       _tile_of(w_arg))
         return w_arg
 
@@ -273,16 +267,22 @@ class _ElementwiseOp(KernelOp):
         if stream.device.is_cpu:
             launch(ctx, name, reads, (w,), _cpu_task(name, self._a, w, x, y), _noop)
             return w_arg
-        wa = w._array
-        flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
-        ln = _launcher(stream.device.index, _FLAT_NAMES[name] if flat else name, wa.dtype)
-        if y is None:
-            args: tuple[Any, ...] = (wa.data.ptr, self._a, x._array.data.ptr, *geo)
-        else:
-            args = (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
+        ln, grid, block, args = _driver_args(name, stream.device.index, w._array, w_arg, self._a, x, y)
         sptr = stream.native.ptr
         launch(ctx, name, reads, (w,), _noop, lambda _s: ln(grid, block, args, sptr))
         return w_arg
+
+
+def _driver_args(name: str, device_index: int, wa: Any, w_arg: Any, a: float, x: Tensor,
+                 y: Tensor | None) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """``(launcher, grid, block, arguments)`` of a cuda launch writing ``wa`` (the output's
+    array; ``w_arg`` its Tensor or Partition form): the flat kernel for an unpartitioned
+    output, the tiled one otherwise; ``y`` None: saxpy (``a``, ``x``)."""
+    flat, grid, block, geo = _fast_geometry(wa.shape, _tile_of(w_arg))
+    ln = _launcher(device_index, _FLAT_NAMES[name] if flat else name, wa.dtype)
+    if y is None:
+        return ln, grid, block, (wa.data.ptr, a, x._array.data.ptr, *geo)
+    return ln, grid, block, (wa.data.ptr, x._array.data.ptr, y._array.data.ptr, *geo)
 
 
 def _noop(*_: Any) -> None:
@@ -310,12 +310,12 @@ class _EwPlan:
     (an allocating op's: the arguments after the output pointer, and ``alloc`` = the
     output's ``(shape, dtype)``)."""
 
-    __slots__ = ("alloc", "args", "block", "device", "entry", "flat", "grid", "ln", "spare")
+    __slots__ = ("alloc", "args", "block", "device", "entry", "grid", "ln", "spare")
 
     def __init__(self, device: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...],
-                 flat: bool, alloc: tuple[Any, Any] | None = None) -> None:
+                 alloc: tuple[Any, Any] | None = None) -> None:
         self.device, self.ln, self.grid, self.block = device, ln, grid, block
-        self.args, self.flat, self.alloc = args, flat, alloc
+        self.args, self.alloc = args, alloc
         # an allocating op's spare-array key (deviceops.extend.take_spare)
         self.spare = None if alloc is None else (alloc[0], id(normalize_dtype(alloc[1])))
         # the launcher's packed-parameter entry for ``args`` (kept alive here; None if the

@@ -30,6 +30,7 @@ _GEMV_SMALL_WEIGHT = 1 << 21
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
 _SKINNY_LARGE_BYTES = 64 << 20  # skinny, one m-fragment: from here 8 chunks of loads in flight
+_SKINNY_NARROW_N = 6144  # skinny, M > 16: weights with at most this many rows keep one tile a warp
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -119,22 +120,28 @@ def skinny_config(batch: int, m: int, n: int, k: int, ks: int = 0, tr: int = 0, 
     mf = _cdiv(m, 8)
     nbytes = batch * n * k * 2
     small = nbytes < _SKINNY_SMALL_BYTES
-    narrow = batch * n <= 6144
     if tr <= 0:
-        tr = 1 if mf <= 2 or small or narrow else 2
+        tr = 2 if mf >= 3 and _wide_weight(batch, n, k) else 1
     tr = min(tr, 2)
     chunks = _cdiv(k, 32)
     tiles = batch * _cdiv(n, 16 * tr)
-    wide_u = small or (mf == 1 and nbytes >= _SKINNY_LARGE_BYTES) or (mf >= 3 and tr == 1)
+    many_rows = mf >= 3 and tr == 1 and not small  # 4 warps, 4 chunks in flight
+    deep = many_rows or (mf == 1 and nbytes >= _SKINNY_LARGE_BYTES)  # up to 8 chunks in flight
     if ks <= 0:
-        ks = 4 if mf >= 3 and tr == 1 and not small else 8 if mf == 1 or tiles <= 256 else 4
+        ks = 4 if many_rows else 8 if mf == 1 or tiles <= 256 else 4
         ks = min(ks, chunks // 2)
     ks = max(1, min(ks, 8, chunks))
     kcw = _cdiv(chunks, ks)
     if u <= 0:
-        u = max(1, min(8 if wide_u and not small else 4, (96 if wide_u else 64) // (8 * tr + 4 * mf), kcw))
+        u = max(1, min(8 if deep else 4, (96 if small or deep else 64) // (8 * tr + 4 * mf), kcw))
     u = min(u, 8)
     return mf, tr, u, _cdiv(chunks, kcw), kcw
+
+
+def _wide_weight(batch: int, n: int, k: int) -> bool:
+    """A weight of 8 MB or more with more than 6144 rows: for M > 16 the TMA kernel on sm_90,
+    two 16-row tiles a warp in the register kernel elsewhere."""
+    return batch * n > _SKINNY_NARROW_N and batch * n * k * 2 >= _SKINNY_SMALL_BYTES
 
 
 def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0) -> tuple[int, int, int, int]:
@@ -184,7 +191,7 @@ def _plan(
         s = _splits_for(tiles, kt, n_sm)
         return "sm80", wm, s, _cdiv(kt, s)
     if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
-        if sm90 and m > 16 and batch * n > 6144 and batch * n * k * 2 >= _SKINNY_SMALL_BYTES:
+        if sm90 and m > 16 and _wide_weight(batch, n, k):
             return "tma", skinny_tma_config(batch, m, n, k), 1, 0  # wide weights: the TMA ring
         return "skinny", skinny_config(batch, m, n, k), 1, 0
     if not trans_b and gemv_ok and n % 8 == 0 and _gemv_rows_ok(m, n, k, sm90):

@@ -6,15 +6,8 @@
 # Phase a copies the first half of the GGUF to /tmp/wts and runs the core GPU tests; phase b
 # joins the GGUF and runs the nn GPU tests and the decode / serve / op-cost benchmarks.
 set -o pipefail
-OUT=${OUT:-/tmp/final_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1 || ls build/wheels_rel/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $(ls .whl/*.whl build/wheels_rel/*.whl 2>/dev/null) > "$OUT/pip_whl.log" 2>&1 \
-        && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
-    || { echo "pip install -e . failed"; tail -5 "$OUT/pip.log"; }
+OUT=${OUT:-/tmp/final_out}
+source "$(dirname "$0")/device_prologue.sh"  # OUT, the timer t, carried wheels, editable install
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "$1" in
 a)

@@ -39,7 +39,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
                     const __grid_constant__ TmaDesc tmW,  // W as (K, N, batch_w)
                     u16* __restrict__ out,                // (batch, M, N)
                     const u16* __restrict__ bias,         // (N,) or null
-                    float* __restrict__ unused_ws, int M, int N, int kt_total, int kps, int b_batched,
+                    float* __restrict__ unused_ws,        // (the sm_90 launcher's fifth pointer)
+                    int M, int N, int kt_total, int kps, int b_batched,
                     float alpha, float beta, int act, int has_bias, int has_beta) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
