@@ -202,6 +202,10 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
         if force is None:  # the default path exactly as users call it
             _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
             return
+        if force == "regstore":  # the planned path, the sm_90 epilogue storing from registers
+            with overrides(gemm_sm90_tma_store=False):
+                _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
+            return
         with overrides(gemm_path=force):
             _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
 
@@ -266,6 +270,8 @@ def bench_models(models: list[str], ms: list[int], variants: list[str], bw: floa
 
 
 def bench_classic(variants: list[str]) -> list[dict[str, Any]]:
+    """The classic shapes, both b layouts; ``variants`` (forced sm_90 tile configs) are timed
+    for the 16-bit rows."""
     import cupy as cp
     import torch
 
@@ -273,10 +279,12 @@ def bench_classic(variants: list[str]) -> list[dict[str, Any]]:
     rows = []
     for kind, m, n, k in CLASSIC:
         for tb in (False, True):
-            row = _bench(cp, torch, timer, kind, m, n, k, tb, [], None)
+            vs = variants if kind != "float32" else []
+            row = _bench(cp, torch, timer, kind, m, n, k, tb, vs, None)
             row.update(model="classic", layer=f"trans_b={tb}")
             rows.append(row)
-            print(_table([row]).splitlines()[-1], flush=True)
+            extra = {k2: round(v, 2) for k2, v in row.items() if k2.startswith("var_")}
+            print(_table([row]).splitlines()[-1], extra, flush=True)
             torch.cuda.empty_cache()
             cp.get_default_memory_pool().free_all_blocks()
     return rows
@@ -344,7 +352,9 @@ def main() -> None:
     ap.add_argument("--m", default=",".join(str(x) for x in M_LIST), help="comma list of row counts")
     ap.add_argument("--classic", action="store_true", help="also the classic (K, N) table")
     ap.add_argument("--host", action="store_true", help="also host cost per call")
-    ap.add_argument("--variants", default="", help="extra forced configs timed for ours, e.g. skinny:2,skinny:8")
+    ap.add_argument("--variants", default="",
+                    help="extra forced configs timed for ours, e.g. skinny:2,skinny:8; regstore: the planned "
+                         "path with the sm_90 epilogue storing from registers (no TMA store)")
     ap.add_argument("--quick", action="store_true", help="model tables at M = 1 and 32 only")
     ap.add_argument("--layout", choices=("nk", "kn", "both"), default="nk",
                     help="model weights as (N, K) with trans_b (checkpoints), as (K, N), or both")
@@ -375,7 +385,7 @@ def main() -> None:
         layouts = {"nk": (True,), "kn": (False,), "both": (True, False)}[args.layout]
         out["rows"] = bench_models(models, ms, variants, bw, layouts) if models else []
         if args.classic:
-            out["classic"] = bench_classic([])
+            out["classic"] = bench_classic([v for v in variants if not v.startswith(("skinny", "tma"))])
         if args.host:
             out["host"] = bench_host()
     if args.json:

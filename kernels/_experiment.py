@@ -44,6 +44,8 @@ class KernelOverrides:
         gemm_sm90_defines: extra NVRTC ``-D`` defines for the sm_90 GEMM kernel.
         gemm_sm90_plain_epilogue: compile the convert-and-store-only epilogue for plain
             products (``False``: the general epilogue everywhere).
+        gemm_sm90_tma_store: the sm_90 kernel stores its output through shared memory and
+            TMA when it can (one K slice, ``beta == 0``); ``False``: from registers.
         attention_path: ``"splitkv"``: the CUDA-core split-KV kernel whatever the shape.
         attention_sm90_config: ``(BN, NWG, NSTAGE)`` of the sm_90 attention kernel.
         attention_sm90_defines: extra NVRTC defines for the sm_90 attention kernel
@@ -64,6 +66,7 @@ class KernelOverrides:
     gemm_path: str | None = None
     gemm_sm90_defines: tuple[str, ...] = ()
     gemm_sm90_plain_epilogue: bool = True
+    gemm_sm90_tma_store: bool = True
     attention_path: str | None = None
     attention_sm90_config: tuple[int, int, int] | None = None
     attention_sm90_defines: tuple[str, ...] = ()

@@ -30,8 +30,8 @@ from typing import Any
 
 from deviceops.extend import DriverError
 
-__all__ = ["KernelFn", "Launcher", "driver_launch", "fast_kernel", "launch_packed", "launch_pdl",
-           "libcuda", "pdl_enabled", "replay_calls"]
+__all__ = ["KernelFn", "Launcher", "driver_launch", "fast_kernel", "launch_packed", "launch_packed_pdl",
+           "launch_pdl", "libcuda", "max_active_clusters", "pdl_enabled", "replay_calls"]
 
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
            "q": ctypes.c_int64}
@@ -245,23 +245,29 @@ def pdl_enabled(device_index: int) -> bool:
 
 
 def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int],
-               args: tuple[Any, ...], stream_ptr: int) -> None:
+               args: tuple[Any, ...], stream_ptr: int, smem: int = 0) -> None:
     """``ln(...)`` through ``cuLaunchKernelEx`` with programmatic stream serialization."""
     entry = ln._cache.get(args)
     if entry is None:
         ln._pack(args)
         entry = ln._cache[args]
-    params = entry[0]
-    ckey = (grid, block, stream_ptr)
+    launch_packed_pdl(ln, grid, block, smem, stream_ptr, entry)
+
+
+def launch_packed_pdl(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                      stream_ptr: int, entry: tuple[Any, ...]) -> None:
+    """As :func:`launch_packed`, through ``cuLaunchKernelEx`` with programmatic stream
+    serialization (``ln`` also has ``name`` and ``device_index`` for the error message)."""
+    ckey = (grid, block, stream_ptr, smem)
     cfg = _configs.get(ckey)
     if cfg is None:
-        cfg = _pdl_config(grid, block, stream_ptr)
+        cfg = _pdl_config(grid, block, stream_ptr, smem)
         if len(_configs) >= _CACHE_LIMIT:
             del _configs[next(iter(_configs))]
         _configs[ckey] = cfg
-    _launch_ex(ln, cfg, params)
+    _launch_ex(ln, cfg, entry[0])
     if recorder is not None:
-        recorder.append((ln, grid, block, 0, params, entry, cfg))
+        recorder.append((ln, grid, block, smem, entry[0], entry, cfg))
 
 
 def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
@@ -319,16 +325,37 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
         _launch_ex(ln, cfg, params)
 
 
-# (grid, block, stream) -> (launch config, its attribute): built once, reused (the driver
+# (grid, block, stream, shared memory) -> (launch config, its attribute): built once, reused (the driver
 # reads them during the call only)
 _configs: dict[tuple[Any, ...], tuple[_Config, _Attr]] = {}
 
 
 def _pdl_config(grid: tuple[int, int, int], block: tuple[int, int, int],
-                stream_ptr: int) -> tuple[_Config, _Attr]:
+                stream_ptr: int, smem: int = 0) -> tuple[_Config, _Attr]:
     attr = _Attr()
     attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.programmatic_stream_serialization_allowed = 1
-    cfg = _Config(grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream_ptr,
+    cfg = _Config(grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream_ptr,
                   ctypes.pointer(attr), 1)
     return cfg, attr
+
+
+def max_active_clusters(fn_ptr: int, grid_x: int, block: tuple[int, int, int], smem: int,
+                        name: str, device_index: int) -> int:
+    """How many clusters of a kernel compiled with ``__cluster_dims__`` fit on the device at
+    once (``cuOccupancyMaxActiveClusters``; ``grid_x`` a multiple of the cluster size).
+
+    Raises:
+        DriverError: the driver cannot say (the kernel could not be launched either).
+    """
+    fn = libcuda().cuOccupancyMaxActiveClusters
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    cfg = _Config(grid_x, 1, 1, block[0], block[1], block[2], smem, None, None, 0)
+    out = ctypes.c_int(0)
+    rc = fn(ctypes.byref(out), ctypes.c_void_p(fn_ptr), ctypes.byref(cfg))
+    if rc or out.value < 1:
+        raise DriverError(f"{name}: cuOccupancyMaxActiveClusters failed on cuda:{device_index} "
+                          f"(CUresult {rc}, {out.value} clusters) for block {block}, {smem} bytes of "
+                          "shared memory", op=name, device=f"cuda:{device_index}")  # fmt: skip
+    return int(out.value)

@@ -30,7 +30,15 @@ from . import _experiment
 from . import _gemm_check as GC
 from . import _gemm_plan as G
 from ._experiment import KernelOverrides
-from ._fastlaunch import Launcher, launch_packed, libcuda
+from ._fastlaunch import (
+    Launcher,
+    launch_packed,
+    launch_packed_pdl,
+    launch_pdl,
+    libcuda,
+    max_active_clusters,
+    pdl_enabled,
+)
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = ["expanded_source", "gemm_cuda"]
@@ -84,8 +92,9 @@ def _launcher(device_id: int, file: str, func: str, defines: tuple[str, ...], co
     return ln
 
 
-def _sm90_smem(bn: int, ncw: int, stages: int) -> int:
-    return stages * (64 * ncw * 64 * 2 + 64 * bn * 2) + 2 * 8 * stages + 16 + 1024
+def _sm90_smem(bn: int, ncw: int, stages: int, epi_tma: bool = False) -> int:
+    """The ring, the output staging boxes (TMA-store epilogue), the barriers, alignment slack."""
+    return stages * (64 * ncw * 64 * 2 + 64 * bn * 2) + epi_tma * ncw * 2 * 8192 + 2 * 8 * stages + 16 + 1024
 
 
 def _sm80_smem(wm: int, tf32: bool, trans_b: bool) -> int:
@@ -150,28 +159,28 @@ def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int]
 
 
 class _TmaLaunch:
-    """Driver launch of the sm_90 kernel: two tensor maps, three pointers, fixed scalars.
+    """Driver launch of the TMA kernels: tensor maps, three pointers, fixed scalars.
 
-    The packed ``kernelParams`` block is cached per (a, b, out, bias, workspace) pointers.
+    ``maps``: ``(i, (dims, strides, box))`` per tensor-map argument, ``i`` indexing the pointer
+    key ``(a, b, out, bias, workspace)``; the packed ``kernelParams`` block is cached per key.
     """
 
-    __slots__ = ("_cache", "_fptr", "block", "box_a", "box_b", "dev", "dims_a", "dims_b", "grid", "smem",
-                 "str_a", "str_b", "tail")
+    __slots__ = ("_cache", "_fptr", "block", "dev", "grid", "maps", "name", "pdl", "smem", "tail")
 
     def __init__(self, fn: Any, dev: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
-                 geo_a: tuple[Any, ...], geo_b: tuple[Any, ...], tail: tuple[Any, ...]) -> None:
+                 maps: tuple[tuple[int, tuple[Any, ...]], ...], tail: tuple[Any, ...], name: str = "gemm_sm90"
+                 ) -> None:
         self._fptr = int(fn.kernel.ptr)
-        self.dev, self.grid, self.block, self.smem = dev, grid, block, smem
-        self.dims_a, self.str_a, self.box_a = geo_a
-        self.dims_b, self.str_b, self.box_b = geo_b
+        self.dev, self.grid, self.block, self.smem, self.name = dev, grid, block, smem, name
+        self.pdl = pdl_enabled(dev)  # the kernels wait for their predecessor (griddepcontrol.wait)
+        self.maps = maps
         self.tail = tail  # ((ctype, value), ...) after the pointers
         self._cache: dict[tuple[int, ...], tuple[int, Any, Any]] = {}
 
     def _pack(self, key: tuple[int, int, int, int, int]) -> int:
-        ap, bp, op, biasp, wsp = key
+        _, _, op, biasp, wsp = key
         holders: list[Any] = [
-            _encode_tiled(ap, self.dims_a, self.str_a, self.box_a),
-            _encode_tiled(bp, self.dims_b, self.str_b, self.box_b),
+            *(_encode_tiled(key[i], *geo) for i, geo in self.maps),
             ctypes.c_void_p(op), ctypes.c_void_p(biasp), ctypes.c_void_p(wsp),
             *(t(v) for t, v in self.tail),
         ]  # fmt: skip
@@ -187,14 +196,18 @@ class _TmaLaunch:
         if entry is None:
             self._pack(key)
             entry = self._cache[key]
-        launch_packed(self, self.grid, self.block, self.smem, stream_ptr, entry)
+        (launch_packed_pdl if self.pdl else launch_packed)(self, self.grid, self.block, self.smem, stream_ptr, entry)
+
+    @property
+    def device_index(self) -> int:
+        return self.dev
 
     def _retry_or_raise(self, exc: Exception, g: tuple[int, int, int], b: tuple[int, int, int],
                         params: int, stream_ptr: int, smem: int) -> None:
         import cupy
 
         if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
-            raise DriverError(f"launching gemm_sm90 (grid {g}) on cuda:{self.dev} failed: {exc}",
+            raise DriverError(f"launching {self.name} (grid {g}) on cuda:{self.dev} failed: {exc}",
                               op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
         cupy.cuda.runtime.setDevice(self.dev)
         cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr,
@@ -236,12 +249,18 @@ def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int], batch: int, m: i
     i32, f32 = ctypes.c_int32, ctypes.c_float
     tail = tuple(zip((i32,) * 5 + (f32, f32, i32, i32, i32), (m, n, G._cdiv(k, 64), kps, int(b_batched), *epi),
                      strict=True))  # fmt: skip
-    tl = _TmaLaunch(fn, dev, (G._cdiv(n, 128), cl, batch), (384, 1, 1), smem, geo_x, geo_w, tail)
+    tl = _TmaLaunch(fn, dev, (G._cdiv(n, 128), cl, batch), (384, 1, 1), smem, ((0, geo_x), (1, geo_w)), tail,
+                    "gemm_skinny_tma")
 
     def run_tma(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
         tl((ap, bp, op, biasp or op, op), sp)
 
     return run_tma
+
+
+def _plain(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...],
+           stream_ptr: int, smem: int) -> None:
+    ln(grid, block, args, stream_ptr, smem)
 
 
 def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
@@ -295,6 +314,9 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         path, cfg = "simt", None
     w_bstride = k * n if b_batched else 0
     epi = (alpha, beta, act, has_bias, has_beta)
+    # sm_90: the skinny, GEMV, sm_90 and split-K reduce kernels wait for their predecessor
+    # (griddepcontrol.wait) and go out with programmatic dependent launch
+    go = launch_pdl if pdl_enabled(dev) else _plain
 
     if path == "skinny":
         mf, tr, u, ks, kcw = cfg
@@ -306,7 +328,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         tail_sk = (m, n, k, w_bstride, kcw, *epi)
 
         def run_skinny(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
-            ln(grid_sk, block_sk, (ap, bp, op, biasp or op, *tail_sk), sp, smem)
+            go(ln, grid_sk, block_sk, (ap, bp, op, biasp or op, *tail_sk), sp, smem)
 
         return run_skinny
     if path == "tma":
@@ -320,7 +342,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         tail_gv = (m, n, k, w_bstride, *epi, a_vec)
 
         def run_gemv(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
-            ln(grid_gv, (256, 1, 1), (ap, bp, op, biasp or op, *tail_gv), sp)
+            go(ln, grid_gv, (256, 1, 1), (ap, bp, op, biasp or op, *tail_gv), sp, 0)
 
         return run_gemv
 
@@ -335,24 +357,33 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         splits, kps = 1, kt_total
     main: _Run
     if path == "sm90":
-        bn, ncw, stages = G.SM90_CONFIGS[cfg]
+        bn, ncw, stages, cl = G.SM90_CONFIGS[cfg]
         bm = 64 * ncw
         plain = ov.gemm_sm90_plain_epilogue and splits == 1 and alpha == 1.0 and not has_beta and not has_bias and not act
+        epi_tma = ov.gemm_sm90_tma_store and splits == 1 and not has_beta  # stores through shared memory + TMA
         defs90 = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"GEMM_BF16={bf16}", f"GEMM_EPI_PLAIN={int(plain)}",
-                  f"GEMM_TRANS_B={tb}", *ov.gemm_sm90_defines)  # fmt: skip
+                  f"GEMM_TRANS_B={tb}", f"SM90_CL={cl}", f"GEMM_EPI_TMA={int(epi_tma)}",
+                  *ov.gemm_sm90_defines)  # fmt: skip
         fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
-        smem = _sm90_smem(bn, ncw, stages)
+        smem = _sm90_smem(bn, ncw, stages, epi_tma)
         set_max_dynamic_smem(fn, smem)
+        block90 = (128 * (ncw + 1), 1, 1)
         bb = batch if b_batched else 1
         geo_a = ((k, m, batch), (k * 2, m * k * 2), (64, bm, 1))
-        geo_b = ((k, n, bb), (k * 2, n * k * 2), (64, bn, 1)) if trans_b else ((n, k, bb), (n * 2, k * n * 2), (64, 64, 1))
-        tiles_m, tiles_n = G._cdiv(m, bm), G._cdiv(n, bn)
+        # b as (N, K): one box of the block's share of the BN rows; as (K, N): 64 x 64 boxes
+        geo_b = ((k, n, bb), (k * 2, n * k * 2), (64, bn // cl, 1)) if trans_b else ((n, k, bb), (n * 2, k * n * 2), (64, 64, 1))
+        # tiles of CL * BM rows (a cluster's); the grid is CL blocks per cluster, persistent
+        tiles_m, tiles_n = G._cdiv(m, bm * cl), G._cdiv(n, bn)
         total = batch * splits * tiles_m * tiles_n
+        slots = n_sm if cl == 1 else max_active_clusters(int(fn.kernel.ptr), cl * (n_sm // cl), block90, smem,
+                                                         "gemm", dev)  # fmt: skip
         i32, f32 = ctypes.c_int32, ctypes.c_float
         tail90 = tuple(zip((i32,) * 10 + (f32, f32, i32, i32, i32),
                            (m, n, batch, tiles_m, tiles_n, splits, kt_total, kps, int(b_batched), total, *epi),
                            strict=True))  # fmt: skip
-        tl = _TmaLaunch(fn, dev, (min(total, n_sm), 1, 1), (128 * (ncw + 1), 1, 1), smem, geo_a, geo_b, tail90)
+        geo_c = ((n, m, batch), (n * 2, m * n * 2), (64, 64, 1))  # out: 64 x 64 store boxes
+        tl = _TmaLaunch(fn, dev, (cl * min(total, slots), 1, 1), block90, smem,
+                        ((0, geo_a), (1, geo_b), (2, geo_c)), tail90)  # fmt: skip
 
         def run_sm90(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
             tl((ap, bp, op, biasp or op, wsp if splits > 1 else op), sp)
@@ -394,7 +425,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
 
     def run_split(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
         main(ap, bp, op, biasp, wsp, sp)
-        red(rgrid, (256, 1, 1), (wsp, op, biasp or op, *rtail), sp)
+        go(red, rgrid, (256, 1, 1), (wsp, op, biasp or op, *rtail), sp, 0)
 
     return run_split
 

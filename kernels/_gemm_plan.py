@@ -17,11 +17,14 @@ import numpy as np
 __all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "gemv_config", "skinny_config",
            "skinny_tma_config", "skinny_tma_smem"]
 
-# sm_90 configs: name -> (BN, NCW, STAGES); block tile is (64 * NCW) x BN.
-SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
-    "128x256": (256, 2, 4),
-    "128x128": (128, 2, 6),
-    "64x128": (128, 1, 8),
+# sm_90 configs: name -> (BN, NCW, STAGES, CL); block tile is (64 * NCW) x BN; CL = 2: a
+# cluster of two blocks along M sharing each B tile (TMA multicast).
+SM90_CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    "128x256": (256, 2, 4, 1),
+    "128x128": (128, 2, 6, 1),
+    "64x128": (128, 1, 8, 1),
+    "128x256c2": (256, 2, 4, 2),
+    "128x128c2": (128, 2, 6, 2),
 }
 GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
 # On sm_90 the GEMV serves M = 1, and M <= 4 for weights of at most this many elements; the
@@ -81,7 +84,7 @@ def _plan_sm90(batch: int, m: int, n: int, k: int, n_sm: int) -> tuple[str, int,
     """
     kt = _cdiv(k, 64)
     best: tuple[float, str, int, int] | None = None
-    for name, (bn, ncw, _) in SM90_CONFIGS.items():
+    for name, (bn, ncw, _, _) in SM90_CONFIGS.items():
         if not _SM90_EFF.get(name):
             continue
         bm = 64 * ncw

@@ -327,7 +327,8 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
     if dtype != F32 and rng.random() < 0.6:
         opts = ["sm80", "sm80:3"]
         if cc == 90 and n % 8 == 0 and k % 8 == 0:
-            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2"]
+            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2", "128x256c2", "128x128c2",
+                     "128x256c2:3"]
         rows = m if b_batched else m * math.prod(batch)
         if trans_b and k % 8 == 0 and rows <= 64:
             opts += ["skinny", "skinny", "skinny:1", "skinny:3"]
@@ -427,6 +428,95 @@ def test_gpu_edge_shapes(dtype: np.dtype[Any]) -> None:
                       "bias": True, "act": act, "alpha": 1.0, "beta": 0.0, "force": None, "trans_b": tb}  # fmt: skip
                 err = _run_case(cupy, rng, cs, stream)
                 assert err < TOL[kind], f"seed={seed} err={err:.3g} > {TOL[kind]} for m,n,k={m},{n},{k}: {cs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_sm90_cluster_pairs_odd_shapes(dtype: np.dtype[Any]) -> None:
+    """The two-block cluster configs (B multicast): an odd number of m-tiles (the last pair's
+    second block reads past M), batches, split-K, both b layouts, every epilogue."""
+    cupy = _cupy()
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the cluster configs are sm_90 only")
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kind = dtype.name
+    shapes = [(129, 264, 72, (), "128x256c2"), (389, 520, 200, (), "128x128c2"), (5, 136, 1000, (), "128x256c2:3"),
+              (257, 136, 584, (3,), "128x128c2:2"), (700, 776, 1024, (), "128x256c2")]  # fmt: skip
+    for m, n, k, batch, force in shapes:
+        for tb in (False, True):
+            for act, beta in ((None, 0.0), ("gelu", -0.5)):
+                cs = {"kind": kind, "dtype": dtype, "m": m, "n": n, "k": k, "batch": batch,
+                      "b_batched": bool(batch) and tb, "bias": act is not None, "act": act, "alpha": 0.5,
+                      "beta": beta, "force": force, "trans_b": tb}  # fmt: skip
+                err = _run_case(cupy, rng, cs, stream)
+                assert err < TOL[kind], f"seed={seed} err={err:.3g} > {TOL[kind]}: {cs}"
+
+
+@pytest.mark.gpu
+def test_gpu_tma_store_epilogue_matches_register_store() -> None:
+    """The sm_90 epilogue through shared memory and TMA writes exactly what the register
+    epilogue writes (same arithmetic), on tails in M and N, batches and every epilogue
+    without beta; and it is within the float64 bound."""
+    cupy = _cupy()
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the TMA-store epilogue is sm_90 only")
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for (m, n, k, batch), force in itertools.product(
+        [(67, 136, 200, ()), (300, 520, 72, (2,)), (129, 264, 1000, ())], ["128x256", "128x128", "64x128", "128x256c2"]
+    ):
+        for dt, act, bias in ((BF16, None, False), (F16, "silu", True), (BF16, "gelu", True)):
+            a = cupy.asarray(_rand(rng, (*batch, m, k), dt))
+            b = cupy.asarray(_rand(rng, (n, k), dt))
+            bv = cupy.asarray(_rand(rng, (n,), dt)) if bias else None
+            outs = []
+            for tma_store in (True, False):
+                o = cupy.full((*batch, m, n), np.nan, dtype=dt)
+                cupy.cuda.Device().synchronize()
+                with overrides(gemm_path=force, gemm_sm90_tma_store=tma_store):
+                    _gemm.gemm_cuda(a, b, o, bias=bv, activation=act, alpha=0.5, trans_b=True, stream=stream)
+                stream.synchronize()
+                outs.append(cupy.asnumpy(o))
+            assert not np.isnan(outs[0].astype(np.float32)).any(), f"unwritten outputs {force} {m},{n},{k}"
+            np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16),
+                                          err_msg=f"{force} m,n,k={m},{n},{k} batch={batch} act={act}")
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_dependent_gemms() -> None:
+    """Each GEMM reads the previous one's output with no host sync between (on sm_90 they go
+    out with programmatic dependent launch and must wait for their predecessor), over every
+    path: sm_90 tiles (with and without clusters and split-K), skinny, TMA skinny, GEMV."""
+    cupy = _cupy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    cc = int(cupy.cuda.Device().compute_capability)
+    forces: list[str | None] = [None, "sm80", "skinny"]
+    if cc == 90:
+        forces += ["128x256", "128x256c2", "128x128c2:3", "64x128:4", "tma"]
+    for m, d in ((1, 512), (32, 512), (200, 1024)):
+        for force in forces:
+            if force in ("skinny", "tma") and m > 64:
+                continue
+            w = (rng.standard_normal((d, d)) / math.sqrt(d)).astype(F16)  # (N, K)
+            x0 = rng.standard_normal((m, d)).astype(F16)
+            dw = cupy.asarray(w)
+            xs = [cupy.asarray(x0)] + [cupy.full((m, d), np.nan, dtype=F16) for _ in range(6)]
+            ws = cupy.empty(_gemm.gemm_workspace_nbytes((m, d), (d, d), F16, True) // 4 + 8 * m * d, dtype=np.float32)
+            cupy.cuda.Device().synchronize()
+            with overrides(gemm_path=force):
+                for i in range(6):
+                    _gemm.gemm_cuda(xs[i], dw, xs[i + 1], trans_b=True, workspace=ws, stream=stream)
+            stream.synchronize()
+            ref = x0.astype(np.float64)
+            for i in range(6):
+                ref = ref @ w.astype(np.float64).T
+                out = cupy.asnumpy(xs[i + 1]).astype(np.float64)
+                rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+                assert rel < 2e-2, f"{force} m={m} d={d}: step {i} rel err {rel:.3g}"
+                ref = out  # compare each step against the product of what it was given
 
 
 @pytest.mark.gpu

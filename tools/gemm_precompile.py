@@ -32,12 +32,13 @@ def variants() -> list[Variant]:
                 out.append(("gemm_sm80.cu", "gemm_sm80",
                             (f"WARPS_M={wm}", f"GEMM_TF32={tf32}", f"GEMM_BF16={bf16}", f"GEMM_TRANS_B={tb}"), ""))
         out.append(("gemm_simt.cu", "gemm_simt", (f"GEMM_TRANS_B={tb}",), ""))
-        for bn, ncw, st in _gemm.SM90_CONFIGS.values():
+        for bn, ncw, st, cl in _gemm.SM90_CONFIGS.values():
             for bf16 in (0, 1):
-                for plain in (0, 1):
+                for plain, epi_tma in ((0, 0), (0, 1), (1, 1)):
                     out.append(("gemm_sm90.cu", "gemm_sm90",
                                 (f"BN={bn}", f"NCW={ncw}", f"STAGES={st}", f"GEMM_BF16={bf16}",
-                                 f"GEMM_EPI_PLAIN={plain}", f"GEMM_TRANS_B={tb}"), "a"))
+                                 f"GEMM_EPI_PLAIN={plain}", f"GEMM_TRANS_B={tb}", f"SM90_CL={cl}",
+                                 f"GEMM_EPI_TMA={epi_tma}"), "a"))
     for bf16 in (0, 1):
         for mr in (1, 2, 4, 8):
             out.append(("gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}", "GV_CL=8", f"GV_MR={mr}"), ""))

@@ -34,14 +34,15 @@ def main() -> None:
         for dt, kind in [(np.dtype(np.float16), "f16"), (BF16, "bf16")]:
             forces = ["sm80", "sm80:3", None]
             if n % 8 == 0 and k % 8 == 0:
-                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2"]
+                forces += ["128x256", "128x128", "64x128", "64x128:3", "128x256:2", "128x256c2", "128x128c2",
+                           "128x256c2:2"]
             cases += [(m, n, k, dt, kind, f, (), False) for f in forces]
         cases += [(m, n, k, np.dtype(np.float32), "f32", f, (), False) for f in (None, "simt:3")]
         cases += [(m, n, k, np.dtype(np.float32), "tf32", f, (), False) for f in (None, "sm80:2")]
     cases += [(3, 136, 72, BF16, "bf16", None, (3,), True), (2, 64, 40, np.dtype(np.float16), "f16", None, (2,), False),
               (65, 136, 72, BF16, "bf16", "128x128", (3,), True), (65, 136, 72, BF16, "bf16", None, (2, 2), False),
               (31, 24, 40, np.dtype(np.float32), "f32", None, (3,), True)]  # fmt: skip
-    trans_forces = (None, "sm80", "sm80:3", "128x256", "64x128:3", "simt:3", "sm80:2")
+    trans_forces = (None, "sm80", "sm80:3", "128x256", "64x128:3", "simt:3", "sm80:2", "128x256c2", "128x128c2:2")
     cases = [(*c, False) for c in cases] + [(*c, True) for c in cases if c[5] in trans_forces]
     f16 = np.dtype(np.float16)
     for m, n, k in [(1, 8, 8), (3, 33, 584), (9, 130, 1000), (32, 72, 1536), (64, 24, 40), (17, 200, 72)]:
@@ -53,7 +54,8 @@ def main() -> None:
     only = os.environ.get("GEMM_SANITIZE_ONLY", "")  # e.g. "skinny": forced-path substring
     cases = [c for c in cases if only in str(c[5])]
     worst = 0.0
-    for m, n, k, dt, kind, force, batch, bb, tb in cases:
+    for idx, (m, n, k, dt, kind, force, batch, bb, tb) in enumerate(cases):
+        beta = 1.0 if idx % 2 else 0.0  # beta == 0: the sm_90 TMA-store epilogue
         a = rng.standard_normal((*batch, m, k)).astype(dt)
         b = rng.standard_normal((*batch, k, n) if bb else (k, n)).astype(dt)
         if tb:
@@ -61,13 +63,13 @@ def main() -> None:
         bias = rng.standard_normal((n,)).astype(dt)
         c = rng.standard_normal((*batch, m, n)).astype(dt)
         tf32 = kind == "tf32"
-        ref = _gemm.gemm_reference(a, b, bias=bias, activation="gelu", alpha=0.5, beta=1.0, c=c, tf32=tf32,
+        ref = _gemm.gemm_reference(a, b, bias=bias, activation="gelu", alpha=0.5, beta=beta, c=c, tf32=tf32,
                                    trans_b=tb)
         out = cp.asarray(c)
         ws = cp.empty(4 * c.size + 64, dtype=np.float32)
         with overrides(gemm_path=force):
             _gemm.gemm_cuda(cp.asarray(a), cp.asarray(b), out, bias=cp.asarray(bias), activation="gelu", alpha=0.5,
-                            beta=1.0, tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
+                            beta=beta, tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)
         r = ref.astype(np.float64)

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deviceops.kernels import _gemm, _gemm_cuda
 
 VARIANTS = [
-    ("gemm_sm90.cu", f"BN={bn} NCW={ncw} STAGES={st} GEMM_BF16=1") for bn, ncw, st in _gemm.SM90_CONFIGS.values()
+    ("gemm_sm90.cu", f"BN={bn} NCW={ncw} STAGES={st} GEMM_BF16=1 SM90_CL={cl}")
+    for bn, ncw, st, cl in _gemm.SM90_CONFIGS.values()
 ] + [
     ("gemm_sm80.cu", "WARPS_M=2 GEMM_BF16=1"),
     ("gemm_sm80.cu", "WARPS_M=1 GEMM_TF32=1"),

@@ -12,7 +12,8 @@ import sys
 
 def main(path: str) -> None:
     with open(path) as f:
-        rows = json.load(f)["rows"]
+        d = json.load(f)
+    rows = d["rows"] + d.get("classic", [])
     for r in rows:
         if "error" in r:
             print(f"{r.get('layer', '?'):28s} M{r['M']:<3d} error {r['error'][:120]}")

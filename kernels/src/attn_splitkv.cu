@@ -143,19 +143,6 @@ __device__ __forceinline__ void store2(elem_t* p, float x0, float x1) {
 #endif
 }
 
-// Programmatic dependent launch controls; no-ops when the kernel was launched without the
-// attribute, compiled out below sm_90.
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Valid keys of batch row b.
 __device__ __forceinline__ int valid_keys(const int* __restrict__ kv_len, int b, int Lk) {
   return kv_len == nullptr ? Lk : min(max(__ldg(kv_len + b), 0), Lk);

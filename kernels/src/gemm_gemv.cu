@@ -69,6 +69,8 @@ extern "C" __global__ void __launch_bounds__(256) GV_CLUSTER_ATTR
               int act, int has_bias, int has_beta, int a_vec) {
   __shared__ float red[8][GV_MR][GV_COLS];     // [warp][row][col] (4 KiB per row)
   __shared__ float part[GV_MR][GV_COLS];      // this block's sums [row][col]
+  pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
+  pdl_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hw = tid / GV_LPR, l16 = tid % GV_LPR;
   const int bz = blockIdx.z, slice = blockIdx.y;

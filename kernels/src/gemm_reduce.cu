@@ -22,6 +22,8 @@ extern "C" __global__ void __launch_bounds__(256)
                        long long total, int N, int splits, float alpha, float beta, int act, int has_bias,
                        int has_beta) {
   const Epi e{alpha, beta, act, has_bias, has_beta};
+  pdl_wait();  // the GEMM's partials (launched with programmatic dependent launch on sm_90)
+  pdl_launch_dependents();
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += (long long)gridDim.x * blockDim.x) {
     float s = 0.f;

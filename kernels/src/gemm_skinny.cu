@@ -62,6 +62,8 @@ extern "C" __global__ void __launch_bounds__(256)
                 const u16* __restrict__ bias, int M, int N, int K, long long w_bstride, int kcw, float alpha,
                 float beta, int act, int has_bias, int has_beta) {
   extern __shared__ float red[];  // [KS][SK_SLOTS][32]
+  pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, ks = threadIdx.x >> 5, nks = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int bz = blockIdx.z;

@@ -53,6 +53,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
 
   if (threadIdx.x == 0) ring_init(full, empty, &tmW, &tmX);
   __syncthreads();
+  pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
+  pdl_launch_dependents();
 
   float d[NACC];
 #pragma unroll

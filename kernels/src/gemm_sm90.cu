@@ -15,6 +15,17 @@
 // i, i + gridDim.x, ... in grouped (L2-friendly) order; the producer runs ahead into the
 // next tile while consumers run the epilogue.
 //
+// SM90_CL = 2 (a cluster of two blocks along M, __cluster_dims__): the two blocks compute
+// the m-tiles 2i and 2i + 1 of one n-tile and share every B tile: each loads its half and
+// multicasts it to both (half the L2 -> SM traffic of B); a stage is free once the consumers
+// of both blocks released it (ring_release arrives on both blocks' empty barriers). Tile
+// indices then count pairs: `tiles_m` is the number of 2 * BM row blocks, and the grid is
+// twice the clusters.
+//
+// Programmatic dependent launch (the host launches with the attribute on sm_90): every
+// thread waits for the previous grid (pdl_wait) after the shared-memory set-up and before
+// any global access, and the next grid may begin launching at once.
+//
 // TMA needs 16-byte aligned row strides: K % 8 == 0 and N % 8 == 0 (host checks); M, N, K
 // tails are zero-filled by TMA and masked in the epilogue.
 #include "gemm_common.cuh"
@@ -32,14 +43,95 @@
 #ifndef GROUP_M
 #define GROUP_M 8
 #endif
+#ifndef SM90_CL
+#define SM90_CL 1
+#endif
+#define RING_PEERS SM90_CL
+#if SM90_CL > 1
+#define SM90_CLUSTER_ATTR __cluster_dims__(SM90_CL, 1, 1)
+#else
+#define SM90_CLUSTER_ATTR
+#endif
 // GEMM_EPI_PLAIN = 1: alpha == 1, beta == 0, no bias, no activation (the host checks):
 // the epilogue only converts and stores.
 #define BM (64 * NCW)
 #include "gemm_sm90_common.cuh"
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+// ---- GEMM_EPI_TMA = 1 (one K slice, beta == 0; the host checks): the epilogue stores through
+// shared memory and TMA. Each consumer warpgroup owns two 64 x 64 staging boxes (8 KB each,
+// 128B swizzle: the 16-byte chunk `ch` of row r sits at chunk ch ^ (r % 8), so the fragment
+// writes are free of bank conflicts); it fills one box per 64 columns of its 64 x BN rows and
+// one thread stores it (cp.async.bulk.tensor; rows past M / columns past N are clipped by
+// TMA), alternating the boxes: a box is refilled once the store two boxes back has read it.
+#ifndef GEMM_EPI_TMA
+#define GEMM_EPI_TMA 0
+#endif
+#define EPI_WG_BYTES (2 * 8192)
+#define EPI_BYTES (GEMM_EPI_TMA ? NCW * EPI_WG_BYTES : 0)
+
+__device__ __forceinline__ void tma_store3(const TmaDesc* tm, u32 src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(tm),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// at most one bulk store group of this thread still reading shared memory
+__device__ __forceinline__ void bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Consumer warpgroup epilogue: rows [row0, row0 + 64) x columns [col0, col0 + BN) of batch bz
+// from the accumulators d (thread: rows r, r + 8 and column pairs 8j + 2(lane % 4)), with
+// alpha, bias and the activation applied; `stg`: this warpgroup's two staging boxes; `tid`:
+// the thread's index in consumer warpgroup c (named barrier 1 + c per box).
+__device__ __forceinline__ void epilogue_tma(const float (&d)[NACC], const Epi& e, const TmaDesc* tmC, u32 stg,
+                                             const u16* __restrict__ bias, int row0, int col0, int bz, int N,
+                                             int c, int tid) {
+  const int lane = tid & 31;
+  const int r = (tid >> 5) * 16 + (lane >> 2);  // row in the warpgroup's 64; r % 8 == lane / 4
+  const int bar = 1 + c;                         // this warpgroup's named barrier
+#pragma unroll
+  for (int q = 0; q < BN / 64; ++q) {
+    const u32 box = stg + (q & 1) * 8192;
+    if (tid == 0) bulk_wait_read1();
+    named_sync(bar, 128);  // the box is free
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 8 * q + jj;
+      float v[4];
+#if GEMM_EPI_PLAIN
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = d[4 * j + i];
+#else
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      float b0 = 0.f, b1 = 0.f;
+      if (e.has_bias && col < N) {
+        const u32 bb = *reinterpret_cast<const u32*>(bias + col);
+        b0 = h2f((u16)(bb & 0xFFFFu));
+        b1 = h2f((u16)(bb >> 16));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        v[2 * h] = epi_apply(e, d[4 * j + 2 * h], 0.f, b0);
+        v[2 * h + 1] = epi_apply(e, d[4 * j + 2 * h + 1], 0.f, b1);
+      }
+#endif
+      const u32 off = (u32)((jj ^ (lane >> 2)) << 4) + ((lane & 3) << 2);
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(box + r * 128 + off), "r"(pack2(v[0], v[1])) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(box + (r + 8) * 128 + off), "r"(pack2(v[2], v[3])) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> the TMA engine
+    named_sync(bar, 128);
+    if (tid == 0) {
+      tma_store3(tmC, box, col0 + 64 * q, row0, bz);
+      bulk_commit();
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SM90_CLUSTER_ATTR
     gemm_sm90(const __grid_constant__ TmaDesc tmA,  // a as (K, M, batch) [inner first]
               const __grid_constant__ TmaDesc tmB,  // b as (N, K, batch_b); trans: (K, N, batch_b)
+              const __grid_constant__ TmaDesc tmC,  // out as (N, M, batch), 64 x 64 boxes (GEMM_EPI_TMA)
               u16* __restrict__ out,                // (batch, M, N)
               const u16* __restrict__ bias,         // (N,) or null
               float* __restrict__ ws,               // (splits, batch, M, N) float32 when splits > 1
@@ -47,13 +139,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
               int total_tiles, float alpha, float beta, int act, int has_bias, int has_beta) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const u32 full = base + STAGES * STAGE_BYTES;  // STAGES x u64
+  const u32 stage_out = base + STAGES * STAGE_BYTES;  // EPI_BYTES: output staging (GEMM_EPI_TMA)
+  const u32 full = stage_out + EPI_BYTES;               // STAGES x u64
   const u32 empty = full + STAGES * 8;           // STAGES x u64
   const int wg = threadIdx.x >> 7;
   const int tid = threadIdx.x & 127;
 
+  const int rank = SM90_CL > 1 ? (int)cluster_rank() : 0;
+  const int cid = blockIdx.x / SM90_CL, n_clusters = gridDim.x / SM90_CL;
+
   if (threadIdx.x == 0) ring_init(full, empty, &tmA, &tmB);
+#if SM90_CL > 1
+  cluster_barrier();  // the peer's barriers exist before any multicast or remote arrive
+#else
   __syncthreads();
+#endif
+  pdl_wait();
+  pdl_launch_dependents();
 
   if (wg == 0) {
     // ---------------- producer ----------------
@@ -62,9 +164,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #endif
     if (tid == 0) {
       int it = 0;
-      for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      for (int t = cid; t < total_tiles; t += n_clusters) {
         int bz, sp, tm, tn;
         decode_tile(t, tiles_m, tiles_n, splits, bz, sp, tm, tn);
+        tm = tm * SM90_CL + rank;
         const int kb = sp * kps;
         const int ke = min(kt_total, kb + kps);
         const int bzb = b_batched ? bz : 0;
@@ -73,7 +176,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
           const u32 sb = sa + A_BYTES;
           const u32 fb = full + 8 * (it % STAGES);
           tma_load3(sa, &tmA, fb, kt * BK, tm * BM, bz);
+#if SM90_CL > 1
+          // this block's share of B, multicast to the cluster
+          constexpr unsigned short kMask = (1u << SM90_CL) - 1u;
 #if GEMM_TRANS_B
+          constexpr int kRows = BN / SM90_CL;  // [BN / CL][64 k] rows of the (N, K) tile
+          tma_load3_mc(sb + rank * (kRows * 128), &tmB, fb, kt * BK, tn * BN + rank * kRows, bzb, kMask);
+#else
+          constexpr int kBoxes = BN / 64 / SM90_CL;
+#pragma unroll
+          for (int j = rank * kBoxes; j < (rank + 1) * kBoxes; ++j)
+            tma_load3_mc(sb + j * (BK * 128), &tmB, fb, tn * BN + 64 * j, kt * BK, bzb, kMask);
+#endif
+#elif GEMM_TRANS_B
           tma_load3(sb, &tmB, fb, kt * BK, tn * BN, bzb);  // [BN][64 k], like A
 #else
 #pragma unroll
@@ -92,9 +207,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     const Epi e{alpha, beta, act, has_bias, has_beta};
     int it = 0;
     float d[NACC];
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    for (int t = cid; t < total_tiles; t += n_clusters) {
       int bz, sp, tm, tn;
       decode_tile(t, tiles_m, tiles_n, splits, bz, sp, tm, tn);
+      tm = tm * SM90_CL + rank;
       const int kb = sp * kps;
       const int ke = min(kt_total, kb + kps);
 #pragma unroll
@@ -105,9 +221,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       fence_regs(d);
       if (prev >= 0) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty + 8 * prev);
+        ring_release(empty + 8 * prev, lane);
       }
 
+#if GEMM_EPI_TMA
+      epilogue_tma(d, e, &tmC, stage_out + c * EPI_WG_BYTES, bias, tm * BM + c * 64, tn * BN, bz, N, c, tid);
+      continue;
+#endif
       // ---- epilogue: thread holds rows r0, r0 + 8 and column pairs 8j + 2(lane % 4) ----
       const int r0 = tm * BM + c * 64 + warp * 16 + (lane >> 2);
       const int cb = tn * BN + 2 * (lane & 3);
@@ -163,5 +283,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
       }
     }
+#if GEMM_EPI_TMA
+    if (tid == 0) bulk_wait_all();  // the shared staging must outlive its last store
+#endif
   }
+#if SM90_CL > 1
+  __syncwarp();
+  cluster_barrier();  // no block exits while its peer may still multicast into it or arrive on it
+#endif
 }

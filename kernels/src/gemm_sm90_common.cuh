@@ -9,6 +9,11 @@
 #ifndef GEMM_TRANS_B
 #define GEMM_TRANS_B 0
 #endif
+// Blocks of a cluster that share each stage of the ring (gemm_sm90.cu with SM90_CL = 2: the
+// B tile is multicast to both, so a stage is free only when both blocks' consumers are done).
+#ifndef RING_PEERS
+#define RING_PEERS 1
+#endif
 // B descriptor of k16 step kk: MN-major [BN/64][64 k][64 n], or (GEMM_TRANS_B, b given
 // (N, K)) K-major [BN][64 k] with one 128-byte swizzled row per n, exactly like A.
 #if GEMM_TRANS_B
@@ -41,6 +46,32 @@ __device__ __forceinline__ void tma_load3(u32 dst, const TmaDesc* tm, u32 bar, i
       : "memory");
 }
 
+// As tma_load3, and the same bytes land at the same offset (and complete the transaction on
+// the barrier at the same offset) in every block of the cluster named in `mask`.
+__device__ __forceinline__ void tma_load3_mc(u32 dst, const TmaDesc* tm, u32 bar, int c0, int c1, int c2,
+                                             unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+      "l"(tm), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
+      : "memory");
+}
+
+// One warp's arrival on the barrier at shared address `bar` of every block of the cluster:
+// lane r arrives on block r's (RING_PEERS blocks, in parallel; default .release.cta semantics,
+// as the stage's readers are this warp's completed wgmma); one block: lane 0, locally.
+__device__ __forceinline__ void ring_release(u32 bar, int lane) {
+#if RING_PEERS > 1
+  if (lane < RING_PEERS) {
+    u32 ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(bar), "r"(lane));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(ra) : "memory");
+  }
+#else
+  if (lane == 0) mbar_arrive(bar);
+#endif
+}
+
 // Linear tile index -> (batch, split, m-tile, n-tile); GROUP_M m-tiles share each n sweep.
 __device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int splits, int& bz, int& sp, int& tm,
                                             int& tn) {
@@ -63,12 +94,13 @@ __device__ __forceinline__ void decode_tile(int t, int tiles_m, int tiles_n, int
 // may be overwritten. Iteration `it` of a thread's sequence uses stage it % STAGES with phase
 // (it / STAGES) & 1.
 
-// Thread 0: the barriers, and the tensor maps prefetched (a __syncthreads must follow).
+// Thread 0: the barriers, and the tensor maps prefetched (a __syncthreads must follow; a
+// cluster barrier with RING_PEERS > 1).
 __device__ __forceinline__ void ring_init(u32 full, u32 empty, const void* tm_a, const void* tm_b) {
 #pragma unroll
   for (int s = 0; s < STAGES; ++s) {
     mbar_init(full + 8 * s, 1);
-    mbar_init(empty + 8 * s, 4 * NCW);
+    mbar_init(empty + 8 * s, 4 * NCW * RING_PEERS);
   }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("prefetch.tensormap [%0];" ::"l"(tm_a) : "memory");
@@ -86,7 +118,8 @@ __device__ __forceinline__ u32 ring_acquire(u32 base, u32 full, u32 empty, int i
 
 // Consumer warpgroup c, iteration `it`: wait for the stage, d += A[64c .. 64c + 64) x B over
 // its 64 k, and release the previous iteration's stage once this one's wgmma are issued
-// (one arrival per warp). `prev`: the stage to release next (-1: none).
+// (one arrival per warp, on every block sharing the ring). `prev`: the stage to release next
+// (-1: none).
 __device__ __forceinline__ void ring_mma(float (&d)[NACC], u32 base, u32 full, u32 empty, int c, int it, int& prev,
                                          int lane) {
   const int st = it % STAGES;
@@ -100,7 +133,7 @@ __device__ __forceinline__ void ring_mma(float (&d)[NACC], u32 base, u32 full, u
   wgmma_wait<1>();
   if (prev >= 0) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty + 8 * prev);
+    ring_release(empty + 8 * prev, lane);
   }
   prev = st;
 }

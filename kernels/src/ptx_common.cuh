@@ -57,3 +57,18 @@ __device__ __forceinline__ u32 cluster_rank() {
   return 0;
 #endif
 }
+
+// Programmatic dependent launch controls: pdl_wait blocks until the grids this one depends
+// on have completed and their memory is visible (call it before the first global access);
+// pdl_launch_dependents lets the next PDL-launched grid begin launching. No-ops when the
+// kernel was launched without the attribute, compiled out below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

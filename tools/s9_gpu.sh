@@ -1,0 +1,52 @@
+#!/bin/bash
+# Ninth-session GPU work (issue 13): two-block clusters with B multicast in the sm_90 GEMM
+# (configs 128x256c2 / 128x128c2) and programmatic dependent launch of every sm_90 GEMM kernel.
+#   c2tests: the GEMM GPU tests that cover the new code (cluster pairs, back-to-back dependent
+#            GEMMs over every path, random shapes with forced configs, edge shapes), memcheck
+#            over the cluster cases
+#   c2bench: classic shapes and the prefill rows (M = 128 / 512 / 2048) with the cluster
+#            configs forced beside the planner's choice and cuBLAS
+#   decode:  the decode rows (M = 1 / 8 / 32) as planned, and M = 32 again without PDL
+#   nopdl:   the classic shapes with DEVICEOPS_PDL=0
+#   host:    host cost per call (gemm.py --host)
+# Usage: OUT=out bash tools/s9_gpu.sh c2tests c2bench
+OUT=${OUT:-/tmp/s9}
+source "$(dirname "$0")/device_prologue.sh"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader; python3 --version
+VARS=${VARS:-regstore,128x256c2,128x256,128x128}
+for step in "$@"; do case "$step" in
+c2tests)
+    timeout ${T_TEST:-240} python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_gemm.py \
+        -k "${GTEST_K:-cluster or back_to_back or random or edge or tma_store}" > "$OUT/c2_tests.log" 2>&1
+    echo "c2 tests rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/c2_tests.log" | head -12; tail -1 "$OUT/c2_tests.log"; t tests
+    GEMM_SANITIZE_ONLY=128x timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python3 tools/gemm_sanitize.py > "$OUT/sm90_memcheck.log" 2>&1; echo "memcheck sm_90 tiles rc=$?"
+    tail -2 "$OUT/sm90_memcheck.log"; t memcheck
+    GEMM_SANITIZE_ONLY=128x256 timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 \
+        python3 tools/gemm_sanitize.py > "$OUT/sm90_racecheck.log" 2>&1; echo "racecheck 128x256* rc=$?"
+    tail -2 "$OUT/sm90_racecheck.log"; t racecheck ;;
+c2bench)
+    (cd benchmarks && timeout 200 python3 gemm.py --models "" --classic --variants "$VARS" \
+        --json "$OUT/c2_classic.json" > "$OUT/c2_classic.log" 2>&1); echo "classic rc=$?"
+    python3 tools/gemm_sweep_report.py "$OUT/c2_classic.json"; t classic
+    (cd benchmarks && timeout 240 python3 gemm.py --m ${MS:-128,512,2048} --models ${MODELS:-smol,8b} --variants "$VARS" \
+        --json "$OUT/c2_prefill.json" > "$OUT/c2_prefill.log" 2>&1); echo "prefill rc=$?"
+    python3 tools/gemm_sweep_report.py "$OUT/c2_prefill.json"; t prefill ;;
+decode)
+    (cd benchmarks && timeout 200 python3 gemm.py --m 1,8,32 --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1)
+    echo "decode rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/decode.json"; t decode
+    (cd benchmarks && DEVICEOPS_PDL=0 timeout 100 python3 gemm.py --m 32 --json "$OUT/decode_nopdl.json" \
+        > "$OUT/decode_nopdl.log" 2>&1); echo "decode no-PDL rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/decode_nopdl.json"
+    t nopdl ;;
+nopdl)  # the classic shapes with programmatic dependent launch off (DEVICEOPS_PDL=0), for comparison
+    (cd benchmarks && DEVICEOPS_PDL=0 timeout 200 python3 gemm.py --models "" --classic \
+        --json "$OUT/classic_nopdl.json" > "$OUT/classic_nopdl.log" 2>&1); echo "classic no-PDL rc=$?"
+    python3 tools/gemm_sweep_report.py "$OUT/classic_nopdl.json"; t nopdl ;;
+nopdl)  # the classic shapes with programmatic dependent launch off (DEVICEOPS_PDL=0), for comparison
+    (cd benchmarks && DEVICEOPS_PDL=0 timeout 200 python3 gemm.py --models "" --classic \
+        --json "$OUT/classic_nopdl.json" > "$OUT/classic_nopdl.log" 2>&1); echo "classic no-PDL rc=$?"
+    python3 tools/gemm_sweep_report.py "$OUT/classic_nopdl.json"; t nopdl ;;
+host)
+    (cd benchmarks && timeout 100 python3 gemm.py --models "" --host --json "$OUT/host.json" > "$OUT/host.log" 2>&1)
+    echo "host rc=$?"; grep "host_us" "$OUT/host.log"; t host ;;
+esac; done
