@@ -298,10 +298,9 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     path, cfg, splits, kps = G._plan(batch, m, n, k, odt, tf32, tma_ok, G._NOMINAL_SMS, gemv_ok, trans_b,
                                      skinny_ok)  # fmt: skip
     if force_cfg == "skinny":
-        if path != "skinny":
+        if path not in ("skinny", "tma"):  # the register kernel also serves what the TMA one would
             raise ShapeError(f"gemm: forced skinny path not usable for this call (M={m}, K={k})", op="gemm")
-        if force_s or any(force_more):
-            cfg = G.skinny_config(batch, m, n, k, force_s, *force_more)
+        path, cfg = "skinny", G.skinny_config(batch, m, n, k, force_s, *force_more)
     elif force_cfg == "tma":
         if path not in ("skinny", "tma") or cc != 90:
             raise ShapeError(f"gemm: forced tma path not usable for this call (M={m}, K={k}, sm_{cc})", op="gemm")
