@@ -35,7 +35,8 @@ class KernelOverrides:
 
     Attributes:
         gemm_path: ``"sm80"``, ``"simt"``, ``"skinny"`` or an sm_90 tile config
-            (``"128x256"``, ``"128x128"``, ``"64x128"``), optionally with ``":S"``: ``S``
+            (``"128x256"``, ``"128x128"``, ``"64x128"``; two-block clusters with B multicast
+            ``"128x256c2"``, ``"128x128c2"``), optionally with ``":S"``: ``S``
             split-K slices (``"skinny:S"``: ``S`` k-split warps; ``"skinny:S:T:U"`` also ``T``
             16-row weight tiles per warp and ``U`` k-chunks per load round, 0 = planned;
             ``"tma"`` / ``"tma:S"``: the swapped-operand TMA skinny kernel, ``S`` K slices).

@@ -29,8 +29,11 @@ handed in, so calls can be captured into CUDA graphs):
 * ``gemm_sm90`` (sm_90a only: H100/H200): TMA (``cp.async.bulk.tensor``) + ``mbarrier``
   ring, one producer warpgroup and one or two consumer warpgroups issuing ``wgmma``
   (``setmaxnreg`` rebalances registers), persistent grid, tiles 128x256, 128x128 or
-  64x128, split-K for small ``M * N``. Needs ``K % 8 == 0``, ``N % 8 == 0`` and 16-byte
-  aligned base pointers (TMA strides); otherwise the sm_80 path runs.
+  64x128, split-K for small ``M * N``; with one K slice and ``beta == 0`` the epilogue
+  stores through 128B-swizzled shared memory and TMA (else from registers). Forced-only
+  configs ``128x256c2`` / ``128x128c2`` pair two blocks in a cluster that share each B tile
+  by TMA multicast (measured no faster, not planned). Needs ``K % 8 == 0``, ``N % 8 == 0``
+  and 16-byte aligned base pointers (TMA strides); otherwise the sm_80 path runs.
 * ``gemm_skinny`` (sm_80+): f16/bf16, ``trans_b``, at most 64 rows (decode, small
   batches), ``K % 8 == 0``: streams the ``(N, K)`` weight once with 16-byte loads straight
   into ``mma.sync`` fragments (``out^T = W a^T``, the k order permuted identically in both
@@ -51,6 +54,13 @@ handed in, so calls can be captured into CUDA graphs):
 * ``gemm_simt`` (any sm_70+): float32 FFMA register-tiled SGEMM (128x128x8 tiles).
 * ``gemm_splitk_reduce``: sums float32 split-K partials from ``workspace`` and applies
   the epilogue.
+
+On sm_90 every kernel above but ``gemm_sm80`` and ``gemm_simt`` is launched with
+programmatic dependent launch (``cuLaunchKernelEx``, programmatic stream serialization):
+it sets up its shared memory, waits for the previous kernel of the stream
+(``griddepcontrol.wait``) before touching global memory, then lets the next kernel begin
+launching, so launch latency and prologue overlap the previous kernel. ``DEVICEOPS_PDL=0``
+turns it off (plain launches; the wait is then a no-op).
 
 Supported architectures: sm_90 / sm_90a (all paths, wgmma for f16/bf16), sm_80, sm_86,
 sm_89 (mma.sync / SIMT paths), sm_70+ for float32 without tf32. No cuBLAS, CUTLASS,

@@ -10,6 +10,7 @@ Usage (GPU machine): ``python3 tools/prefill_bisect_gpu.py LABEL [--profile]``.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 
@@ -86,7 +87,7 @@ def main() -> None:
     print(f"== {a.label}: deviceops from {deviceops.__file__}", flush=True)
     t0 = time.perf_counter()
     m = CausalLM(CFG, weights(CFG), tokenizer=None, dtype="float16", device=0, max_batch=32,
-                 max_seq=2304, prefill_chunk=2048)
+                 max_seq=2304, prefill_chunk=int(os.environ.get("PREFILL_CHUNK", "2048")))
     print(f"  model built in {time.perf_counter() - t0:.1f} s", flush=True)
     for n in (128, 512, 2048):
         g = time_prefill(m, n, 10, True)
