@@ -291,7 +291,7 @@ def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, in
 def _pdl_failed(ln: Launcher, rc: int) -> None:
     raise DriverError(f"launching {ln.name} with programmatic dependent launch on "
                       f"cuda:{ln.device_index} failed: CUresult {rc}; set DEVICEOPS_PDL=0 to "
-                      "capture without it", op=ln.name, device=f"cuda:{ln.device_index}")
+                      "launch without it", op=ln.name, device=f"cuda:{ln.device_index}")
 
 
 def _launch_ex(ln: Launcher, cfg: tuple[Any, ...], params: int) -> None:
@@ -303,6 +303,12 @@ def _launch_ex(ln: Launcher, cfg: tuple[Any, ...], params: int) -> None:
         fn.argtypes = [ctypes.c_void_p] * 4
         fn.restype = ctypes.c_int
     rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
+    if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+        # this thread's current context is another device's: make the kernel's current, retry
+        import cupy
+
+        cupy.cuda.runtime.setDevice(ln.device_index)
+        rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
     if rc:
         _pdl_failed(ln, rc)
 

@@ -89,3 +89,57 @@ def test_unhashable_static_still_works_uncached(s: deviceops.Stream) -> None:
     x, w = api.ones((2, 4)).sync_on(s), api.ones((4,)).sync_on(s)
     out = _RMS_NORM.op((x, w, None), ([1e-6],)).sync_on(s)  # a list: not hashable
     np.testing.assert_allclose(api.to_host(out).sync_on(s), 1.0, rtol=1e-5)
+
+
+class _FakeKernelFn:
+    """Stands in for a launcher in the PDL launch path: what ``_launch_ex`` reads."""
+
+    _fptr = 1234
+    name = "fake_kernel"
+    device_index = 3
+
+
+def _fake_launch_ex(monkeypatch: pytest.MonkeyPatch, results: list[int]) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+
+    def fake(cfg_addr: int, fptr: int, params: int, extra: object) -> int:
+        calls.append((fptr, params))
+        return results.pop(0)
+
+    monkeypatch.setattr(_fastlaunch, "_cu_launch_ex", fake)
+    return calls
+
+
+def test_pdl_launch_retries_once_on_the_kernels_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PDL launch from a thread whose current context is another device's (CUresult 201)
+    makes the kernel's device current and retries once, as plain launches do."""
+    import sys
+    import types
+
+    seen: list[int] = []
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        setDevice=seen.append)))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    calls = _fake_launch_ex(monkeypatch, [201, 0])
+    cfg = _fastlaunch._pdl_config((2, 1, 1), (128, 1, 1), 0, 4096)
+    assert cfg[0].shared_mem == 4096 and cfg[0].grid_x == 2
+    _fastlaunch._launch_ex(_FakeKernelFn(), cfg, 99)  # type: ignore[arg-type]
+    assert calls == [(1234, 99), (1234, 99)] and seen == [3]
+
+
+def test_pdl_launch_failure_names_kernel_device_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_launch_ex(monkeypatch, [700])
+    cfg = _fastlaunch._pdl_config((1, 1, 1), (32, 1, 1), 0)
+    with pytest.raises(deviceops.DriverError, match=r"fake_kernel.*cuda:3.*CUresult 700.*DEVICEOPS_PDL=0"):
+        _fastlaunch._launch_ex(_FakeKernelFn(), cfg, 5)  # type: ignore[arg-type]
+
+
+def test_pdl_configs_are_cached_per_shared_memory_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two launches that differ only in dynamic shared memory get two launch configs."""
+    _fake_launch_ex(monkeypatch, [0, 0])
+    monkeypatch.setattr(_fastlaunch, "_configs", {})
+    entry = (77, None, None)
+    _fastlaunch.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 0, 0, entry)
+    _fastlaunch.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 65536, 0, entry)
+    sizes = sorted(cfg[0].shared_mem for cfg in _fastlaunch._configs.values())
+    assert sizes == [0, 65536]
