@@ -114,37 +114,53 @@ class _TmaMap(ctypes.Structure):
 
 
 _tma_cache: OrderedDict[tuple[int, ...], _TmaMap] = OrderedDict()
-_libcuda: Any = None
+_encode: Any = None  # cuTensorMapEncodeTiled with its argument types declared
 _tma_lock = threading.Lock()
+# (dims, strides, box) -> the ctypes arrays the encoder reads (built once per geometry: a
+# call with fresh pointers, e.g. an allocating gemm, then costs the driver call only)
+_geo_arrays: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+_ELEM_STRIDES = (ctypes.c_uint32 * 3)(1, 1, 1)
+
+
+def _encoder() -> Any:
+    global _encode
+    if _encode is None:
+        fn = libcuda().cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int]  # fmt: skip
+        _encode = fn
+    return _encode
 
 
 def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> _TmaMap:
     """A 3-D ``CUtensorMap`` (16-bit elements, 128B swizzle), cached per (pointer, geometry)."""
-    global _libcuda
     key = (ptr, *dims, *strides, *box)
     with _tma_lock:
         hit = _tma_cache.get(key)
         if hit is not None:
             _tma_cache.move_to_end(key)
             return hit
-    if _libcuda is None:
-        _libcuda = libcuda()
-        _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    geo = (dims, strides, box)
+    arrs = _geo_arrays.get(geo)
+    if arrs is None:
+        if len(_geo_arrays) >= 4096:
+            _geo_arrays.clear()
+        arrs = _geo_arrays[geo] = ((ctypes.c_uint64 * 3)(*dims), (ctypes.c_uint64 * 2)(*strides),
+                                   (ctypes.c_uint32 * 3)(*box))  # fmt: skip
     tm = _TmaMap()
-    g_dim = (ctypes.c_uint64 * 3)(*dims)
-    g_str = (ctypes.c_uint64 * 2)(*strides)
-    b_dim = (ctypes.c_uint32 * 3)(*box)
-    e_str = (ctypes.c_uint32 * 3)(1, 1, 1)
-    res = _libcuda.cuTensorMapEncodeTiled(
-        ctypes.byref(tm),
-        ctypes.c_int(1),  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (raw 16-bit elements)
-        ctypes.c_uint32(3),
-        ctypes.c_void_p(ptr),
-        g_dim, g_str, b_dim, e_str,
-        ctypes.c_int(0),  # interleave none
-        ctypes.c_int(3),  # swizzle 128B
-        ctypes.c_int(2),  # L2 promotion 128B
-        ctypes.c_int(0),  # OOB fill zeros
+    res = _encoder()(
+        ctypes.addressof(tm),
+        1,  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (raw 16-bit elements)
+        3,
+        ptr,
+        ctypes.addressof(arrs[0]), ctypes.addressof(arrs[1]), ctypes.addressof(arrs[2]),
+        ctypes.addressof(_ELEM_STRIDES),
+        0,  # interleave none
+        3,  # swizzle 128B
+        2,  # L2 promotion 128B
+        0,  # OOB fill zeros
     )  # fmt: skip
     if res != 0:
         raise ShapeError(
@@ -380,9 +396,11 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         tail90 = tuple(zip((i32,) * 10 + (f32, f32, i32, i32, i32),
                            (m, n, batch, tiles_m, tiles_n, splits, kt_total, kps, int(b_batched), total, *epi),
                            strict=True))  # fmt: skip
-        geo_c = ((n, m, batch), (n * 2, m * n * 2), (64, 64, 1))  # out: 64 x 64 store boxes
+        # out as 64 x 64 store boxes; without the TMA store the kernel ignores its third map
+        # (a's, already encoded) and the call encodes no extra one
+        map_c = (2, ((n, m, batch), (n * 2, m * n * 2), (64, 64, 1))) if epi_tma else (0, geo_a)
         tl = _TmaLaunch(fn, dev, (cl * min(total, slots), 1, 1), block90, smem,
-                        ((0, geo_a), (1, geo_b), (2, geo_c)), tail90)  # fmt: skip
+                        ((0, geo_a), (1, geo_b), map_c), tail90)  # fmt: skip
 
         def run_sm90(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
             tl((ap, bp, op, biasp or op, wsp if splits > 1 else op), sp)
