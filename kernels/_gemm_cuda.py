@@ -321,6 +321,8 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         if path not in ("skinny", "tma") or cc != 90:
             raise ShapeError(f"gemm: forced tma path not usable for this call (M={m}, K={k}, sm_{cc})", op="gemm")
         path, cfg = "tma", G.skinny_tma_config(batch, m, n, k, force_s)
+        if force_more[0]:  # "tma:S:ST": ST ring stages (experiments)
+            cfg = (*cfg[:3], max(2, min(force_more[0], 8)))
     elif force_cfg in G.SM90_CONFIGS:
         path, cfg = "sm90", force_cfg
     elif force_cfg == "sm80" and (is16 or tf32):
