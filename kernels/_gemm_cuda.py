@@ -1,4 +1,4 @@
-"""GEMM on CUDA: kernel loading, TMA descriptors, cached launch plans and :func:`gemm_cuda`.
+"""GEMM on CUDA: kernel loading, cached launch plans and :func:`gemm_cuda`.
 
 The semantics are described in :mod:`._gemm`; the checks, path planning and NumPy reference
 live in :mod:`._gemm_check`, :mod:`._gemm_plan` and :mod:`._gemm_reference`; this module turns
@@ -7,9 +7,9 @@ a plan into driver launches. A **launch plan** is computed once per problem key
 ``tf32``, ``trans_b``, workspace size) and cached: the checks, the path, tiles, grid, block,
 shared memory (the kernel's attribute set once), the split-K decision and the kernel handle.
 A call then only looks up the key, and enqueues through the driver with typed, cached
-arguments (:class:`._fastlaunch.Launcher`; the sm_90 kernel's two ``CUtensorMap``
-arguments go through :class:`_TmaLaunch`, which caches the packed arguments per pointer set,
-so a decode loop re-encodes no descriptor). No allocation and no synchronisation happen
+arguments (:class:`._fastlaunch.Launcher`; the TMA kernels' ``CUtensorMap`` arguments go
+through :class:`._tma.TmaLaunch`, which caches the packed arguments per pointer set, so a
+decode loop re-encodes no descriptor). No allocation and no synchronisation happen
 here: every launch goes to the stream handed in (graph-capture safe).
 """
 
@@ -18,28 +18,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from deviceops.extend import DriverError, ShapeError
+from deviceops.extend import ShapeError
 
 from . import _experiment
 from . import _gemm_check as GC
 from . import _gemm_plan as G
 from ._experiment import KernelOverrides
-from ._fastlaunch import (
-    Launcher,
-    launch_packed,
-    launch_packed_pdl,
-    launch_pdl,
-    libcuda,
-    max_active_clusters,
-    pdl_enabled,
-)
+from ._fastlaunch import Launcher, launch_pdl, max_active_clusters, pdl_enabled
 from ._module import expanded_source, load_module, set_max_dynamic_smem
+from ._tma import TmaLaunch
 
 __all__ = ["expanded_source", "gemm_cuda"]
 
@@ -104,132 +96,6 @@ def _sm80_smem(wm: int, tf32: bool, trans_b: bool) -> int:
     return 3 * (bm * (32 + 8) + (128 * (32 + 8) if trans_b else 32 * (128 + 8))) * 2
 
 
-# --------------------------------------------------------------------------- TMA maps
-
-
-class _TmaMap(ctypes.Structure):
-    """A ``CUtensorMap`` (128 bytes, 64-byte aligned), passed to the kernel by value."""
-
-    _fields_ = [("v", ctypes.c_uint64 * 16)]
-
-
-_tma_cache: OrderedDict[tuple[int, ...], _TmaMap] = OrderedDict()
-_encode: Any = None  # cuTensorMapEncodeTiled with its argument types declared
-_tma_lock = threading.Lock()
-# (dims, strides, box) -> the ctypes arrays the encoder reads (built once per geometry: a
-# call with fresh pointers, e.g. an allocating gemm, then costs the driver call only)
-_geo_arrays: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
-_ELEM_STRIDES = (ctypes.c_uint32 * 3)(1, 1, 1)
-
-
-def _encoder() -> Any:
-    global _encode
-    if _encode is None:
-        fn = libcuda().cuTensorMapEncodeTiled
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int]  # fmt: skip
-        _encode = fn
-    return _encode
-
-
-def _encode_tiled(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> _TmaMap:
-    """A 3-D ``CUtensorMap`` (16-bit elements, 128B swizzle), cached per (pointer, geometry)."""
-    key = (ptr, *dims, *strides, *box)
-    with _tma_lock:
-        hit = _tma_cache.get(key)
-        if hit is not None:
-            _tma_cache.move_to_end(key)
-            return hit
-    geo = (dims, strides, box)
-    arrs = _geo_arrays.get(geo)
-    if arrs is None:
-        if len(_geo_arrays) >= 4096:
-            _geo_arrays.clear()
-        arrs = _geo_arrays[geo] = ((ctypes.c_uint64 * 3)(*dims), (ctypes.c_uint64 * 2)(*strides),
-                                   (ctypes.c_uint32 * 3)(*box))  # fmt: skip
-    tm = _TmaMap()
-    res = _encoder()(
-        ctypes.addressof(tm),
-        1,  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (raw 16-bit elements)
-        3,
-        ptr,
-        ctypes.addressof(arrs[0]), ctypes.addressof(arrs[1]), ctypes.addressof(arrs[2]),
-        ctypes.addressof(_ELEM_STRIDES),
-        0,  # interleave none
-        3,  # swizzle 128B
-        2,  # L2 promotion 128B
-        0,  # OOB fill zeros
-    )  # fmt: skip
-    if res != 0:
-        raise ShapeError(
-            f"gemm: cuTensorMapEncodeTiled failed (CUresult {res}) for dims {dims} strides {strides} box {box}",
-            op="gemm",
-        )
-    with _tma_lock:
-        _tma_cache[key] = tm
-        if len(_tma_cache) > 512:
-            _tma_cache.popitem(last=False)
-    return tm
-
-
-class _TmaLaunch:
-    """Driver launch of the TMA kernels: tensor maps, three pointers, fixed scalars.
-
-    ``maps``: ``(i, (dims, strides, box))`` per tensor-map argument, ``i`` indexing the pointer
-    key ``(a, b, out, bias, workspace)``; the packed ``kernelParams`` block is cached per key.
-    """
-
-    __slots__ = ("_cache", "_fptr", "block", "dev", "grid", "maps", "name", "pdl", "smem", "tail")
-
-    def __init__(self, fn: Any, dev: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
-                 maps: tuple[tuple[int, tuple[Any, ...]], ...], tail: tuple[Any, ...], name: str = "gemm_sm90"
-                 ) -> None:
-        self._fptr = int(fn.kernel.ptr)
-        self.dev, self.grid, self.block, self.smem, self.name = dev, grid, block, smem, name
-        self.pdl = pdl_enabled(dev)  # the kernels wait for their predecessor (griddepcontrol.wait)
-        self.maps = maps
-        self.tail = tail  # ((ctype, value), ...) after the pointers
-        self._cache: dict[tuple[int, ...], tuple[int, Any, Any]] = {}
-
-    def _pack(self, key: tuple[int, int, int, int, int]) -> int:
-        _, _, op, biasp, wsp = key
-        holders: list[Any] = [
-            *(_encode_tiled(key[i], *geo) for i, geo in self.maps),
-            ctypes.c_void_p(op), ctypes.c_void_p(biasp), ctypes.c_void_p(wsp),
-            *(t(v) for t, v in self.tail),
-        ]  # fmt: skip
-        params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
-        if len(self._cache) >= 1024:
-            del self._cache[next(iter(self._cache))]
-        addr = ctypes.addressof(params)
-        self._cache[key] = (addr, params, holders)
-        return addr
-
-    def __call__(self, key: tuple[int, int, int, int, int], stream_ptr: int) -> None:
-        entry = self._cache.get(key)
-        if entry is None:
-            self._pack(key)
-            entry = self._cache[key]
-        (launch_packed_pdl if self.pdl else launch_packed)(self, self.grid, self.block, self.smem, stream_ptr, entry)
-
-    @property
-    def device_index(self) -> int:
-        return self.dev
-
-    def _retry_or_raise(self, exc: Exception, g: tuple[int, int, int], b: tuple[int, int, int],
-                        params: int, stream_ptr: int, smem: int) -> None:
-        import cupy
-
-        if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
-            raise DriverError(f"launching {self.name} (grid {g}) on cuda:{self.dev} failed: {exc}",
-                              op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
-        cupy.cuda.runtime.setDevice(self.dev)
-        cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr,
-                                      params, 0)  # fmt: skip
-
-
 # --------------------------------------------------------------------------- plans
 
 # run(a_ptr, b_ptr, out_ptr, bias_ptr, ws_ptr, stream_ptr)
@@ -265,7 +131,7 @@ def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int], batch: int, m: i
     i32, f32 = ctypes.c_int32, ctypes.c_float
     tail = tuple(zip((i32,) * 5 + (f32, f32, i32, i32, i32), (m, n, G._cdiv(k, 64), kps, int(b_batched), *epi),
                      strict=True))  # fmt: skip
-    tl = _TmaLaunch(fn, dev, (G._cdiv(n, 128), cl, batch), (384, 1, 1), smem, ((0, geo_x), (1, geo_w)), tail,
+    tl = TmaLaunch(fn, dev, (G._cdiv(n, 128), cl, batch), (384, 1, 1), smem, ((0, geo_x), (1, geo_w)), tail,
                     "gemm_skinny_tma")
 
     def run_tma(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
@@ -401,7 +267,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         # out as 64 x 64 store boxes; without the TMA store the kernel ignores its third map
         # (a's, already encoded) and the call encodes no extra one
         map_c = (2, ((n, m, batch), (n * 2, m * n * 2), (64, 64, 1))) if epi_tma else (0, geo_a)
-        tl = _TmaLaunch(fn, dev, (cl * min(total, slots), 1, 1), block90, smem,
+        tl = TmaLaunch(fn, dev, (cl * min(total, slots), 1, 1), block90, smem,
                         ((0, geo_a), (1, geo_b), map_c), tail90)  # fmt: skip
 
         def run_sm90(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:

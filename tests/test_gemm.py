@@ -244,6 +244,48 @@ def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: in
     assert _gemm.skinny_tma_config(1, 32, 4096, 4096) == (32, 4, 16, 4)  # 32 tiles x 4 slices
 
 
+def test_tma_launch_packs_maps_pointers_and_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TMA kernels' launch (kernels/_tma.py) without a GPU: one map per (key index,
+    geometry), then the three pointers and the typed scalars; a repeated pointer set reuses its
+    packed block, a fresh pointer encodes only the maps that changed."""
+    import ctypes
+    import types
+
+    from deviceops.kernels import _tma
+
+    encoded: list[tuple[int, tuple[int, ...]]] = []
+
+    def enc(tm_addr: int, dtype: int, rank: int, ptr: int, gdim: int, gstr: int, box: int, estr: int,
+            *rest: int) -> int:
+        dims = tuple((ctypes.c_uint64 * 3).from_address(gdim))
+        encoded.append((ptr, dims))
+        ctypes.c_uint64.from_address(tm_addr).value = ptr  # mark the map with its pointer
+        return 0
+
+    monkeypatch.setattr(_tma, "_encoder", lambda: enc)
+    monkeypatch.setattr(_tma, "_tma_cache", type(_tma._tma_cache)())
+    monkeypatch.setattr(_tma, "pdl_enabled", lambda dev: False)
+    launched: list[tuple[int, ...]] = []
+    monkeypatch.setattr(_tma, "launch_packed", lambda ln, g, b, smem, sp, entry: launched.append((g, smem, entry[0])))
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=42))
+    geo_a = ((64, 5, 1), (128, 640), (64, 128, 1))
+    geo_b = ((64, 40, 1), (128, 5120), (64, 256, 1))
+    geo_c = ((40, 5, 1), (80, 400), (64, 64, 1))
+    tail = ((ctypes.c_int32, 7), (ctypes.c_float, 0.5))
+    tl = _tma.TmaLaunch(fn, 0, (2, 1, 1), (384, 1, 1), 1000, ((0, geo_a), (1, geo_b), (2, geo_c)), tail)
+    tl((0x1000, 0x2000, 0x3000, 0x4000, 0x5000), 77)
+    assert [p for p, _ in encoded] == [0x1000, 0x2000, 0x3000]
+    params = (ctypes.c_void_p * 8).from_address(launched[0][2])
+    maps = [ctypes.c_uint64.from_address(params[i]).value for i in range(3)]
+    assert maps == [0x1000, 0x2000, 0x3000]
+    assert [ctypes.c_void_p.from_address(params[i]).value for i in range(3, 6)] == [0x3000, 0x4000, 0x5000]
+    assert ctypes.c_int32.from_address(params[6]).value == 7 and ctypes.c_float.from_address(params[7]).value == 0.5
+    tl((0x1000, 0x2000, 0x3000, 0x4000, 0x5000), 77)  # same pointers: the packed block again
+    assert len(encoded) == 3 and launched[1][2] == launched[0][2]
+    tl((0x1000, 0x2000, 0x6000, 0x4000, 0x5000), 77)  # a fresh output: only its map is encoded
+    assert [p for p, _ in encoded[3:]] == [0x6000] and launched[2][:2] == ((2, 1, 1), 1000)
+
+
 def test_workspace_nbytes_trans_b() -> None:
     assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16, True) == 0
     assert _gemm.gemm_workspace_nbytes((8, 4096), (1024, 4096), BF16, True) == _gemm.gemm_workspace_nbytes(
