@@ -49,7 +49,7 @@ nopdl)  # the classic shapes with programmatic dependent launch off (DEVICEOPS_P
     (cd benchmarks && DEVICEOPS_PDL=0 timeout 200 python3 gemm.py --models "" --classic \
         --json "$OUT/classic_nopdl.json" > "$OUT/classic_nopdl.log" 2>&1); echo "classic no-PDL rc=$?"
     python3 tools/gemm_sweep_report.py "$OUT/classic_nopdl.json"; t nopdl ;;
-suite)  # the whole suite but the real-weights file, in four parallel pytest processes, then the
+suite)  # the whole suite but the real-weights file, in five parallel pytest processes, then the
     # files with timing assertions alone (carry .w1 too: part00 of the GGUF stays for s6_gpu.sh w2)
     [ -f .w1/part00 ] && mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/
     PYT="python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs"
@@ -58,16 +58,17 @@ suite)  # the whole suite but the real-weights file, in four parallel pytest pro
     for f in tests/test_*.py; do
         b=$(basename "$f" .py); [ "$b" = test_nn_gpu ] && continue
         if [[ " $SERIAL " == *" $b "* ]]; then g=ser
-        elif [[ " test_gemm test_attention " == *" $b "* ]]; then g=k1
+        elif [[ "$b" == test_attention ]]; then g=k1
+        elif [[ "$b" == test_gemm ]]; then g=k3  # with test_attention it ran past 400 s (ninth session)
         elif [[ " test_replay_gpu test_transformer_kernels test_kernel_ops test_elementwise " == *" $b "* ]]; then g=k2
         elif [[ "$b" == test_nn_* || "$b" == test_serve_* || "$b" == test_soak || "$b" == test_engine ]]; then g=nn
         else g=other; fi
         grp[$g]="${grp[$g]} $f"
     done
     pids=()
-    for g in k1 k2 nn other; do timeout ${T_PAR:-420} $PYT ${grp[$g]} > "$OUT/suite_$g.log" 2>&1 & pids+=($!); done
+    for g in k1 k2 k3 nn other; do timeout ${T_PAR:-420} $PYT ${grp[$g]} > "$OUT/suite_$g.log" 2>&1 & pids+=($!); done
     for p in "${pids[@]}"; do wait $p; done
-    for g in k1 k2 nn other; do echo "$g: $(tail -1 "$OUT/suite_$g.log")"; grep -E "^(FAILED|ERROR)" "$OUT/suite_$g.log" | head -5; done
+    for g in k1 k2 k3 nn other; do echo "$g: $(tail -1 "$OUT/suite_$g.log")"; grep -E "^(FAILED|ERROR)" "$OUT/suite_$g.log" | head -5; done
     t "parallel groups"
     timeout ${T_SER:-120} $PYT ${grp[ser]} > "$OUT/suite_serial.log" 2>&1; echo "serial rc=$?"
     tail -1 "$OUT/suite_serial.log"; grep -E "^(FAILED|ERROR)" "$OUT/suite_serial.log" | head; t "serial files" ;;
