@@ -202,11 +202,9 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
         if force is None:  # the default path exactly as users call it
             _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
             return
-        if force == "regstore":  # the planned path, the sm_90 epilogue storing from registers
-            with overrides(gemm_sm90_tma_store=False):
-                _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
-            return
-        with overrides(gemm_path=force):
+        # "regstore": the planned path with the sm_90 epilogue storing from registers
+        ov: dict[str, Any] = {"gemm_sm90_tma_store": False} if force == "regstore" else {"gemm_path": force}
+        with overrides(**ov):
             _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
 
     def blas(i: int) -> None:

@@ -36,7 +36,7 @@ from ._attention_plan import (
     ws_layout,
 )
 from ._experiment import KernelOverrides
-from ._fastlaunch import Launcher, fast_kernel, launch_pdl, pdl_enabled
+from ._fastlaunch import Launcher, fast_kernel, launcher_for
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 
 __all__ = ["flash_attention_cuda"]
@@ -290,7 +290,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
     # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
-    go = launch_pdl if pdl_enabled(device_id) else _plain_launch
+    go = launcher_for(device_id)
     grid, cgrid = (x_blocks, n_split, b), (rows, 1, 1)
     tail = (hq, hkv, lq, lk, float(scale_log2), causal_i, n_split, n_hchunk, mb, bs, nb)
     ctail = (n_split, lk, hq * lq)
@@ -313,12 +313,3 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
 
     return run_splitkv
 
-
-def _plain_launch(
-    ln: Launcher,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    args: tuple[Any, ...],
-    stream_ptr: int,
-) -> None:
-    ln(grid, block, args, stream_ptr)

@@ -26,12 +26,14 @@ it made current once (``cudaSetDevice``) and the launch retried.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 from deviceops.extend import DriverError
 
 __all__ = ["KernelFn", "Launcher", "driver_launch", "fast_kernel", "launch_packed", "launch_packed_pdl",
-           "launch_pdl", "libcuda", "max_active_clusters", "pdl_enabled", "replay_calls"]
+           "launch_pdl", "launch_plain", "launcher_for", "libcuda", "max_active_clusters", "pdl_enabled",
+           "replay_calls", "retry_or_raise"]
 
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "d": ctypes.c_double, "i": ctypes.c_int32,
            "q": ctypes.c_int64}
@@ -113,25 +115,10 @@ class Launcher:
             self._launch(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream_ptr, params, 0)
         except Exception as exc:
-            self._retry_or_raise(exc, grid, block, params, stream_ptr, shared_mem)
+            retry_or_raise(self, exc, grid, block, params, stream_ptr, shared_mem)
         if recorder is not None:
             recorder.append((self, grid, block, shared_mem, params, entry, None))
 
-    def _retry_or_raise(self, exc: Exception, grid: tuple[int, int, int], block: tuple[int, int, int],
-                        params: int, stream_ptr: int, shared_mem: int) -> None:
-        import cupy
-
-        status = getattr(exc, "status", None)
-        if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
-            cupy.cuda.runtime.setDevice(self.device_index)
-            try:
-                driver_launch()(self._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                 shared_mem, stream_ptr, params, 0)
-                return
-            except Exception as again:
-                exc = again
-        raise DriverError(f"launching {self.name} (grid {grid}, block {block}) on cuda:{self.device_index} "
-                          f"failed: {exc}", op=self.name, device=f"cuda:{self.device_index}") from exc
 
 
 class KernelFn:
@@ -254,6 +241,19 @@ def launch_pdl(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, 
     launch_packed_pdl(ln, grid, block, smem, stream_ptr, entry)
 
 
+def launch_plain(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 args: tuple[Any, ...], stream_ptr: int, smem: int = 0) -> None:
+    """``ln(...)`` as a plain launch, with :func:`launch_pdl`'s signature."""
+    ln(grid, block, args, stream_ptr, smem)
+
+
+def launcher_for(device_index: int) -> Callable[..., None]:
+    """:func:`launch_pdl` where programmatic dependent launch is on for the device (sm_90+,
+    ``DEVICEOPS_PDL`` not ``0``), else :func:`launch_plain`; for kernels that wait for their
+    predecessor (``griddepcontrol.wait``) before touching memory."""
+    return launch_pdl if pdl_enabled(device_index) else launch_plain
+
+
 def launch_packed_pdl(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                       stream_ptr: int, entry: tuple[Any, ...]) -> None:
     """As :func:`launch_packed`, through ``cuLaunchKernelEx`` with programmatic stream
@@ -270,11 +270,31 @@ def launch_packed_pdl(ln: Any, grid: tuple[int, int, int], block: tuple[int, int
         recorder.append((ln, grid, block, smem, entry[0], entry, cfg))
 
 
+def retry_or_raise(ln: Any, exc: Exception, grid: tuple[int, int, int], block: tuple[int, int, int],
+                   params: int, stream_ptr: int, shared_mem: int) -> None:
+    """After a failed plain launch of ``ln`` (``_fptr``, ``name``, ``device_index``): when the
+    thread's current context was another device's, make the kernel's device current and launch
+    once more; otherwise, or if that fails too, raise :class:`~deviceops.DriverError`."""
+    import cupy
+
+    status = getattr(exc, "status", None)
+    if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+        cupy.cuda.runtime.setDevice(ln.device_index)
+        try:
+            driver_launch()(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            shared_mem, stream_ptr, params, 0)
+            return
+        except Exception as again:
+            exc = again
+    raise DriverError(f"launching {ln.name} (grid {grid}, block {block}) on cuda:{ln.device_index} "
+                      f"failed: {exc}", op=ln.name, device=f"cuda:{ln.device_index}") from exc
+
+
 def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                   stream_ptr: int, entry: tuple[Any, ...]) -> None:
     """The driver call of a launcher that packs its own parameter block.
 
-    ``ln`` has ``_fptr`` and ``_retry_or_raise`` (as :class:`Launcher`); ``entry`` is
+    ``ln`` has ``_fptr``, ``name`` and ``device_index`` (as :class:`Launcher`); ``entry`` is
     ``(params address, params, holders)``, kept alive by the caller's cache (and by a
     recording, which this call joins like every other launch).
     """
@@ -283,7 +303,7 @@ def launch_packed(ln: Any, grid: tuple[int, int, int], block: tuple[int, int, in
         (_cu_launch or driver_launch())(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1],
                                          block[2], smem, stream_ptr, params, 0)
     except Exception as exc:
-        ln._retry_or_raise(exc, grid, block, params, stream_ptr, smem)
+        retry_or_raise(ln, exc, grid, block, params, stream_ptr, smem)
     if recorder is not None:
         recorder.append((ln, grid, block, smem, params, entry, None))
 
@@ -326,7 +346,7 @@ def replay_calls(calls: list[tuple[Any, ...]], stream_ptr: int) -> None:
             try:
                 lk(ln._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr, params, 0)
             except Exception as exc:
-                ln._retry_or_raise(exc, g, b, params, stream_ptr, smem)
+                retry_or_raise(ln, exc, g, b, params, stream_ptr, smem)
             continue
         _launch_ex(ln, cfg, params)
 

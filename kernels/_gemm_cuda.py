@@ -29,7 +29,7 @@ from . import _experiment
 from . import _gemm_check as GC
 from . import _gemm_plan as G
 from ._experiment import KernelOverrides
-from ._fastlaunch import Launcher, launch_pdl, max_active_clusters, pdl_enabled
+from ._fastlaunch import Launcher, launcher_for, max_active_clusters
 from ._module import expanded_source, load_module, set_max_dynamic_smem
 from ._tma import TmaLaunch
 
@@ -140,11 +140,6 @@ def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int], batch: int, m: i
     return run_tma
 
 
-def _plain(ln: Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...],
-           stream_ptr: int, smem: int) -> None:
-    ln(grid, block, args, stream_ptr, smem)
-
-
 def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
            trans_b: bool, ws_nbytes: int, ov: KernelOverrides) -> _Run:
     """Check the arguments and compute the launch plan of one problem (see the module doc);
@@ -199,7 +194,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     epi = (alpha, beta, act, has_bias, has_beta)
     # sm_90: the skinny, GEMV, sm_90 and split-K reduce kernels wait for their predecessor
     # (griddepcontrol.wait) and go out with programmatic dependent launch
-    go = launch_pdl if pdl_enabled(dev) else _plain
+    go = launcher_for(dev)
 
     if path == "skinny":
         mf, tr, u, ks, kcw = cfg

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from deviceops.extend import DriverError, ShapeError
+from deviceops.extend import ShapeError
 
 from ._fastlaunch import launch_packed, launch_packed_pdl, libcuda, pdl_enabled
 
@@ -97,13 +97,13 @@ class TmaLaunch:
     key ``(a, b, out, bias, workspace)``; the packed ``kernelParams`` block is cached per key.
     """
 
-    __slots__ = ("_cache", "_fptr", "block", "dev", "grid", "maps", "name", "pdl", "smem", "tail")
+    __slots__ = ("_cache", "_fptr", "block", "device_index", "grid", "maps", "name", "pdl", "smem", "tail")
 
     def __init__(self, fn: Any, dev: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                  maps: tuple[tuple[int, tuple[Any, ...]], ...], tail: tuple[Any, ...], name: str = "gemm_sm90"
                  ) -> None:
         self._fptr = int(fn.kernel.ptr)
-        self.dev, self.grid, self.block, self.smem, self.name = dev, grid, block, smem, name
+        self.device_index, self.grid, self.block, self.smem, self.name = dev, grid, block, smem, name
         self.pdl = pdl_enabled(dev)  # the kernels wait for their predecessor (griddepcontrol.wait)
         self.maps = maps
         self.tail = tail  # ((ctype, value), ...) after the pointers
@@ -129,18 +129,3 @@ class TmaLaunch:
             self._pack(key)
             entry = self._cache[key]
         (launch_packed_pdl if self.pdl else launch_packed)(self, self.grid, self.block, self.smem, stream_ptr, entry)
-
-    @property
-    def device_index(self) -> int:
-        return self.dev
-
-    def _retry_or_raise(self, exc: Exception, g: tuple[int, int, int], b: tuple[int, int, int],
-                        params: int, stream_ptr: int, smem: int) -> None:
-        import cupy
-
-        if getattr(exc, "status", None) not in (201, 400):  # invalid context / handle
-            raise DriverError(f"launching {self.name} (grid {g}) on cuda:{self.dev} failed: {exc}",
-                              op="gemm", device=f"cuda:{self.dev}") from exc  # fmt: skip
-        cupy.cuda.runtime.setDevice(self.dev)
-        cupy.cuda.driver.launchKernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_ptr,
-                                      params, 0)  # fmt: skip

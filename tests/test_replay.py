@@ -143,3 +143,37 @@ def test_pdl_configs_are_cached_per_shared_memory_size(monkeypatch: pytest.Monke
     _fastlaunch.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 65536, 0, entry)
     sizes = sorted(cfg[0].shared_mem for cfg in _fastlaunch._configs.values())
     assert sizes == [0, 65536]
+
+
+def test_launcher_for_follows_the_pdl_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fastlaunch, "_pdl_devices", {5: False, 6: True})
+    assert _fastlaunch.launcher_for(5) is _fastlaunch.launch_plain
+    assert _fastlaunch.launcher_for(6) is _fastlaunch.launch_pdl
+    seen: list[tuple[object, ...]] = []
+
+    class Ln:
+        def __call__(self, *a: object) -> None:
+            seen.append(a)
+
+    _fastlaunch.launch_plain(Ln(), (1, 1, 1), (32, 1, 1), (1, 2), 9, 128)  # type: ignore[arg-type]
+    assert seen == [((1, 1, 1), (32, 1, 1), (1, 2), 9, 128)]
+
+
+def test_plain_launch_retry_on_the_kernels_device_then_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``retry_or_raise``: an invalid-context failure makes the kernel's device current and
+    launches again; a second failure, or any other error, raises DriverError naming the kernel."""
+    import sys
+    import types
+
+    seen: list[int] = []
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(setDevice=seen.append))))  # fmt: skip
+    launches: list[int] = []
+    monkeypatch.setattr(_fastlaunch, "_cu_launch", lambda fptr, *rest: launches.append(fptr))
+    exc = RuntimeError("invalid context")
+    exc.status = 201  # type: ignore[attr-defined]
+    _fastlaunch.retry_or_raise(_FakeKernelFn(), exc, (1, 1, 1), (32, 1, 1), 0, 0, 0)
+    assert seen == [3] and launches == [1234]
+    other = RuntimeError("launch out of resources")
+    with pytest.raises(deviceops.DriverError, match=r"fake_kernel.*cuda:3.*out of resources"):
+        _fastlaunch.retry_or_raise(_FakeKernelFn(), other, (1, 1, 1), (32, 1, 1), 0, 0, 0)
