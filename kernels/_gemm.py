@@ -86,6 +86,7 @@ from ._gemm_plan import (
     gemm_workspace_nbytes,
     gemv_config,
     skinny_config,
+    skinny_tma_blocks_per_sm,
     skinny_tma_config,
     skinny_tma_smem,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "gemm_workspace_nbytes",
     "gemv_config",
     "skinny_config",
+    "skinny_tma_blocks_per_sm",
     "skinny_tma_config",
     "skinny_tma_smem",
 ]

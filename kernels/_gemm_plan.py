@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["GEMV_MAX_M", "SKINNY_MAX_M", "SM90_CONFIGS", "gemm_workspace_nbytes", "gemv_config", "skinny_config",
-           "skinny_tma_config", "skinny_tma_smem"]
+           "skinny_tma_blocks_per_sm", "skinny_tma_config", "skinny_tma_smem"]
 
 # sm_90 configs: name -> (BN, NCW, STAGES, CL); block tile is (64 * NCW) x BN; CL = 2: a
 # cluster of two blocks along M sharing each B tile (TMA multicast).
@@ -34,6 +34,7 @@ SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinn
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
 _SKINNY_LARGE_BYTES = 64 << 20  # skinny, one m-fragment: from here 8 chunks of loads in flight
 _SKINNY_NARROW_N = 6144  # skinny, M > 16: weights with at most this many rows keep one tile a warp
+_TMA_NARROW_N = 4096  # TMA skinny: weights with at most this many rows take 64-row tiles and 2 K slices
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -147,33 +148,79 @@ def _wide_weight(batch: int, n: int, k: int) -> bool:
     return batch * n > _SKINNY_NARROW_N and batch * n * k * 2 >= _SKINNY_SMALL_BYTES
 
 
-def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0) -> tuple[int, int, int, int]:
-    """Geometry of the swapped-operand TMA kernel (``gemm_skinny_tma.cu``, sm_90, M <= 64):
-    ``(BN, CL, KPS, STAGES)``.
+def _narrow_large_weight(batch: int, n: int, k: int) -> bool:
+    """A weight of 8 MB or more with at most 4096 rows: for M > 16 the TMA kernel on sm_90 in
+    64-row tiles and two K slices (the register kernel re-reads the activation once per 16 rows)."""
+    return batch * n <= _TMA_NARROW_N and batch * n * k * 2 >= _SKINNY_SMALL_BYTES
 
-    ``BN`` activation rows padded for the wgmma N dimension (32 or 64); ``CL`` K slices, one
-    cluster (at most 8; enough tiles of 128 weight rows x slices to give every SM a block, at
-    least 4 k-tiles a slice); ``KPS`` 64-wide k-tiles a slice; ``STAGES`` of the TMA ring (BN 64:
-    3, two blocks an SM; BN 32: 4, or 6 without a K split and 16 or more k-tiles — H100, ninth
-    session, M = 32: 8B gate_up 90.6 -> 85.8 µs, up 46.6 -> 46.1, LM head 370 -> 368; SmolLM2's
-    LM head, 9 k-tiles, is fastest with 4, and split K (8B o forced here: 4 slices) slower with
-    6). ``cl`` > 0 forces ``CL`` (experiments).
+
+def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: int = 0, ncw: int = 0,
+                      persist: int = 0, n_sm: int = _NOMINAL_SMS) -> tuple[int, int, int, int, int, int]:
+    """Geometry of the swapped-operand TMA kernel (``gemm_skinny_tma.cu``, sm_90, M <= 64):
+    ``(BN, CL, KPS, STAGES, NCW, PB)``.
+
+    ``BN`` activation rows padded for the wgmma N dimension (32 or 64); ``NCW`` consumer
+    warpgroups, each owning 64 weight rows of a tile; ``CL`` K slices, one cluster (at most 8;
+    enough tiles x slices to give every SM a block, at least 4 k-tiles a slice); ``KPS``
+    64-wide k-tiles a slice; ``STAGES`` of the TMA ring; ``PB`` blocks a batch entry of the
+    persistent kernel (0: one block a tile and K slice), each taking an equal count of tiles.
+    Planned (H100, M = 32, device time, same-run cuBLAS; benchmarks/RESULTS.md):
+
+    * narrow weights (``batch * N <= 4096``, 8 MB or more): 64-row tiles, 8 stages for BN 32
+      (6 for BN 64), so 2 K slices fill the GPU (8B o 17.3 -> 16.0 µs, down 50.0 -> 44.2;
+      at M = 48 / 64 o 19.4 / 25.6 -> 17.3 / 18.0);
+    * short K (at most 16 k-tiles) over more 64-row tiles than two an SM: 64-row tiles, 6
+      stages (BN 64: 4), persistent (SmolLM2 LM head 26.8 -> 24.3 µs: 9 k-tiles a tile, the ring no
+      longer drains between tiles); a long K gains nothing from it (8B gate_up 85.7 -> 88.4);
+    * otherwise 128-row tiles; BN 64: 3 stages (two blocks an SM); BN 32: 4, or 6 without a K
+      split and 16 or more k-tiles (ninth session: 8B gate_up 90.6 -> 85.8 µs).
+
+    A ring is never deeper than a slice's k-tiles (at least 2 stages). ``cl``, ``stages`` (2 to
+    8) and ``ncw`` (1 or 2) force ``CL``, ``STAGES`` and ``NCW`` when > 0; ``persist`` 1 forces the persistent kernel (``CL`` becomes 1), 2 forbids it
+    (experiments).
     """
     bn = 32 if m <= 32 else 64
     kt = _cdiv(k, 64)
-    tiles = batch * _cdiv(n, 128)
+    narrow = batch * n <= _TMA_NARROW_N
+    if persist == 0:
+        persist = 1 if kt <= 16 and not narrow and batch * _cdiv(n, 64) > 2 * n_sm else 2
+    if ncw <= 0:
+        ncw = 1 if narrow or persist == 1 else 2
+    ncw = min(ncw, 2)
+    bm = 64 * ncw
+    tiles = _cdiv(n, bm)
+    if persist == 1:
+        cl = 1
     if cl <= 0:
-        cl = max(1, min(8, _NOMINAL_SMS // tiles, kt // 4))
+        cl = max(1, min(8, _NOMINAL_SMS // (batch * tiles), kt // 4))
     cl = max(1, min(cl, 8, kt))
     kps = _cdiv(kt, cl)
-    stages = 3 if bn == 64 else 6 if cl == 1 and kps >= 16 else 4
-    return bn, _cdiv(kt, kps), kps, stages
+    if stages <= 0:
+        if narrow and ncw == 1:
+            stages = 8 if bn == 32 else 6
+        elif persist == 1:
+            stages = 6 if bn == 32 else 4  # BN 64: two blocks an SM
+        else:
+            stages = 3 if bn == 64 else 6 if cl == 1 and kps >= 16 else 4
+    stages = max(2, min(stages, 8, kps))  # 2 to 8, no deeper than a slice's k-tiles
+    pb = 0
+    if persist == 1:
+        slots = max(1, n_sm * skinny_tma_blocks_per_sm(bn, stages, ncw) // batch)
+        pb = _cdiv(tiles, _cdiv(tiles, slots))  # every block the same count of tiles
+    return bn, _cdiv(kt, kps), kps, stages, ncw, pb
 
 
-def skinny_tma_smem(bn: int, stages: int) -> int:
+def skinny_tma_smem(bn: int, stages: int, ncw: int = 2) -> int:
     """Dynamic shared memory of the TMA skinny kernel: alignment slack, the ring, the
-    barriers and the partial tile ``[BN][128 + 4]`` float32."""
-    return 1024 + stages * (128 * 64 * 2 + bn * 64 * 2) + 16 * stages + bn * (128 + 4) * 4
+    barriers and the partial tile ``[BN][64 * NCW + 4]`` float32."""
+    bm = 64 * ncw
+    return 1024 + stages * (bm * 64 * 2 + bn * 64 * 2) + 16 * stages + bn * (bm + 4) * 4
+
+
+def skinny_tma_blocks_per_sm(bn: int, stages: int, ncw: int) -> int:
+    """Resident blocks of the TMA skinny kernel per multiprocessor (sm_90: 228 KiB of shared
+    memory, 1 KiB of it reserved per block; 2048 threads)."""
+    return max(1, min(228 * 1024 // (skinny_tma_smem(bn, stages, ncw) + 1024), 2048 // (128 * (ncw + 1))))
 
 
 def _plan(
@@ -198,8 +245,8 @@ def _plan(
         s = _splits_for(tiles, kt, n_sm)
         return "sm80", wm, s, _cdiv(kt, s)
     if trans_b and skinny_ok and m <= SKINNY_MAX_M and k % 8 == 0:
-        if sm90 and m > 16 and _wide_weight(batch, n, k):
-            return "tma", skinny_tma_config(batch, m, n, k), 1, 0  # wide weights: the TMA ring
+        if sm90 and m > 16 and (_wide_weight(batch, n, k) or _narrow_large_weight(batch, n, k)):
+            return "tma", skinny_tma_config(batch, m, n, k), 1, 0  # the TMA ring
         return "skinny", skinny_config(batch, m, n, k), 1, 0
     if not trans_b and gemv_ok and n % 8 == 0 and _gemv_rows_ok(m, n, k, sm90):
         return "gemv", None, 1, 0

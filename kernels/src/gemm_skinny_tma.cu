@@ -16,6 +16,12 @@
 // [q * BM / SW_CL, ...) over the ranks in rank order (distributed shared memory,
 // deterministic), applies the epilogue and stores out[b, m, n] (consecutive threads:
 // consecutive n). One launch, no workspace. Host checks: K % 8 == 0, 16-byte aligned a / W.
+//
+// Persistent (SW_PERSIST = 1, only with SW_CL = 1, for weights of more tiles than one wave):
+// grid x is a number of blocks that each take an equal count of tiles (tile = blockIdx.x +
+// i * gridDim.x); the producer streams every k-tile of every tile of its block through one
+// ring without a gap between tiles, and each consumer warpgroup finishes a tile on its own
+// (its 64 rows of red[], a named barrier per warpgroup) while the ring keeps filling.
 #include "gemm_common.cuh"
 #include "gemm_wgmma.cuh"
 
@@ -28,10 +34,80 @@
 #include "gemm_sm90_common.cuh"
 #define SW_RP (BM + 4)  // red[] row pitch (floats): lanes of one store fall in distinct banks
 
+#ifndef SW_PERSIST
+#define SW_PERSIST 0
+#endif
+#if SW_PERSIST && SW_CL != 1
+#error "gemm_skinny_tma.cu: SW_PERSIST needs SW_CL = 1"
+#endif
+
 #if SW_CL > 1
 #define SW_CLUSTER_ATTR __cluster_dims__(1, SW_CL, 1)
 #else
 #define SW_CLUSTER_ATTR
+#endif
+
+#if SW_PERSIST
+// Barrier of consumer warpgroup c's 128 threads (named barrier 1 + c, a compile-time id).
+__device__ __forceinline__ void wg_sync(int c) {
+  if (c == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
+// The persistent body (see the header): tiles blockIdx.x, + gridDim.x, ... of batch blockIdx.z.
+__device__ __forceinline__ void persistent_tiles(const TmaDesc& tmX, const TmaDesc& tmW, u16* __restrict__ out,
+                                                 const u16* __restrict__ bias, u32 base, u32 full, u32 empty,
+                                                 float* red, int M, int N, int kt_total, int b_batched,
+                                                 const Epi& e) {
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, bz = blockIdx.z;
+  const int ntiles = (N + BM - 1) / BM;
+  if (wg == 0) {
+    if (tid == 0) {  // producer: every k-tile of every tile, one ring sequence
+      const int bw = b_batched ? bz : 0;
+      int it = 0;
+      for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x)
+        for (int kt = 0; kt < kt_total; ++kt, ++it) {
+          const u32 sa = ring_acquire(base, full, empty, it), fb = full + 8 * (it % STAGES);
+          tma_load3(sa, &tmW, fb, kt * BK, tile * BM, bw);  // [BM][64 k]
+          tma_load3(sa + A_BYTES, &tmX, fb, kt * BK, 0, bz);  // [BN][64 k]
+        }
+    }
+    return;  // no block-wide barrier follows
+  }
+  const int c = wg - 1, lane = tid & 31, warp = tid >> 5;
+  int it = 0, prev = -1;
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    float d[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) d[i] = 0.f;
+    for (int kt = 0; kt < kt_total; ++kt, ++it) ring_mma(d, base, full, empty, c, it, prev, lane);
+    wgmma_wait<0>();
+    fence_regs(d);
+    __syncwarp();
+    ring_release(empty + 8 * prev, lane);  // the tile's last stage: free it before the epilogue
+    prev = -1;
+    wg_sync(c);  // this warpgroup's reads of red[] for the previous tile are done
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int r = 64 * c + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int m = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      red[m * SW_RP + r] = d[i];
+    }
+    wg_sync(c);
+    for (int i = tid; i < M * 64; i += 128) {  // rows [64c, 64c + 64): 128 consecutive bytes of out
+      const int m = i >> 6, r = 64 * c + (i & 63);
+      const int n = tile * BM + r;
+      if (n < N) {
+        u16* p = out + ((size_t)bz * M + m) * N + n;
+        const float prev_v = e.has_beta ? h2f(*p) : 0.f;
+        const float bv = e.has_bias ? h2f(bias[n]) : 0.f;
+        *p = f2h(epi_apply(e, red[m * SW_RP + r], prev_v, bv));
+      }
+    }
+  }
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
@@ -55,6 +131,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
   __syncthreads();
   pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
   pdl_launch_dependents();
+#if SW_PERSIST
+  persistent_tiles(tmX, tmW, out, bias, base, full, empty, red, M, N, kt_total, b_batched,
+                   Epi{alpha, beta, act, has_bias, has_beta});
+  (void)wg, (void)tid, (void)tile, (void)q, (void)bz, (void)kb, (void)ke;
+#else
 
   float d[NACC];
 #pragma unroll
@@ -106,4 +187,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
     }
   }
   cluster_barrier();  // no block exits while another still reads its red[]
+#endif
 }

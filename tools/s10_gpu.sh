@@ -1,0 +1,50 @@
+#!/bin/bash
+# Tenth-session GPU work (issue 13): the cp.async K/V ring in the split-KV decode kernel
+# (ATTN_STAGES) and one-consumer-warpgroup (64-row) tiles in the TMA skinny GEMM ("tma:S:ST:1").
+#   ring:  tools/s10_attn_ring_gpu.py (ring variants x split targets beside SDPA)
+#   m32:   the M = 32 decode rows with the TMA kernel forced at 64 / 128 weight rows a block
+#   tests: tests/test_gemm.py, test_attention.py, test_replay_gpu.py in three parallel processes
+#   suite / w2: as tools/s9_gpu.sh / tools/s6_gpu.sh
+# Usage: OUT=out bash tools/s10_gpu.sh ring m32 tests
+OUT=${OUT:-/tmp/s10}
+source "$(dirname "$0")/device_prologue.sh"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader; python3 --version
+for step in "$@"; do case "$step" in
+ring)
+    timeout ${T_RING:-240} python3 tools/s10_attn_ring_gpu.py --reps ${REPS:-40} --json "$OUT/ring.json" \
+        > "$OUT/ring.log" 2>&1; echo "ring rc=$?"; grep -v '^{' "$OUT/ring.log" | tail -25; t ring ;;
+m32)
+    (cd benchmarks && timeout 200 python3 gemm.py --m 32 --models smol,8b \
+        --variants "${V32:-tma,tma:0:0:1,tma:1:0:1,tma:2:0:1,tma:4:0:1,tma:2:6:1,tma:1:6:1,tma:4:6:1}" \
+        --json "$OUT/m32.json" > "$OUT/m32.log" 2>&1); echo "m32 rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m32.json"
+    t m32 ;;
+m32b)  # round 2: 64-row tiles with deeper rings, and the persistent kernel
+    V=${V32B:-tma,tma:2:6:1,tma:2:8:1,tma:3:6:1,tma:2:5:1,tma:0:0:1:1,tma:0:0:2:1,tma:0:6:1:1,tma:0:3:1:1,tma:0:6:2:1,tma:0:4:2:1}
+    (cd benchmarks && timeout 250 python3 gemm.py --m ${MS:-32} --models smol,8b --variants "$V" \
+        --json "$OUT/m32b.json" > "$OUT/m32b.log" 2>&1); echo "m32b rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m32b.json"
+    (cd benchmarks && timeout 250 python3 gemm.py --m ${MS2:-20,48,64} --models 8b --variants "${V2:-tma:2:6:1,tma:0:0:1:1,tma:0:0:2:1}" \
+        --json "$OUT/m2064.json" > "$OUT/m2064.log" 2>&1); echo "m2064 rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m2064.json"
+    t m32b ;;
+final)  # memcheck + racecheck over the TMA skinny cases, the decode table, M = 48 / 64 rows
+    [ -f .w1/part00 ] && mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/
+    for tool in memcheck racecheck; do
+        GEMM_SANITIZE_ONLY=tma timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 \
+            python3 tools/gemm_sanitize.py > "$OUT/tma_$tool.log" 2>&1; echo "$tool rc=$?"; tail -2 "$OUT/tma_$tool.log"
+    done; t sanitize
+    (cd benchmarks && timeout 200 python3 gemm.py --m 1,8,32 --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1)
+    echo "decode rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/decode.json"; t decode
+    (cd benchmarks && timeout 150 python3 gemm.py --m 20,48,64 --json "$OUT/m2064f.json" > "$OUT/m2064f.log" 2>&1)
+    echo "m20/48/64 rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m2064f.json"; t m2064 ;;
+w2) bash tools/s6_gpu.sh w2 ;;
+tests)
+    PYT="python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs -x"
+    pids=()
+    for f in ${TESTS:-test_gemm test_attention test_replay_gpu}; do
+        timeout ${T_PAR:-400} $PYT tests/$f.py > "$OUT/t_$f.log" 2>&1 & pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait $p; done
+    for f in ${TESTS:-test_gemm test_attention test_replay_gpu}; do echo "$f: $(tail -1 "$OUT/t_$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/t_$f.log" | head -5; done
+    t tests ;;
+suite) bash tools/s9_gpu.sh suite ;;
+*) echo "unknown step $step" ;;
+esac; done
