@@ -105,10 +105,6 @@ def _splitkv_kernels(
             opts = (*opts, f"-DATTN_MINB={max(1, SPLITKV_MIN_BLOCKS * 4 // warps)}")
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
-        ring = splitkv_ring_smem(extra, warps)
-        if ring:  # the whole carveout as shared memory: two 8-warp blocks with a 96 KiB ring
-            set_max_dynamic_smem(raw[0], ring)
-            raw[0].preferred_shared_memory_carveout = 100
         fns = (
             Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
             Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),
@@ -116,14 +112,6 @@ def _splitkv_kernels(
         _kernels[key] = fns
         _kernels[(*key, "raw")] = raw  # keeps the CuPy function objects alive
     return fns
-
-
-def splitkv_ring_smem(defines: tuple[str, ...], warps: int) -> int:
-    """Dynamic shared memory of the split-KV kernel: its cp.async K/V ring (``-DATTN_STAGES=S``
-    slots of ``UK`` keys x {K, V} x 32 lanes x 16 bytes per warp), 0 without one."""
-    vals = dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
-    stages = int(vals.get("ATTN_STAGES", 0))
-    return stages * warps * int(vals.get("ATTN_UK", 4)) * 1024
 
 
 @functools.cache
@@ -298,7 +286,6 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         mb, bs, nb = 0, 0, 0
     fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl,
                                    ov.attention_splitkv_defines)
-    ring_smem = splitkv_ring_smem(ov.attention_splitkv_defines, warps)
     combined = n_split > 1 and cl == 1  # partials through the workspace: the combine kernel
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's
@@ -320,7 +307,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         optr = int(out.data.ptr)
         go(fn, grid, (32 * warps, 1, 1),
            (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
-           sptr, ring_smem)  # fmt: skip
+           sptr)  # fmt: skip
         if combined:
             go(combine, cgrid, (64, 1, 1), (wo, wml, optr, kvl, *ctail), sptr)
 

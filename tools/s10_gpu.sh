@@ -1,7 +1,8 @@
 #!/bin/bash
 # Tenth-session GPU work (issue 13): the cp.async K/V ring in the split-KV decode kernel
 # (ATTN_STAGES) and one-consumer-warpgroup (64-row) tiles in the TMA skinny GEMM ("tma:S:ST:1").
-#   ring:  tools/s10_attn_ring_gpu.py (ring variants x split targets beside SDPA)
+#   ring:  tools/s10_attn_ring_gpu.py (ring variants x split targets beside SDPA; the ring and
+#          the tool exist at commit f710793 only: check it out to re-run)
 #   m32:   the M = 32 decode rows with the TMA kernel forced at 64 / 128 weight rows a block
 #   tests: tests/test_gemm.py, test_attention.py, test_replay_gpu.py in three parallel processes
 #   suite / w2: as tools/s9_gpu.sh / tools/s6_gpu.sh

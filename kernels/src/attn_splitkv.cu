@@ -35,12 +35,6 @@
 // (keys per lane group per step);
 // experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
 // distance in steps), ATTN_MINB (launch bounds).
-//
-// cp.async ring (ATTN_STAGES = S > 0, 16-bit data): each warp streams its K/V rows through
-// its own S-slot ring in dynamic shared memory (slot = UK keys x {K, V} x 32 lanes x 16 bytes,
-// S * NWARP * UK * 1 KiB a block), S - 1 steps ahead of the math, so the bytes in flight do
-// not cost registers. A lane reads back only the 16-byte pieces it copied itself
-// (cp.async.wait_group makes them visible to it): no barrier. Rows past ke are zero-filled.
 #include "attn_common.cuh"
 
 #ifndef ATTN_D
@@ -57,12 +51,6 @@
 #endif
 #ifndef ATTN_L2PF  // L2 prefetch distance in loop steps (0: off)
 #define ATTN_L2PF 0
-#endif
-#ifndef ATTN_STAGES  // cp.async ring depth per warp (0: K/V loaded straight into registers)
-#define ATTN_STAGES 0
-#endif
-#if ATTN_STAGES > 0 && (ATTN_F32 || ATTN_PREFETCH || ATTN_L2PF)
-#error "ATTN_STAGES: 16-bit data only, without ATTN_PREFETCH / ATTN_L2PF"
 #endif
 #ifndef ATTN_MINB  // minimum resident blocks per SM (__launch_bounds__), caps registers
 #define ATTN_MINB 1
@@ -97,13 +85,6 @@ __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
-}
-
-__device__ __forceinline__ void ld_shared16(u32 a, uint4& r) {
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(a)
-               : "memory");
 }
 
 // Eight consecutive elements of a row (16 bytes of 16-bit data, 32 bytes of float32).
@@ -233,9 +214,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              int n_hchunk, int max_blocks, int block_size, int num_blocks) {
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
   __shared__ float sm_o[NWARP][GT][DH];
-#if ATTN_STAGES
-  extern __shared__ __align__(16) unsigned char kv_ring[];  // [NWARP][S][UK][2][32][16 B]
-#endif
 #if ATTN_CL > 1
   __shared__ float cl_m[GT], cl_l[GT];  // this block's partial max and sum per head
 #endif
@@ -332,25 +310,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
     }
   };
-#if ATTN_STAGES
-  // Slot s of this warp's ring; piece (u, kv) of a lane at ((u * 2 + kv) * 32 + lane) * 16.
-  const u32 ring = smem_u32(kv_ring) + (u32)(warp * ATTN_STAGES * UK * 1024 + lane * 16);
-  auto issue_step = [&](int base, int slot) {
-#pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      const int j = base + u;
-      const bool ok = lane_ok && j < ke;
-      const size_t off = ok ? kv_row(j) * DH + sl * 8 : 0;
-      const u32 dst = ring + (u32)((slot * UK + u) * 1024);
-      cp_async16(dst, K + off, ok);
-      cp_async16(dst + 512, V + off, ok);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s + 1 < ATTN_STAGES; ++s) issue_step(ks + warp * KPW * UK + lg * UK + s * STEP, s);
-  int it = 0;
-#elif ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
+#if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
   Row8 kr[UK], vr[UK];
   load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
 #else
@@ -366,21 +326,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
   for (int wbase = ks + warp * KPW * UK; wbase < ke; wbase += STEP) {
     const int base = wbase + lg * UK;
-#if ATTN_STAGES
-    // refill the slot read one step ago (its registers are consumed), then wait for this one
-    issue_step(base + (ATTN_STAGES - 1) * STEP, (it + ATTN_STAGES - 1) % ATTN_STAGES);
-    cp_async_wait<ATTN_STAGES - 1>();
-    Row8 kc[UK], vc[UK];
-    {
-      const u32 src = ring + (u32)((it % ATTN_STAGES) * UK * 1024);
-#pragma unroll
-      for (int u = 0; u < UK; ++u) {
-        ld_shared16(src + u * 1024, kc[u].a);
-        ld_shared16(src + u * 1024 + 512, vc[u].a);
-      }
-    }
-    ++it;
-#elif ATTN_PREFETCH
+#if ATTN_PREFETCH
     Row8 kc[UK], vc[UK];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
@@ -440,9 +386,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     }
   }
 
-#if ATTN_STAGES
-  cp_async_wait<0>();  // no copy still writing the ring when the block leaves
-#endif
   // Merge lane groups of the warp (lanes with equal sl).
 #pragma unroll
   for (int o = LPK; o < 32; o <<= 1) {
