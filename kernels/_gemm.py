@@ -40,11 +40,13 @@ handed in, so calls can be captured into CUDA graphs):
   operands), warps of a block split K and reduce through shared memory, no workspace;
   :func:`._gemm_plan.skinny_config` (geometry from an H100 sweep).
 * ``gemm_skinny_tma`` (sm_90a): f16/bf16, ``trans_b``, 17 to 64 rows on weights of 8 MB or
-  more with ``N > 6144`` (wide projections, LM heads): ``out^T = W a^T`` with the weight as
-  the ``wgmma`` A operand streamed through the TMA ring of ``gemm_sm90`` (128 weight rows a
-  block) and the activation as B (rows padded to 32 or 64 by TMA zero fill); K may be split
-  over a cluster and summed through distributed shared memory (one launch, no workspace,
-  deterministic); :func:`._gemm_plan.skinny_tma_config`.
+  more with ``N > 6144`` (wide projections, LM heads) or ``N <= 4096`` (narrow ones):
+  ``out^T = W a^T`` with the weight as the ``wgmma`` A operand streamed through the TMA
+  ring of ``gemm_sm90`` (64 or 128 weight rows a block: one or two consumer warpgroups) and
+  the activation as B (rows padded to 32 or 64 by TMA zero fill); K may be split over a
+  cluster and summed through distributed shared memory (one launch, no workspace,
+  deterministic); for a short K over many tiles a persistent grid streams every tile of a
+  block through one ring; :func:`._gemm_plan.skinny_tma_config`.
 * ``gemm_gemv`` (any sm): f16/bf16, b not transposed, at most 8 rows and ``N % 8 == 0``:
   CUDA-core FMA streaming B once, each half-warp reading 256 contiguous bytes of a row; on
   sm_90 a cluster of up to 8 blocks splits K and reduces through distributed shared memory
