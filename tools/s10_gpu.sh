@@ -37,6 +37,20 @@ final)  # memcheck + racecheck over the TMA skinny cases, the decode table, M = 
     (cd benchmarks && timeout 150 python3 gemm.py --m 20,48,64 --json "$OUT/m2064f.json" > "$OUT/m2064f.log" 2>&1)
     echo "m20/48/64 rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m2064f.json"; t m2064 ;;
 w2) bash tools/s6_gpu.sh w2 ;;
+w1) mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied" ;;
+ab)  # within 30 s of w1 (carry .w2 and _old_s9/, a git archive of 60720a4's package): decode.py
+    # on this tree and on the ninth session's code, alternating, on one machine instance
+    [ -f /tmp/wts/part00 ] || { echo "machine went cold: no part00"; exit 2; }
+    cp .w2/part01 /tmp/wts/ && cat /tmp/wts/part00 /tmp/wts/part01 > /tmp/wts/model.gguf
+    rm -rf /tmp/oldpkg && mkdir -p /tmp/oldpkg && cp -r _old_s9/deviceops /tmp/oldpkg/ && for d in scheduling graphs kernels nn; do
+        cp -r _old_s9/$d /tmp/oldpkg/deviceops/$d; done
+    for r in $(seq ${ROUNDS:-2}); do for v in ${ORDER:-new old}; do
+        pp=$PYTHONPATH; [ $v = old ] && pp=/tmp/oldpkg:$PYTHONPATH
+        [ $r = 1 ] && (cd benchmarks && PYTHONPATH=$pp python3 -c "import deviceops.kernels._gemm_plan as g; print('$v:', g.__file__)")
+        PYTHONPATH=$pp timeout 100 python3 benchmarks/decode.py --gguf /tmp/wts/model.gguf --no-transformers \
+            --json "$OUT/ab_${v}_$r.json" > "$OUT/ab_${v}_$r.log" 2>&1; echo "$v $r rc=$?"
+        grep -E "^(prefill|decode batch .* graph)" "$OUT/ab_${v}_$r.log"
+    done; done; t ab ;;
 tests)
     PYT="python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs -x"
     pids=()
