@@ -646,10 +646,12 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
             err = _run_case(cupy, rng, cs, stream)
             assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
     # batched weights (b_batched) and a batch folded into M
-    for (batch, bb), force in itertools.product((((3,), True), ((2, 3), False)), ("skinny", "tma:2")):
+    cases = itertools.product((((3,), True), ((2, 3), False)), ("skinny", "tma:2", "tma:0:0:1:1"))
+    for (batch, bb), force in cases:
         if force.startswith("tma") and cc != 90:
             continue
-        cs = {"kind": dtype.name, "dtype": dtype, "m": 5, "n": 72, "k": 200, "batch": batch, "b_batched": bb,
+        n = 20000 if force == "tma:0:0:1:1" else 72  # persistent: several tiles a block in each batch entry
+        cs = {"kind": dtype.name, "dtype": dtype, "m": 5, "n": n, "k": 200, "batch": batch, "b_batched": bb,
               "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": force, "trans_b": True}  # fmt: skip
         err = _run_case(cupy, rng, cs, stream)
         assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
