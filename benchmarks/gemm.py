@@ -223,6 +223,7 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
         path += " mf{} tr{} u{} ks{}".format(*cfg[:4])
     elif path == "tma":
         path += f" bn{cfg[0]} cl{cfg[1]} kps{cfg[2]} st{cfg[3]} w{cfg[4]}" + (f" pb{cfg[5]}" if cfg[5] else "")
+        path += f" mc{cfg[6]}" if cfg[6] > 1 else ""
     elif isinstance(cfg, str):
         path = cfg
     path += f"/s{splits}" if splits > 1 else ""

@@ -39,10 +39,11 @@ class KernelOverrides:
             ``"128x256c2"``, ``"128x128c2"``), optionally with ``":S"``: ``S``
             split-K slices (``"skinny:S"``: ``S`` k-split warps; ``"skinny:S:T:U"`` also ``T``
             16-row weight tiles per warp and ``U`` k-chunks per load round, 0 = planned;
-            ``"tma"`` / ``"tma:S"`` / ``"tma:S:ST"`` / ``"tma:S:ST:W"`` / ``"tma:S:ST:W:P"``: the
-            swapped-operand TMA skinny kernel, ``S`` K slices (0 = planned), ``ST`` ring
-            stages, 2 to 8 (0 = planned), ``W`` consumer warpgroups of 64 weight rows, 1 or 2,
-            ``P`` 1: persistent (one K slice, equal tile counts a block), 2: not).
+            ``"tma"`` / ``"tma:S"`` / ... / ``"tma:S:ST:W:P:MC"``: the swapped-operand TMA
+            skinny kernel, ``S`` K slices (0 = planned), ``ST`` ring stages, 2 to 10 (0 =
+            planned), ``W`` consumer warpgroups of 64 weight rows, 1 or 2, ``P`` 1: persistent
+            (one K slice, equal tile counts a block), 2: not, ``MC`` 2 or 4 blocks sharing the
+            activation tile by TMA multicast (one K slice, not persistent).
             A path that cannot run the call raises ``ShapeError`` (sm_90 configs, skinny)
             or is ignored (``sm80`` for float32 without tf32, ``simt`` for 16-bit dtypes).
         gemm_sm90_defines: extra NVRTC ``-D`` defines for the sm_90 GEMM kernel.

@@ -117,24 +117,25 @@ def _check_arrays(arrs: tuple[tuple[str, Any], ...]) -> int:
     return dev
 
 
-def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int, int, int], batch: int, m: int, n: int, k: int,
+def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int, int, int, int], batch: int, m: int, n: int, k: int,
                       b_batched: bool, bf16: int, epi: tuple[float, float, int, int, int]) -> _Run:
     """The swapped-operand TMA skinny kernel: the weight as the wgmma A operand, K over a cluster
     (or, persistent, each block an equal count of tiles: ``cfg[5]`` blocks a batch entry)."""
-    bn, cl, kps, stages, ncw, pb = cfg
+    bn, cl, kps, stages, ncw, pb, mc = cfg
     bm = 64 * ncw
     defs = (f"BN={bn}", f"NCW={ncw}", f"STAGES={stages}", f"SW_CL={cl}", f"SW_PERSIST={int(pb > 0)}",
-            f"GEMM_BF16={bf16}", "GEMM_TRANS_B=1")
+            f"SW_MC={mc}", f"GEMM_BF16={bf16}", "GEMM_TRANS_B=1")
     fn = _kernel(dev, "gemm_skinny_tma.cu", "gemm_skinny_tma", defs, arch_suffix="a")
     smem = G.skinny_tma_smem(bn, stages, ncw)
     set_max_dynamic_smem(fn, smem)
     bb = batch if b_batched else 1
-    geo_x = ((k, m, batch), (k * 2, m * k * 2), (64, bn, 1))
+    geo_x = ((k, m, batch), (k * 2, m * k * 2), (64, bn // mc, 1))  # a block's share of the tile
     geo_w = ((k, n, bb), (k * 2, n * k * 2), (64, bm, 1))
     i32, f32 = ctypes.c_int32, ctypes.c_float
     tail = tuple(zip((i32,) * 5 + (f32, f32, i32, i32, i32), (m, n, G._cdiv(k, 64), kps, int(b_batched), *epi),
                      strict=True))  # fmt: skip
-    tl = TmaLaunch(fn, dev, (pb or G._cdiv(n, bm), cl, batch), (128 * (ncw + 1), 1, 1), smem, ((0, geo_x), (1, geo_w)), tail,
+    grid_x = pb or G._cdiv(G._cdiv(n, bm), mc) * mc  # whole clusters (a tile past N streams zeros)
+    tl = TmaLaunch(fn, dev, (grid_x, cl, batch), (128 * (ncw + 1), 1, 1), smem, ((0, geo_x), (1, geo_w)), tail,
                     "gemm_skinny_tma")
 
     def run_tma(ap: int, bp: int, op: int, biasp: int, wsp: int, sp: int) -> None:
@@ -166,12 +167,12 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     tma_ok = is16 and cc == 90 and k % 8 == 0 and n % 8 == 0 and ptrs16
 
     force = ov.gemm_path
-    force_cfg, force_s, force_more = force, 0, (0, 0, 0)
+    force_cfg, force_s, force_more = force, 0, (0, 0, 0, 0)
     if force and ":" in force:
         force_cfg, *nums = force.split(":")
         force_s = int(nums[0])
-        more = [int(x) for x in nums[1:4]] + [0, 0, 0]
-        force_more = (more[0], more[1], more[2])
+        more = [int(x) for x in nums[1:5]] + [0, 0, 0, 0]
+        force_more = (more[0], more[1], more[2], more[3])
     if force_cfg in G.SM90_CONFIGS and not tma_ok:
         raise ShapeError(f"gemm: forced sm_90 config {force} not usable for this call", op="gemm")
     gemv_ok = not force and b16
@@ -185,7 +186,8 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     elif force_cfg == "tma":
         if path not in ("skinny", "tma") or cc != 90:
             raise ShapeError(f"gemm: forced tma path not usable for this call (M={m}, K={k}, sm_{cc})", op="gemm")
-        # "tma:S:ST:W:P": S K slices, ST ring stages, W consumer warpgroups, P persistent (experiments)
+        # "tma:S:ST:W:P:MC": S K slices, ST ring stages, W consumer warpgroups, P persistent, MC
+        # blocks sharing the activation by multicast (experiments)
         path, cfg = "tma", G.skinny_tma_config(batch, m, n, k, force_s, *force_more)
     elif force_cfg in G.SM90_CONFIGS:
         path, cfg = "sm90", force_cfg

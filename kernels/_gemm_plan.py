@@ -35,6 +35,7 @@ _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (o
 _SKINNY_LARGE_BYTES = 64 << 20  # skinny, one m-fragment: from here 8 chunks of loads in flight
 _SKINNY_NARROW_N = 6144  # skinny, M > 16: weights with at most this many rows keep one tile a warp
 _TMA_NARROW_N = 4096  # TMA skinny: weights with at most this many rows take 64-row tiles and 2 K slices
+_SMEM_MAX = 227 * 1024  # sm_90: dynamic shared memory a block may opt in to
 _NOMINAL_SMS = 132  # split-K planning is shape-only (workspace size must not depend on device)
 
 
@@ -155,9 +156,10 @@ def _narrow_large_weight(batch: int, n: int, k: int) -> bool:
 
 
 def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: int = 0, ncw: int = 0,
-                      persist: int = 0, n_sm: int = _NOMINAL_SMS) -> tuple[int, int, int, int, int, int]:
+                      persist: int = 0, mc: int = 0,
+                      n_sm: int = _NOMINAL_SMS) -> tuple[int, int, int, int, int, int, int]:
     """Geometry of the swapped-operand TMA kernel (``gemm_skinny_tma.cu``, sm_90, M <= 64):
-    ``(BN, CL, KPS, STAGES, NCW, PB)``.
+    ``(BN, CL, KPS, STAGES, NCW, PB, MC)``.
 
     ``BN`` activation rows padded for the wgmma N dimension (32 or 64); ``NCW`` consumer
     warpgroups, each owning 64 weight rows of a tile; ``CL`` K slices, one cluster (at most 8;
@@ -173,11 +175,17 @@ def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: i
       stages (BN 64: 4), persistent (SmolLM2 LM head 26.8 -> 24.3 µs: 9 k-tiles a tile, the ring no
       longer drains between tiles); a long K gains nothing from it (8B gate_up 85.7 -> 88.4);
     * otherwise 128-row tiles; BN 64: 3 stages (two blocks an SM); BN 32: 4, or 6 without a K
-      split and 16 or more k-tiles (ninth session: 8B gate_up 90.6 -> 85.8 µs).
+      split and 16 or more k-tiles (ninth session: 8B gate_up 90.6 -> 85.8 µs); at BN 32 with
+      one K slice and at most one tile an SM, clusters of 4 tiles share each activation tile
+      by multicast (8B up 46.0 -> 45.5 µs; with two tiles an SM or more it lost: gate_up 85.9
+      -> 87.7, LM head 368.0 -> 370.7).
 
-    A ring is never deeper than a slice's k-tiles (at least 2 stages). ``cl``, ``stages`` (2 to
-    8) and ``ncw`` (1 or 2) force ``CL``, ``STAGES`` and ``NCW`` when > 0; ``persist`` 1 forces the persistent kernel (``CL`` becomes 1), 2 forbids it
-    (experiments).
+    A ring is never deeper than a slice's k-tiles (at least 2 stages) nor than shared memory
+    holds (at most 10). ``MC`` blocks of consecutive tiles share each activation tile by TMA
+    multicast (a cluster along the tiles; 1: none). ``cl``, ``stages`` (2 to 10), ``ncw`` (1 or
+    2) and ``mc`` (2 or 4; needs one K slice, not persistent) force ``CL``, ``STAGES``,
+    ``NCW`` and ``MC`` when > 0; ``persist`` 1 forces the persistent kernel (``CL`` becomes
+    1), 2 forbids it (experiments).
     """
     bn = 32 if m <= 32 else 64
     kt = _cdiv(k, 64)
@@ -202,12 +210,15 @@ def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: i
             stages = 6 if bn == 32 else 4  # BN 64: two blocks an SM
         else:
             stages = 3 if bn == 64 else 6 if cl == 1 and kps >= 16 else 4
-    stages = max(2, min(stages, 8, kps))  # 2 to 8, no deeper than a slice's k-tiles
+    stages = max(2, min(stages, kps, max(st for st in range(2, 11) if skinny_tma_smem(bn, st, ncw) <= _SMEM_MAX)))
+    if mc <= 0:  # planned: multicast for one wave of 128-row tiles at BN 32 (8B up 46.0 -> 45.5 µs)
+        mc = 4 if bn == 32 and ncw == 2 and cl == 1 and persist != 1 and 4 <= batch * tiles <= n_sm else 1
+    mc = 1 if mc <= 1 or cl > 1 or persist == 1 else 4 if mc >= 4 else 2
     pb = 0
     if persist == 1:
         slots = max(1, n_sm * skinny_tma_blocks_per_sm(bn, stages, ncw) // batch)
         pb = _cdiv(tiles, _cdiv(tiles, slots))  # every block the same count of tiles
-    return bn, _cdiv(kt, kps), kps, stages, ncw, pb
+    return bn, _cdiv(kt, kps), kps, stages, ncw, pb, mc
 
 
 def skinny_tma_smem(bn: int, stages: int, ncw: int = 2) -> int:

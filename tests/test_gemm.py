@@ -236,7 +236,7 @@ def test_skinny_config_measured_rules() -> None:
 @pytest.mark.parametrize("m", [1, 17, 32, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (14336, 4096), (4096, 14336), (49152, 576), (8, 8), (100, 72)])
 def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: int) -> None:
-    bn, cl, kps, stages, ncw, pb = _gemm.skinny_tma_config(1, m, n, k)
+    bn, cl, kps, stages, ncw, pb, mc = _gemm.skinny_tma_config(1, m, n, k)
     kt = -(-k // 64)
     assert bn in (32, 64) and bn >= m and 1 <= cl <= 8 and cl * kps >= kt and (cl - 1) * kps < kt
     assert _gemm.skinny_tma_smem(bn, stages, ncw) <= 227 * 1024
@@ -244,7 +244,7 @@ def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: in
     persistent = kt <= 16 and n > 4096 and -(-n // 64) > 2 * 132
     assert ncw == (1 if n <= 4096 or persistent else 2) and (pb > 0) == persistent
     for w in (1, 2):  # a forced warpgroup count keeps the slices covering K
-        bn1, cl1, kps1, st1, w1, _ = _gemm.skinny_tma_config(1, m, n, k, ncw=w)
+        bn1, cl1, kps1, st1, w1, _, _ = _gemm.skinny_tma_config(1, m, n, k, ncw=w)
         assert w1 == w and cl1 * kps1 >= kt and (cl1 - 1) * kps1 < kt
         assert _gemm.skinny_tma_smem(bn1, st1, w1) <= 227 * 1024
     if ncw == 1 and not persistent and kt >= 8:  # narrow: 64 tiles x 2 slices, a deep ring
@@ -259,17 +259,22 @@ def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: in
     else:  # one long slice a block: a deeper ring (one block an SM)
         assert stages == (6 if bn == 32 else 3)
     assert _gemm.skinny_tma_config(1, m, n, k, cl=3, persist=2)[1] <= 3
-    assert _gemm.skinny_tma_config(1, 32, 14336, 4096) == (32, 1, 64, 6, 2, 0)  # 112 tiles, one slice
-    assert _gemm.skinny_tma_config(1, 32, 4096, 4096) == (32, 2, 32, 8, 1, 0)  # 64 tiles x 2 slices
+    one_wave = bn == 32 and ncw == 2 and cl == 1 and not persistent and 4 <= -(-n // 128) <= 132
+    assert mc == (4 if one_wave else 1)  # activation multicast: one wave of 128-row tiles
+    assert _gemm.skinny_tma_config(1, 32, 14336, 4096) == (32, 1, 64, 6, 2, 0, 4)  # 112 tiles, one slice
+    assert _gemm.skinny_tma_config(1, 32, 4096, 4096) == (32, 2, 32, 8, 1, 0, 1)  # 64 tiles x 2 slices
+    assert _gemm.skinny_tma_config(1, 32, 14336, 4096, stages=10, mc=4)[3:] == (10, 2, 0, 4)
+    assert _gemm.skinny_tma_config(1, 32, 4096, 4096, mc=4)[6] == 1  # two K slices: no multicast
+    assert _gemm.skinny_tma_config(1, 64, 14336, 4096, stages=10, mc=3)[3::3] == (8, 2)  # smem; 2 or 4
     assert _gemm.skinny_tma_config(1, 32, 4096, 4096, ncw=2)[:3] == (32, 4, 16)  # 32 tiles x 4
-    assert _gemm.skinny_tma_config(1, 32, 49152, 576)[4:] == (1, 256)  # 768 tiles, 3 a block
+    assert _gemm.skinny_tma_config(1, 32, 49152, 576)[4:] == (1, 256, 1)  # 768 tiles, 3 a block
 
 
 @pytest.mark.parametrize(("batch", "n", "ncw", "stages"), [(1, 49152, 1, 4), (1, 49152, 2, 4), (1, 128256, 2, 6),
                                                           (3, 4104, 1, 4), (2, 100, 2, 3), (1, 14336, 1, 6)])
 def test_skinny_tma_persistent_grid_gives_each_block_the_same_tile_count(batch: int, n: int, ncw: int,
                                                                          stages: int) -> None:
-    bn, cl, _, st, w, pb = _gemm.skinny_tma_config(batch, 32, n, 576, stages=stages, ncw=ncw, persist=1)
+    bn, cl, _, st, w, pb, _ = _gemm.skinny_tma_config(batch, 32, n, 576, stages=stages, ncw=ncw, persist=1)
     tiles = -(-n // (64 * w))
     per_block = -(-tiles // pb)
     slots = 132 * _gemm.skinny_tma_blocks_per_sm(bn, st, w)
@@ -416,7 +421,8 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
         if trans_b and k % 8 == 0 and rows <= 64:
             opts += ["skinny", "skinny", "skinny:1", "skinny:3"]
             if cc == 90:
-                opts += ["tma", "tma:1", "tma:3", "tma:1:6", "tma:0:0:1", "tma:2:6:1", "tma:0:0:1:1", "tma:0:0:2:1"]
+                opts += ["tma", "tma:1", "tma:3", "tma:1:6", "tma:0:0:1", "tma:2:6:1", "tma:0:0:1:1", "tma:0:0:2:1",
+                         "tma:1:10:2:2:4", "tma:1:0:1:2:2"]
         force = str(rng.choice(opts))
     elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
         force = "simt:3"
@@ -632,13 +638,15 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
     shapes = [(1, 1, 8), (1, 17, 40), (3, 33, 584), (7, 130, 1000), (8, 576, 576), (9, 1728, 576), (16, 24, 8),
               (17, 61, 1544), (31, 257, 264), (32, 576, 1536), (33, 100, 72), (63, 40, 136), (64, 129, 4096),
               (33, 2056, 2048), (20, 4104, 1032),  # weights > 8 MB (two row tiles per warp)
-              (33, 26008, 200), (17, 49160, 72)]  # short K, 400+ tiles: several tiles a persistent block
+              (33, 26008, 200), (17, 49160, 72),  # short K, 400+ tiles: several tiles a persistent block
+              (24, 9000, 520)]  # 71 tiles, one K slice: planned activation multicast, a padded cluster
     for i, (m, n, k) in enumerate(shapes):
         act = ACTS[i % 4]
         beta = -0.5 if i % 3 == 0 else 0.0
         forces: tuple[str | None, ...] = ("skinny", "skinny:1", None)
         if cc == 90:  # the TMA kernel: planned K slices, one slice, three; one consumer warpgroup
-            forces += ("tma", "tma:1", "tma:3", "tma:0:0:1", "tma:3:0:1", "tma:0:0:1:1", "tma:0:3:2:1")
+            forces += ("tma", "tma:1", "tma:3", "tma:0:0:1", "tma:3:0:1", "tma:0:0:1:1", "tma:0:3:2:1",
+                       "tma:1:10:2:2:4", "tma:1:4:1:2:2")
         for force in forces:
             cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
                   "bias": i % 2 == 0, "act": act, "alpha": 0.5 if i % 2 else 1.0, "beta": beta, "force": force,

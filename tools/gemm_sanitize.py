@@ -48,8 +48,9 @@ def main() -> None:
     for m, n, k in [(1, 8, 8), (3, 33, 584), (9, 130, 1000), (32, 72, 1536), (64, 24, 40), (17, 200, 72)]:
         for dt in (f16, BF16):
             cases += [(m, n, k, dt, "16", f, (), False, True) for f in ("skinny", "skinny:1", "skinny:3")]
-            cases += [(m, n, k, dt, "16", f, (), False, True) for f in ("tma", "tma:1", "tma:3", "tma:1:6", "tma:2:8:1", "tma:0:0:1:1", "tma:0:4:2:1")]
-    for f in ("tma:0:0:1:1", "tma:0:4:2:1", None):  # persistent, several tiles a block (planned: None)
+            cases += [(m, n, k, dt, "16", f, (), False, True) for f in ("tma", "tma:1", "tma:3", "tma:1:6", "tma:2:8:1", "tma:0:0:1:1", "tma:0:4:2:1", "tma:1:10:2:2:4", "tma:1:4:1:2:2")]
+    for f in ("tma:0:0:1:1", "tma:0:4:2:1", None, "tma:1:10:2:2:4", "tma:1:4:1:2:2"):  # persistent (several
+        # tiles a block; planned: None) and activation multicast over many clusters
         cases += [(33, 26008, 136, BF16, "bf16", f, (), False, True), (5, 49160, 72, f16, "f16", f, (), False, True)]
     cases += [(5, 72, 200, BF16, "bf16", "skinny", (3,), True, True), (5, 72, 200, f16, "f16", "skinny", (2, 3), False, True),
               (5, 72, 200, BF16, "bf16", "tma:2", (3,), True, True), (3, 72, 200, f16, "f16", "tma", (2, 3), False, True)]

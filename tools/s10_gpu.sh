@@ -36,6 +36,27 @@ final)  # memcheck + racecheck over the TMA skinny cases, the decode table, M = 
     echo "decode rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/decode.json"; t decode
     (cd benchmarks && timeout 150 python3 gemm.py --m 20,48,64 --json "$OUT/m2064f.json" > "$OUT/m2064f.log" 2>&1)
     echo "m20/48/64 rc=$?"; python3 tools/gemm_sweep_report.py "$OUT/m2064f.json"; t m2064 ;;
+mc)  # activation multicast in the TMA skinny kernel: GPU tests, sanitizers, M = 32 variants
+    timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_gemm.py \
+        -k "skinny_trans_b or random or chain" > "$OUT/mc_tests.log" 2>&1
+    echo "mc tests rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/mc_tests.log" | head -12; tail -1 "$OUT/mc_tests.log"; t tests
+    for tool in memcheck racecheck; do
+        GEMM_SANITIZE_ONLY=tma:1: timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 \
+            python3 tools/gemm_sanitize.py > "$OUT/mc_$tool.log" 2>&1; echo "$tool rc=$?"; tail -2 "$OUT/mc_$tool.log"
+    done; t sanitize
+    V=${VMC:-tma:1:10:2:2:4,tma:1:8:2:2:4,tma:1:6:2:2:4,tma:1:10:2:2:2,tma:1:6:2:2:2,tma:1:10,tma:1:10:1:2:4}
+    for r in 1 2; do
+        (cd benchmarks && timeout 200 python3 gemm.py --m ${MS:-32} --models 8b --variants "$V" \
+            --json "$OUT/mc_$r.json" > "$OUT/mc_$r.log" 2>&1); echo "mc bench $r rc=$?"
+        python3 tools/gemm_sweep_report.py "$OUT/mc_$r.json" | grep -v "qkv"
+    done; t bench ;;
+mc2)  # planned multicast: the odd-shape GPU test, then M = 20 / 32 with fewer stages forced
+    timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_gemm.py \
+        -k "skinny_trans_b" > "$OUT/mc2_tests.log" 2>&1
+    echo "mc2 tests rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/mc2_tests.log" | head -12; tail -1 "$OUT/mc2_tests.log"; t tests
+    (cd benchmarks && timeout 200 python3 gemm.py --m 20,32 --models 8b --variants "${VMC2:-tma:1:4:2:2:4,tma:1:5:2:2:4,tma:1:6:2:2:1}" \
+        --json "$OUT/mc2.json" > "$OUT/mc2.log" 2>&1); echo "mc2 bench rc=$?"
+    python3 tools/gemm_sweep_report.py "$OUT/mc2.json" | grep -v "qkv"; t bench ;;
 w2) bash tools/s6_gpu.sh w2 ;;
 w1) mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied" ;;
 ab)  # within 30 s of w1 (carry .w2 and _old_s9/, a git archive of 60720a4's package): decode.py

@@ -17,6 +17,12 @@
 // deterministic), applies the epilogue and stores out[b, m, n] (consecutive threads:
 // consecutive n). One launch, no workspace. Host checks: K % 8 == 0, 16-byte aligned a / W.
 //
+// Activation multicast (SW_MC = 2 or 4, only with SW_CL = 1 and not persistent): SW_MC blocks
+// of consecutive weight tiles form a cluster along x; each loads BN / SW_MC rows of every
+// activation k-tile and multicasts them to all, so the L2 -> SM traffic of the activation is
+// divided by SW_MC; a stage is free once the consumers of every block of the cluster are done
+// with it (RING_PEERS = SW_MC: each consumer warp arrives on every block's empty barrier).
+//
 // Persistent (SW_PERSIST = 1, only with SW_CL = 1, for weights of more tiles than one wave):
 // grid x is a number of blocks that each take an equal count of tiles (tile = blockIdx.x +
 // i * gridDim.x); the producer streams every k-tile of every tile of its block through one
@@ -31,6 +37,10 @@
 #endif
 #define BM (64 * NCW)
 #define GROUP_M 8  // unused here (the header's tile-order decode needs it)
+#ifndef SW_MC
+#define SW_MC 1
+#endif
+#define RING_PEERS SW_MC
 #include "gemm_sm90_common.cuh"
 #define SW_RP (BM + 4)  // red[] row pitch (floats): lanes of one store fall in distinct banks
 
@@ -41,7 +51,13 @@
 #error "gemm_skinny_tma.cu: SW_PERSIST needs SW_CL = 1"
 #endif
 
-#if SW_CL > 1
+#if SW_MC > 1 && (SW_CL != 1 || SW_PERSIST || BN % (8 * SW_MC) != 0)
+#error "gemm_skinny_tma.cu: SW_MC needs SW_CL = 1, no SW_PERSIST, and BN / SW_MC a multiple of 8 rows"
+#endif
+
+#if SW_MC > 1
+#define SW_CLUSTER_ATTR __cluster_dims__(SW_MC, 1, 1)
+#elif SW_CL > 1
 #define SW_CLUSTER_ATTR __cluster_dims__(1, SW_CL, 1)
 #else
 #define SW_CLUSTER_ATTR
@@ -128,7 +144,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
   const int kb = q * kps, ke = min(kt_total, kb + kps);
 
   if (threadIdx.x == 0) ring_init(full, empty, &tmW, &tmX);
+#if SW_MC > 1
+  cluster_barrier();  // every peer's barriers exist before any multicast or remote arrive
+#else
   __syncthreads();
+#endif
   pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
   pdl_launch_dependents();
 #if SW_PERSIST
@@ -147,7 +167,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
       for (int kt = kb, it = 0; kt < ke; ++kt, ++it) {
         const u32 sa = ring_acquire(base, full, empty, it), fb = full + 8 * (it % STAGES);
         tma_load3(sa, &tmW, fb, kt * BK, tile * BM, bw);        // [BM][64 k]
+#if SW_MC > 1
+        {  // this block's BN / SW_MC rows of the activation tile, multicast to the cluster
+          constexpr int kRows = BN / SW_MC;
+          const int rank = (int)cluster_rank();
+          tma_load3_mc(sa + A_BYTES + rank * (kRows * 128), &tmX, fb, kt * BK, rank * kRows, bz,
+                       (unsigned short)((1u << SW_MC) - 1u));
+        }
+#else
         tma_load3(sa + A_BYTES, &tmX, fb, kt * BK, 0, bz);      // [BN][64 k]
+#endif
       }
     }
   } else {
@@ -178,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
     const int n = tile * BM + r;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < SW_CL; ++w) v += ld_cluster_f32(&red[m * SW_RP + r], (u32)w);
+    for (int w = 0; w < SW_CL; ++w)
+      v += SW_CL > 1 ? ld_cluster_f32(&red[m * SW_RP + r], (u32)w) : red[m * SW_RP + r];
     if (n < N) {
       u16* p = out + ((size_t)bz * M + m) * N + n;
       const float prev = has_beta ? h2f(*p) : 0.f;
