@@ -46,7 +46,8 @@ handed in, so calls can be captured into CUDA graphs):
   the activation as B (rows padded to 32 or 64 by TMA zero fill); K may be split over a
   cluster and summed through distributed shared memory (one launch, no workspace,
   deterministic); for a short K over many tiles a persistent grid streams every tile of a
-  block through one ring; :func:`._gemm_plan.skinny_tma_config`.
+  block through one ring; for one wave of tiles a cluster of 4 shares each activation tile
+  by TMA multicast; :func:`._gemm_plan.skinny_tma_config`.
 * ``gemm_gemv`` (any sm): f16/bf16, b not transposed, at most 8 rows and ``N % 8 == 0``:
   CUDA-core FMA streaming B once, each half-warp reading 256 contiguous bytes of a row; on
   sm_90 a cluster of up to 8 blocks splits K and reduces through distributed shared memory

@@ -178,7 +178,7 @@ def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: i
       split and 16 or more k-tiles (ninth session: 8B gate_up 90.6 -> 85.8 µs); at BN 32 with
       one K slice and at most one tile an SM, clusters of 4 tiles share each activation tile
       by multicast (8B up 46.0 -> 45.5 µs; with two tiles an SM or more it lost: gate_up 85.9
-      -> 87.7, LM head 368.0 -> 370.7).
+      -> 87.7, LM head 368.0 -> 371.0).
 
     A ring is never deeper than a slice's k-tiles (at least 2 stages) nor than shared memory
     holds (at most 10). ``MC`` blocks of consecutive tiles share each activation tile by TMA
