@@ -352,6 +352,35 @@ class _Timer:
         return statistics.median(ts)
 
 
+    def compare_us(self, named: dict[str, list[Any]], reps: int, spin_us: float = 250.0) -> dict[str, float]:
+        """Median device µs of each named call list, the names interleaved rep by rep (the
+        order rotating each rep), so clock or thermal drift over the run hits all alike.
+        Consecutive calls take consecutive data sets (the lists index the same sets), so no
+        call finds the previous call's K/V in L2."""
+        torch = self.torch
+        for calls in named.values():  # warm-up (compiles)
+            for fn in calls[:3]:
+                fn()
+        torch.cuda.synchronize()
+        names = list(named)
+        ts: dict[str, list[float]] = {n: [] for n in names}
+        k = 0
+        for r in range(reps):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                calls = named[name]
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
+                a.record(self.ts)
+                calls[k % len(calls)]()
+                k += 1
+                b.record(self.ts)
+                b.synchronize()
+                ts[name].append(a.elapsed_time(b) * 1e3)
+        return {n: statistics.median(v) for n, v in ts.items()}
+
+
 def _decode_sets(b: int, hq: int, hkv: int, lk: int, d: int, tdt: Any) -> list[tuple[Any, ...]]:
     import torch
 
@@ -416,7 +445,8 @@ def _ours_calls(sets: list[tuple[Any, ...]], stream: Any, ws: Any, kv_len: Any =
 
 
 def bench_decode_tables(reps: int, only: str = "") -> list[dict[str, Any]]:
-    """The issue-13 decode tables: ours beside torch SDPA, float16, Lq = 1."""
+    """The issue-13 decode tables: ours beside torch SDPA (every backend that runs the point),
+    float16, Lq = 1, timed interleaved (:meth:`_Timer.compare_us`)."""
     import cupy
     import torch
 
@@ -434,12 +464,10 @@ def bench_decode_tables(reps: int, only: str = "") -> list[dict[str, Any]]:
                 ws = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
                 lens = cupy.full((b,), lk, dtype=cupy.int32)
                 row: dict[str, Any] = {"table": label, "B": b, "Lk": lk, "sets": len(sets)}
-                row["ours_us"] = timer.median_us(_ours_calls(sets, timer.stream, ws), reps)
-                row["ours_kvlen_us"] = timer.median_us(
-                    _ours_calls(sets, timer.stream, ws, lens), reps
-                )
-                for name, calls in _sdpa_calls(sets).items():
-                    row[name + "_us"] = timer.median_us(calls, reps)
+                named = {"ours": _ours_calls(sets, timer.stream, ws),
+                         "ours_kvlen": _ours_calls(sets, timer.stream, ws, lens), **_sdpa_calls(sets)}
+                for name, us in timer.compare_us(named, reps).items():  # interleaved
+                    row[name + "_us"] = us
                 best = min(
                     row.get(n + "_us", float("inf"))
                     for n in ("sdpa", "flash", "efficient", "cudnn")
