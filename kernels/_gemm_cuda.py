@@ -167,12 +167,9 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
     tma_ok = is16 and cc == 90 and k % 8 == 0 and n % 8 == 0 and ptrs16
 
     force = ov.gemm_path
-    force_cfg, force_s, force_more = force, 0, (0, 0, 0, 0)
-    if force and ":" in force:
-        force_cfg, *nums = force.split(":")
-        force_s = int(nums[0])
-        more = [int(x) for x in nums[1:5]] + [0, 0, 0, 0]
-        force_more = (more[0], more[1], more[2], more[3])
+    force_cfg, *nums = force.split(":") if force else (force,)
+    vals = [int(x) for x in nums] + [0] * 5  # "path:S:..." numbers, 0 = planned
+    force_s, force_more = vals[0], (vals[1], vals[2], vals[3], vals[4])
     if force_cfg in G.SM90_CONFIGS and not tma_ok:
         raise ShapeError(f"gemm: forced sm_90 config {force} not usable for this call", op="gemm")
     gemv_ok = not force and b16

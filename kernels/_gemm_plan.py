@@ -210,7 +210,7 @@ def skinny_tma_config(batch: int, m: int, n: int, k: int, cl: int = 0, stages: i
             stages = 6 if bn == 32 else 4  # BN 64: two blocks an SM
         else:
             stages = 3 if bn == 64 else 6 if cl == 1 and kps >= 16 else 4
-    stages = max(2, min(stages, kps, max(st for st in range(2, 11) if skinny_tma_smem(bn, st, ncw) <= _SMEM_MAX)))
+    stages = max(2, min(stages, kps, _tma_max_stages(bn, ncw)))
     if mc <= 0:  # planned: multicast for one wave of 128-row tiles at BN 32 (8B up 46.0 -> 45.5 µs)
         mc = 4 if bn == 32 and ncw == 2 and cl == 1 and persist != 1 and 4 <= batch * tiles <= n_sm else 1
     mc = 1 if mc <= 1 or cl > 1 or persist == 1 else 4 if mc >= 4 else 2
@@ -226,6 +226,11 @@ def skinny_tma_smem(bn: int, stages: int, ncw: int = 2) -> int:
     barriers and the partial tile ``[BN][64 * NCW + 4]`` float32."""
     bm = 64 * ncw
     return 1024 + stages * (bm * 64 * 2 + bn * 64 * 2) + 16 * stages + bn * (bm + 4) * 4
+
+
+def _tma_max_stages(bn: int, ncw: int) -> int:
+    """The deepest ring (at most 10 stages) whose shared memory a block may hold."""
+    return max(st for st in range(2, 11) if skinny_tma_smem(bn, st, ncw) <= _SMEM_MAX)
 
 
 def skinny_tma_blocks_per_sm(bn: int, stages: int, ncw: int) -> int:

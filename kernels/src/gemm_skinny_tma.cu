@@ -63,6 +63,19 @@
 #define SW_CLUSTER_ATTR
 #endif
 
+// Consumer warpgroup c's accumulators into its 64 rows of red[m][row]: accumulator i of a
+// lane is weight row 64c + 16 warp + lane / 4 + 8 ((i / 2) % 2) and activation row
+// m = 8 (i / 4) + 2 (lane % 4) + i % 2.
+__device__ __forceinline__ void acc_to_red(const float (&d)[NACC], float* red, int c, int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) {
+    const int r = 64 * c + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+    const int m = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    red[m * SW_RP + r] = d[i];
+  }
+}
+
 #if SW_PERSIST
 // Barrier of consumer warpgroup c's 128 threads (named barrier 1 + c, a compile-time id).
 __device__ __forceinline__ void wg_sync(int c) {
@@ -92,7 +105,7 @@ __device__ __forceinline__ void persistent_tiles(const TmaDesc& tmX, const TmaDe
     }
     return;  // no block-wide barrier follows
   }
-  const int c = wg - 1, lane = tid & 31, warp = tid >> 5;
+  const int c = wg - 1, lane = tid & 31;
   int it = 0, prev = -1;
   for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
     float d[NACC];
@@ -105,12 +118,7 @@ __device__ __forceinline__ void persistent_tiles(const TmaDesc& tmX, const TmaDe
     ring_release(empty + 8 * prev, lane);  // the tile's last stage: free it before the epilogue
     prev = -1;
     wg_sync(c);  // this warpgroup's reads of red[] for the previous tile are done
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) {
-      const int r = 64 * c + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int m = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      red[m * SW_RP + r] = d[i];
-    }
+    acc_to_red(d, red, c, tid);
     wg_sync(c);
     for (int i = tid; i < M * 64; i += 128) {  // rows [64c, 64c + 64): 128 consecutive bytes of out
       const int m = i >> 6, r = 64 * c + (i & 63);
@@ -139,24 +147,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
   const u32 full = base + STAGES * STAGE_BYTES;  // STAGES x u64
   const u32 empty = full + STAGES * 8;           // STAGES x u64
   float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + STAGES * STAGE_BYTES + 16 * STAGES);
-  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  const int tile = blockIdx.x, q = blockIdx.y, bz = blockIdx.z;
-  const int kb = q * kps, ke = min(kt_total, kb + kps);
-
-  if (threadIdx.x == 0) ring_init(full, empty, &tmW, &tmX);
-#if SW_MC > 1
-  cluster_barrier();  // every peer's barriers exist before any multicast or remote arrive
-#else
-  __syncthreads();
-#endif
-  pdl_wait();  // launched with programmatic dependent launch on sm_90: the inputs' producer
-  pdl_launch_dependents();
+  ring_start(full, empty, &tmW, &tmX);  // RING_PEERS = SW_MC: every peer's barriers too
 #if SW_PERSIST
   persistent_tiles(tmX, tmW, out, bias, base, full, empty, red, M, N, kt_total, b_batched,
                    Epi{alpha, beta, act, has_bias, has_beta});
-  (void)wg, (void)tid, (void)tile, (void)q, (void)bz, (void)kb, (void)ke;
 #else
-
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int tile = blockIdx.x, q = blockIdx.y, bz = blockIdx.z;
+  const int kb = q * kps, ke = min(kt_total, kb + kps);
   float d[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) d[i] = 0.f;
@@ -186,15 +184,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SW_CLUSTER_ATTR
     for (int kt = kb, it = 0; kt < ke; ++kt, ++it) ring_mma(d, base, full, empty, c, it, prev, lane);
     wgmma_wait<0>();
     fence_regs(d);
-    // accumulator i of lane: weight row 64c + 16 warp + lane / 4 + 8 ((i / 2) % 2),
-    // activation row m = 8 (i / 4) + 2 (lane % 4) + i % 2
-    const int warp = tid >> 5;
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) {
-      const int r = 64 * c + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int m = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      red[m * SW_RP + r] = d[i];
-    }
+    acc_to_red(d, red, c, tid);
   }
   // every block's red[] is complete and visible cluster-wide (without a cluster launch the
   // block is a cluster of one: the barrier and the rank-0 reads stay within it)

@@ -148,14 +148,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) SM90_CLUSTER_ATTR
   const int rank = SM90_CL > 1 ? (int)cluster_rank() : 0;
   const int cid = blockIdx.x / SM90_CL, n_clusters = gridDim.x / SM90_CL;
 
-  if (threadIdx.x == 0) ring_init(full, empty, &tmA, &tmB);
-#if SM90_CL > 1
-  cluster_barrier();  // the peer's barriers exist before any multicast or remote arrive
-#else
-  __syncthreads();
-#endif
-  pdl_wait();
-  pdl_launch_dependents();
+  ring_start(full, empty, &tmA, &tmB);  // RING_PEERS = SM90_CL: the peer's barriers too
 
   if (wg == 0) {
     // ---------------- producer ----------------

@@ -107,6 +107,21 @@ __device__ __forceinline__ void ring_init(u32 full, u32 empty, const void* tm_a,
   asm volatile("prefetch.tensormap [%0];" ::"l"(tm_b) : "memory");
 }
 
+// Every thread at kernel start: thread 0 sets up the ring, then the barriers exist for the
+// whole block (and, RING_PEERS > 1, for every peer block before any multicast into it or
+// remote arrival on it); then wait for the inputs' producer (programmatic dependent launch)
+// and let the next kernel begin launching.
+__device__ __forceinline__ void ring_start(u32 full, u32 empty, const void* tm_a, const void* tm_b) {
+  if (threadIdx.x == 0) ring_init(full, empty, tm_a, tm_b);
+#if RING_PEERS > 1
+  cluster_barrier();
+#else
+  __syncthreads();
+#endif
+  pdl_wait();
+  pdl_launch_dependents();
+}
+
 // Producer: wait until iteration `it`'s stage is free, expect its bytes; returns the stage's
 // shared address (A tile; the B tile follows at + A_BYTES).
 __device__ __forceinline__ u32 ring_acquire(u32 base, u32 full, u32 empty, int it) {
