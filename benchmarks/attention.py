@@ -19,8 +19,11 @@ same run (bytes read + written).
 Decode tables (``--decode-tables``, issue 13): GQA 32/8 heads of 128 at B 1/8/32 and
 Lk 1k/4k/32k, SmolLM2's 9/3 heads of 64 at B 1/8/32 and Lk 128..2048, Lq = 1, float16.
 Device time with the host hidden: a ``torch.cuda._sleep`` spin is queued first on the same
-stream, then CUDA events around ONE call; median of ``--reps`` calls rotating over enough
-input sets that the set exceeds the 50 MiB L2. Beside it, in the same run and on the same
+stream, then CUDA events around ONE call; median of ``--reps`` calls rotating over input
+sets. Ours and every reference are interleaved call by call in a fresh random order each
+rep, and before every call L2 is flushed (a read of 1.5x its size): a call never finds the
+K/V that the previous call read in L2 (with one 134 MB set, the call after another reading
+the same K/V ran up to 15% faster). Beside it, in the same run and on the same
 inputs: torch SDPA (``enable_gqa=True``) with its default backend choice and with each of
 the FLASH / EFFICIENT / CUDNN backends that accept the call; "ratio" = best SDPA time /
 ours (>= 1.0 means ours is faster). "ours kv_len" is the same call with an int32 kv_len
@@ -352,25 +355,40 @@ class _Timer:
         return statistics.median(ts)
 
 
-    def compare_us(self, named: dict[str, list[Any]], reps: int, spin_us: float = 250.0) -> dict[str, float]:
-        """Median device µs of each named call list, the names interleaved rep by rep (the
-        order rotating each rep), so clock or thermal drift over the run hits all alike.
-        Consecutive calls take consecutive data sets (the lists index the same sets), so no
-        call finds the previous call's K/V in L2."""
+    def flush_l2(self) -> None:
+        """Read a buffer of 1.5x the L2 size, so the next call finds none of its data in L2
+        (the buffer's lines are clean: evicting them costs the timed call no write-back)."""
+        torch = self.torch
+        if getattr(self, "_flush_buf", None) is None:
+            self._flush_buf = torch.ones(3 * L2_BYTES // 8, dtype=torch.float32, device="cuda")
+        self._flush_buf.sum()
+
+    def compare_samples(self, named: dict[str, list[Any]], reps: int, spin_us: float = 250.0,
+                        seed: int = 0) -> dict[str, list[float]]:
+        """Every timed sample (device µs) of each named call list, the names interleaved rep
+        by rep in a fresh random order each rep (seeded), so clock or thermal drift and
+        whatever one call leaves behind hit all names alike. Before each call, L2 is flushed
+        (:meth:`flush_l2`) and a spin kernel is queued; consecutive calls take consecutive
+        data sets (the lists index the same sets)."""
+        import random
+
         torch = self.torch
         for calls in named.values():  # warm-up (compiles)
             for fn in calls[:3]:
                 fn()
         torch.cuda.synchronize()
+        rng = random.Random(seed)
         names = list(named)
         ts: dict[str, list[float]] = {n: [] for n in names}
         k = 0
-        for r in range(reps):
-            for i in range(len(names)):
-                name = names[(r + i) % len(names)]
+        for _ in range(reps):
+            order = names[:]
+            rng.shuffle(order)
+            for name in order:
                 calls = named[name]
                 a = torch.cuda.Event(enable_timing=True)
                 b = torch.cuda.Event(enable_timing=True)
+                self.flush_l2()
                 torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
                 a.record(self.ts)
                 calls[k % len(calls)]()
@@ -378,7 +396,12 @@ class _Timer:
                 b.record(self.ts)
                 b.synchronize()
                 ts[name].append(a.elapsed_time(b) * 1e3)
-        return {n: statistics.median(v) for n, v in ts.items()}
+        return ts
+
+    def compare_us(self, named: dict[str, list[Any]], reps: int, spin_us: float = 250.0) -> dict[str, float]:
+        """Median device µs of each named call list (:meth:`compare_samples`: interleaved in
+        random order, L2 flushed before every call)."""
+        return {n: statistics.median(v) for n, v in self.compare_samples(named, reps, spin_us).items()}
 
 
 def _decode_sets(b: int, hq: int, hkv: int, lk: int, d: int, tdt: Any) -> list[tuple[Any, ...]]:
