@@ -651,6 +651,9 @@ def check_cases() -> int:
         # (b, hq, hkv, lq, lk, d, causal, dtype, ws, paged_bs)
         (3, 9, 3, 1, 300, 64, True, "f16", True, 0),
         (3, 9, 3, 1, 300, 64, True, "f16", False, 0),
+        (32, 9, 3, 1, 1024, 64, False, "f16", True, 0),  # SmolLM2 B32: 16 warps, 3 heads a block
+        (2, 10, 2, 2, 300, 64, True, "bf16", True, 0),  # g = 5
+        (1, 24, 2, 1, 2000, 128, False, "f16", True, 0),  # g = 12: two head chunks of 6
         (3, 32, 8, 4, 700, 128, True, "bf16", True, 0),
         (2, 8, 2, 1, 200, 32, False, "f32", True, 0),
         (2, 4, 2, 40, 130, 128, True, "f16", False, 0),  # prefill (sm90) with kv_len

@@ -157,10 +157,13 @@ def test_plan_splitkv() -> None:
     assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=True) == (4, 1, 8)  # 512 blocks
     assert plan(32, 32, 8, 1, 4096, 128, n_sm=132, split=True) == (4, 1, 2)
     assert plan(1, 32, 8, 1, 4096, 128, n_sm=132, split=True)[2] == attn.MAX_SPLITS
-    # SmolLM2 9/3 heads of 64: 3 heads per kv head served by one block of 4
-    assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True) == (4, 1, 1)  # <= 4 steps: no split
+    # SmolLM2 9/3 heads of 64: the 3 heads of a kv head served by one block of 3 heads
+    assert plan(1, 9, 3, 1, 256, 64, n_sm=132, split=True) == (3, 1, 1)  # <= 4 steps: no split
     assert plan(1, 9, 3, 1, 257, 64, n_sm=132, split=True)[2] > 1
-    assert plan(1, 24, 2, 1, 4096, 128, n_sm=132, split=True)[:2] == (8, 2)  # g = 12
+    assert plan(1, 24, 2, 1, 4096, 128, n_sm=132, split=True)[:2] == (6, 2)  # g = 12: 6 + 6
+    assert plan(1, 40, 2, 1, 4096, 128, n_sm=132, split=True)[:2] == (7, 3)  # g = 20: 7 + 7 + 6
+    assert [plan(1, g, 1, 1, 64, 64, n_sm=132, split=True)[0] for g in range(1, 10)] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 5]
     assert plan(8, 32, 8, 1, 32768, 128, n_sm=132, split=False)[2] == 1  # no workspace
     assert plan(8, 32, 8, 9, 32768, 128, n_sm=132, split=True)[2] == 1  # prefill
     rng = np.random.default_rng()
@@ -170,7 +173,7 @@ def test_plan_splitkv() -> None:
         lk, d = int(rng.integers(1, 70000)), int(rng.choice([32, 64, 128, 256]))
         gt, nh, ns = plan(b, g * hkv, hkv, lq, lk, d, n_sm=132, split=True)
         base = b * hkv * lq * nh
-        assert gt * nh >= g and 1 <= ns <= attn.MAX_SPLITS
+        assert gt <= 8 and gt * nh >= g > gt * (nh - 1) and 1 <= ns <= attn.MAX_SPLITS
         assert ns == 1 or base * ns <= attn.SPLIT_BLOCKS_PER_SM * 132
 
 
@@ -334,8 +337,12 @@ SHAPES_DEC = [
     (1, 4, 4, 1, 1, 128, False),
     (1, 4, 2, 1, 65, 32, False),
     (1, 16, 2, 1, 777, 256, True),  # g = 8
-    (1, 24, 2, 3, 129, 96, True),  # g = 12 (two head chunks), Lq = 3
+    (1, 24, 2, 3, 129, 96, True),  # g = 12 (two head chunks of 6), Lq = 3
     (2, 4, 4, 8, 513, 128, True),
+    (3, 9, 3, 1, 1537, 64, False),  # SmolLM2: g = 3, 3 heads a block
+    (2, 10, 2, 2, 300, 64, True),  # g = 5
+    (1, 14, 2, 1, 2049, 128, False),  # g = 7
+    (2, 40, 2, 1, 999, 64, False),  # g = 20: head chunks of 7, 7, 6
 ]
 
 

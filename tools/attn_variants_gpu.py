@@ -33,8 +33,12 @@ POINTS = [
     ("SmolLM2", 9, 3, 64, 32, 1024),
     ("SmolLM2", 9, 3, 64, 32, 512),
     ("SmolLM2", 9, 3, 64, 32, 256),
+    # the same K/V bytes as the GQA rows with a quarter of the math (one head a block):
+    # how far the CUDA-core math limits the bandwidth-bound points
+    ("MHA", 8, 8, 128, 32, 32768),
+    ("MHA", 8, 8, 128, 8, 32768),
 ]
-VARIANTS = "BULKPF=1;BULKPF=2;BULKPF=4;BULKPF=64;EVICT=1;EVICT=1,BULKPF=2"
+VARIANTS = "same;UK=2;PREFETCH=1,UK=2;warps=8;warps=16"
 
 
 def overrides_of(spec: str) -> Any:

@@ -5,6 +5,8 @@
 #   var:   tools/attn_variants_gpu.py (VARS=..., ONLY=...)
 #   attn:  tests/test_attention.py
 #   table: benchmarks/attention.py --decode-tables (the interleaved decode tables)
+#   attnsan: compute-sanitizer memcheck / racecheck over benchmarks/attention.py --check
+#   w1 / w2 / ab: the real weights in two calls, nn GPU tests, decode.py A/B against 0c6220d
 # Usage: OUT=out bash tools/s11_gpu.sh gemm var
 OUT=${OUT:-/tmp/s11}
 source "$(dirname "$0")/device_prologue.sh"
@@ -23,5 +25,32 @@ var)
 attn)
     timeout ${T_ATTN:-300} python3 -m pytest -q -p no:cacheprovider --timeout 280 tests/test_attention.py \
         > "$OUT/test_attn.log" 2>&1; echo "test_attention rc=$?"; tail -3 "$OUT/test_attn.log"; t attn ;;
+table)  # the interleaved decode tables (L2 flushed before every call)
+    (cd benchmarks && timeout ${T_TABLE:-300} python3 attention.py --decode-tables --reps ${REPS:-60} \
+        --json "$OUT/decode_tables_${TAG:-1}.json" > "$OUT/decode_tables_${TAG:-1}.log" 2>&1)
+    echo "table rc=$?"; grep -E "^(GQA|Smol|\|)" "$OUT/decode_tables_${TAG:-1}.log" | head -40; t table ;;
+attnsan)
+    for tool in memcheck racecheck; do
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/attention.py --check \
+            > "$OUT/attn_$tool.log" 2>&1; echo "attn $tool rc=$?"; grep -c " ok$" "$OUT/attn_$tool.log"; tail -2 "$OUT/attn_$tool.log"
+    done; t attnsan ;;
+w1) mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied" ;;
+w2)  # within 30 s of w1 (carry .w2): the real-weights nn GPU tests, then decode.py
+    [ -f /tmp/wts/part00 ] || { echo "machine went cold: no part00"; exit 2; }
+    cp .w2/part01 /tmp/wts/ && cat /tmp/wts/part00 /tmp/wts/part01 > /tmp/wts/model.gguf
+    DEVICEOPS_SMOLLM2_GGUF=/tmp/wts/model.gguf timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        --timeout 140 tests/test_nn_gpu.py > "$OUT/nn_gpu_tests.log" 2>&1; echo "nn gpu tests rc=$?"
+    tail -2 "$OUT/nn_gpu_tests.log"; t "nn tests" ;;
+ab)  # after w2 (carry _old_s11/, a git archive of 0c6220d: heads per block a power of two):
+    # decode.py on this tree and on that package, alternating, on one machine instance
+    rm -rf /tmp/oldpkg && mkdir -p /tmp/oldpkg && cp -r _old_s11/deviceops /tmp/oldpkg/ && for d in scheduling graphs kernels nn; do
+        cp -r _old_s11/$d /tmp/oldpkg/deviceops/$d; done
+    for r in $(seq ${ROUNDS:-2}); do for v in ${ORDER:-new old}; do
+        pp=$PYTHONPATH; [ $v = old ] && pp=/tmp/oldpkg:$PYTHONPATH
+        [ $r = 1 ] && (cd benchmarks && PYTHONPATH=$pp python3 -c "import deviceops.kernels._attention_plan as g; print('$v:', g.__file__, g._heads_per_block(3))")
+        PYTHONPATH=$pp timeout 100 python3 benchmarks/decode.py --gguf /tmp/wts/model.gguf --no-transformers \
+            --json "$OUT/ab_${v}_$r.json" > "$OUT/ab_${v}_$r.log" 2>&1; echo "$v $r rc=$?"
+        grep -E "^(prefill|decode batch .* graph)" "$OUT/ab_${v}_$r.log"
+    done; done; t ab ;;
 *) echo "unknown step $step" ;;
 esac; done

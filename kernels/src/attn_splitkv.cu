@@ -31,11 +31,10 @@
 // row b lives in physical block clamp(block_table[b, j / block_size], 0, num_blocks - 1).
 //
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
-// block: 1/2/4/8), ATTN_NWARP (warps per block), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK
+// block, 1 to 8), ATTN_NWARP (warps per block), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK
 // (keys per lane group per step);
 // experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
-// distance in steps), ATTN_BULKPF (bulk L2 prefetch of the block's contiguous K/V rows, that
-// many block steps ahead), ATTN_EVICT (L2 evict-first loads), ATTN_MINB (launch bounds).
+// distance in steps), ATTN_MINB (launch bounds).
 #include "attn_common.cuh"
 
 #ifndef ATTN_D
@@ -43,10 +42,6 @@
 #endif
 #ifndef ATTN_GT
 #define ATTN_GT 4
-#endif
-#ifdef ATTN_GT_FORCE  // experiment: heads per block other than the planner's (same n_hchunk)
-#undef ATTN_GT
-#define ATTN_GT ATTN_GT_FORCE
 #endif
 #ifndef ATTN_PAGED
 #define ATTN_PAGED 0
@@ -56,12 +51,6 @@
 #endif
 #ifndef ATTN_L2PF  // L2 prefetch distance in loop steps (0: off)
 #define ATTN_L2PF 0
-#endif
-#ifndef ATTN_BULKPF  // bulk L2 prefetch (sm_90, contiguous KV): block steps of keys ahead (0: off)
-#define ATTN_BULKPF 0
-#endif
-#ifndef ATTN_EVICT  // K/V loads with an L2 evict-first policy (sm_90; read once)
-#define ATTN_EVICT 0
 #endif
 #ifndef ATTN_MINB  // minimum resident blocks per SM (__launch_bounds__), caps registers
 #define ATTN_MINB 1
@@ -92,40 +81,13 @@
 #endif
 #define NWARP ATTN_NWARP
 
-#define BULK_L2PF (ATTN_BULKPF > 0 && !ATTN_PAGED && __CUDA_ARCH__ >= 900)
-#define EVICT_FIRST (ATTN_EVICT && !ATTN_F32 && __CUDA_ARCH__ >= 900)
-
 __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
 }
 
-#if EVICT_FIRST
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void ld_global16_ef(const void* p, uint4& r, unsigned long long pol) {
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(pol));
-}
-#endif
 
-#if BULK_L2PF
-// Keys [k0, k1) of this block's contiguous K and V rows requested into L2 (one instruction each).
-__device__ __forceinline__ void bulk_prefetch_rows(const elem_t* K, const elem_t* V, size_t row0,
-                                                   int k0, int k1) {
-  if (k0 >= k1) return;
-  const u32 bytes = (u32)(k1 - k0) * (u32)(ATTN_D * sizeof(elem_t));
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(K + (row0 + k0) * ATTN_D), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(V + (row0 + k0) * ATTN_D), "r"(bytes)
-               : "memory");
-}
-#endif
 
 // Eight consecutive elements of a row (16 bytes of 16-bit data, 32 bytes of float32).
 struct Row8 {
@@ -312,12 +274,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const size_t kv_row0 = ((size_t)b * Hkv + hk) * Lk;
 #endif
   constexpr int STEP = NWARP * KPW * UK;
-#if EVICT_FIRST
-  const unsigned long long pol = evict_first_policy();
-#endif
-#if BULK_L2PF
-  if (threadIdx.x == 0) bulk_prefetch_rows(K, V, kv_row0, ks, min(ke, ks + ATTN_BULKPF * STEP));
-#endif
   // Row of key j of this (b, hk) in K/V: through the block table when paged (an entry
   // outside the pool is clamped into it), else contiguous from kv_row0.
   auto kv_row = [&](int j) -> size_t {
@@ -338,13 +294,8 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       const int j = base + u;
       if (lane_ok && j < ke) {
         const size_t row = kv_row(j);
-#if EVICT_FIRST
-        ld_global16_ef(K + row * DH + sl * 8, kr[u].a, pol);
-        ld_global16_ef(V + row * DH + sl * 8, vr[u].a, pol);
-#else
         ld8(K + row * DH + sl * 8, kr[u]);
         ld8(V + row * DH + sl * 8, vr[u]);
-#endif
       }
     }
   };
@@ -377,10 +328,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
   for (int wbase = ks + warp * KPW * UK; wbase < ke; wbase += STEP) {
     const int base = wbase + lg * UK;
-#if BULK_L2PF
-    if (threadIdx.x == 0)
-      bulk_prefetch_rows(K, V, kv_row0, wbase + ATTN_BULKPF * STEP, min(ke, wbase + (ATTN_BULKPF + 1) * STEP));
-#endif
 #if ATTN_PREFETCH
     Row8 kc[UK], vc[UK];
 #pragma unroll
