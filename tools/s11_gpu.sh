@@ -43,10 +43,13 @@ w2)  # within 30 s of w1 (carry .w2): the real-weights nn GPU tests, then decode
     tail -2 "$OUT/nn_gpu_tests.log"; t "nn tests" ;;
 ab)  # after w2 (carry _old_s11/, a git archive of 0c6220d: heads per block a power of two):
     # decode.py on this tree and on that package, alternating, on one machine instance
-    rm -rf /tmp/oldpkg && mkdir -p /tmp/oldpkg && cp -r _old_s11/deviceops /tmp/oldpkg/ && for d in scheduling graphs kernels nn; do
-        cp -r _old_s11/$d /tmp/oldpkg/deviceops/$d; done
+    # (newcopy: this tree copied the same way, to tell the code from the editable install)
+    [ -f /tmp/wts/model.gguf ] || { [ -f /tmp/wts/part00 ] && cp .w2/part01 /tmp/wts/ && cat /tmp/wts/part00 /tmp/wts/part01 > /tmp/wts/model.gguf; }
+    for src in old:_old_s11 newcopy:.; do v=${src%%:*}; tree=${src#*:}
+        rm -rf /tmp/$v && mkdir -p /tmp/$v && cp -r $tree/deviceops /tmp/$v/ && for d in scheduling graphs kernels nn; do
+            cp -r $tree/$d /tmp/$v/deviceops/$d; done; done
     for r in $(seq ${ROUNDS:-2}); do for v in ${ORDER:-new old}; do
-        pp=$PYTHONPATH; [ $v = old ] && pp=/tmp/oldpkg:$PYTHONPATH
+        pp=$PYTHONPATH; [ $v != new ] && pp=/tmp/$v:$PYTHONPATH
         [ $r = 1 ] && (cd benchmarks && PYTHONPATH=$pp python3 -c "import deviceops.kernels._attention_plan as g; print('$v:', g.__file__, g._heads_per_block(3))")
         PYTHONPATH=$pp timeout 100 python3 benchmarks/decode.py --gguf /tmp/wts/model.gguf --no-transformers \
             --json "$OUT/ab_${v}_$r.json" > "$OUT/ab_${v}_$r.log" 2>&1; echo "$v $r rc=$?"
