@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import statistics
 import sys
 import time
@@ -307,6 +308,8 @@ DECODE_TABLES = [
     ("SmolLM2 9/3 D64", 9, 3, 64, (1, 8, 32), (128, 256, 512, 1024, 2048)),
 ]
 L2_BYTES = 50 << 20
+#: The torch SDPA backends the decode tables time beside ours ("sdpa": its own choice).
+SDPA_NAMES = ("sdpa", "flash", "efficient", "cudnn")
 
 
 def decode_table_points() -> list[tuple[str, int, int, int, int, int]]:
@@ -354,7 +357,6 @@ class _Timer:
             ts.append(a.elapsed_time(b) * 1e3)
         return statistics.median(ts)
 
-
     def flush_l2(self) -> None:
         """Read a buffer of 1.5x the L2 size, so the next call finds none of its data in L2
         (the buffer's lines are clean: evicting them costs the timed call no write-back)."""
@@ -370,8 +372,6 @@ class _Timer:
         whatever one call leaves behind hit all names alike. Before each call, L2 is flushed
         (:meth:`flush_l2`) and a spin kernel is queued; consecutive calls take consecutive
         data sets (the lists index the same sets)."""
-        import random
-
         torch = self.torch
         for calls in named.values():  # warm-up (compiles)
             for fn in calls[:3]:
@@ -491,10 +491,7 @@ def bench_decode_tables(reps: int, only: str = "") -> list[dict[str, Any]]:
                          "ours_kvlen": _ours_calls(sets, timer.stream, ws, lens), **_sdpa_calls(sets)}
                 for name, us in timer.compare_us(named, reps).items():  # interleaved
                     row[name + "_us"] = us
-                best = min(
-                    row.get(n + "_us", float("inf"))
-                    for n in ("sdpa", "flash", "efficient", "cudnn")
-                )
+                best = min(row.get(n + "_us", float("inf")) for n in SDPA_NAMES)
                 row["best_sdpa_us"] = best
                 row["ratio"] = round(best / row["ours_us"], 3)
                 row["ratio_kvlen"] = round(best / row["ours_kvlen_us"], 3)

@@ -3,6 +3,10 @@ SDPA backend, same run, at the decode-table points near 1.0x (diagnostics for th
 split rule, ``_attention_plan.plan_splitkv``).
 
 Usage (GPU machine): ``python3 tools/attn_target_sweep_gpu.py [--reps N] [--json out.json]``.
+
+It times each configuration in a block with the older timer (no L2 flush, not interleaved);
+``tools/attn_variants_gpu.py`` sweeps the same knobs (``target=T``, ``warps=W``) interleaved
+with SDPA and L2 flushed before every call, and is the one to trust for ratios near 1.0x.
 """
 
 from __future__ import annotations

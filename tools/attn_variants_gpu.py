@@ -1,12 +1,12 @@
 """Split-KV decode: kernel variants (NVRTC defines, warps, split target, cluster) beside every
-torch SDPA backend, all timed interleaved call by call, L2 flushed before each (``_Timer.compare_samples``), at the
-decode-table points below 1.0x. Each variant's output is checked against the planned
+torch SDPA backend, all timed interleaved call by call, L2 flushed before each
+(``_Timer.compare_samples``), at the decode-table points below 1.0x (``--all``: every point). Each variant's output is checked against the planned
 kernel's before it is timed.
 
 Usage (GPU machine)::
 
     python3 tools/attn_variants_gpu.py [--reps N] [--only 'GQA B32'] \\
-        [--variants 'BULKPF=2;EVICT=1;BULKPF=64,warps=8'] [--json out.json]
+        [--variants 'same;UK=2;PREFETCH=1,UK=2;warps=8,target=8'] [--all] [--json out.json]
 
 A variant is ``,``-separated items: ``NAME=V`` (``-DATTN_NAME=V``), ``warps=W``,
 ``target=T`` (split blocks per SM), ``cl=C`` (cluster merge, 0 = combine kernel),
@@ -42,7 +42,7 @@ VARIANTS = "same;UK=2;PREFETCH=1,UK=2;warps=8;warps=16"
 
 
 def overrides_of(spec: str) -> Any:
-    from deviceops.kernels._experiment import DEFAULT, KernelOverrides
+    from deviceops.kernels._experiment import KernelOverrides
 
     defines: list[str] = []
     fields: dict[str, Any] = {}
@@ -58,7 +58,6 @@ def overrides_of(spec: str) -> Any:
             fields["attention_split_min_steps"] = int(val)
         else:
             defines.append(f"-DATTN_{name}={val}")
-    assert KernelOverrides() == DEFAULT
     return KernelOverrides(attention_splitkv_defines=tuple(defines), **fields)
 
 
@@ -117,12 +116,12 @@ def run_point(point: tuple, specs: list[str], reps: int) -> dict[str, Any]:
     times = {n: statistics.median(v) for n, v in samples.items()}
     del sets
     torch.cuda.empty_cache()
-    best_sdpa = min(times.get(n, float("inf")) for n in ("sdpa", "flash", "efficient", "cudnn"))
+    best_sdpa = min(times.get(n, float("inf")) for n in A.SDPA_NAMES)
     quart = {n: [round(x, 2) for x in statistics.quantiles(v, n=4)] for n, v in samples.items()}
     row = {"point": f"{label} B{b} Lk{lk}", "times_us": {n: round(t, 2) for n, t in times.items()},
            "quartiles_us": quart,
            "best_sdpa_us": round(best_sdpa, 2), "bad": bad}
-    ours = {n: t for n, t in times.items() if n not in ("sdpa", "flash", "efficient", "cudnn")}
+    ours = {n: t for n, t in times.items() if n not in A.SDPA_NAMES}
     best = min(ours, key=ours.__getitem__)
     print(f"{row['point']:22s} sdpa {best_sdpa:8.2f} default {ours['default']:8.2f} "
           f"({best_sdpa / ours['default']:.3f}x) best {ours[best]:8.2f} ({best_sdpa / ours[best]:.3f}x) {best}",

@@ -87,8 +87,6 @@ __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
                : "l"(p));
 }
 
-
-
 // Eight consecutive elements of a row (16 bytes of 16-bit data, 32 bytes of float32).
 struct Row8 {
   uint4 a;
