@@ -31,6 +31,7 @@ from ._attention_plan import (
     logical_lk,
     plan_splitkv,
     sm90_smem_bytes,
+    splitkv_bulk_smem,
     splitkv_cluster,
     splitkv_warps,
     ws_layout,
@@ -79,12 +80,30 @@ def _sm90_kernel(
     return fn
 
 
+def _define(extra: tuple[str, ...], name: str, default: int) -> int:
+    """Value of ``-DATTN_<name>=V`` among the experiment defines (``default`` if absent)."""
+    for o in extra:
+        if o.startswith(f"-DATTN_{name}="):
+            return int(o.split("=", 1)[1])
+    return default
+
+
 def _splitkv_kernels(
     device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, warps: int, cl: int,
     extra: tuple[str, ...],
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, int]:
+    """(split kernel, combine kernel, dynamic shared memory bytes of the split kernel)."""
     key = ("splitkv", device_id, d, gt, bf16, f32, paged, warps, cl, extra)
     fns = _kernels.get(key)
+    bulk = _define(extra, "BULK", 0)
+    smem = splitkv_bulk_smem(d, warps, bulk, gt, _define(extra, "UK", 4)) if bulk else 0
+    if bulk and (paged or f32):
+        raise ValueError("flash_attention: the bulk K/V ring needs contiguous 16-bit K/V")
+    if smem > 220 * 1024:  # 227 KiB a block, less the kernel's static shared memory
+        raise ValueError(
+            f"flash_attention: a {bulk}-stage bulk K/V ring of {warps}-warp blocks needs "
+            f"{smem} bytes of shared memory; use fewer stages or warps"
+        )
     if fns is None:
         opts = (
             f"-DATTN_D={d}",
@@ -105,13 +124,15 @@ def _splitkv_kernels(
             opts = (*opts, f"-DATTN_MINB={max(1, SPLITKV_MIN_BLOCKS * 4 // warps)}")
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
+        if smem:
+            set_max_dynamic_smem(raw[0], smem)
         fns = (
             Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
             Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),
         )
         _kernels[key] = fns
         _kernels[(*key, "raw")] = raw  # keeps the CuPy function objects alive
-    return fns
+    return (*fns, smem)
 
 
 @functools.cache
@@ -284,7 +305,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
     else:
         mb, bs, nb = 0, 0, 0
-    fn, combine = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl,
+    fn, combine, smem = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl,
                                    ov.attention_splitkv_defines)
     combined = n_split > 1 and cl == 1  # partials through the workspace: the combine kernel
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
@@ -307,7 +328,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         optr = int(out.data.ptr)
         go(fn, grid, (32 * warps, 1, 1),
            (int(q.data.ptr), int(k.data.ptr), int(v.data.ptr), optr, wo, wml, kvl, btp, *tail),
-           sptr)  # fmt: skip
+           sptr, smem)  # fmt: skip
         if combined:
             go(combine, cgrid, (64, 1, 1), (wo, wml, optr, kvl, *ctail), sptr)
 

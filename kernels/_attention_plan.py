@@ -18,6 +18,7 @@ __all__ = [
     "logical_lk",
     "plan_splitkv",
     "sm90_smem_bytes",
+    "splitkv_bulk_smem",
     "splitkv_cluster",
     "splitkv_warps",
     "ws_layout",
@@ -200,12 +201,19 @@ def splitkv_warps(
     return 4, True
 
 
-def _block_step(d: int, warps: int = 4) -> int:
-    """Keys one split-KV block covers per loop step (warps x keys per warp x 4)."""
+def _block_step(d: int, warps: int = 4, uk: int = 4) -> int:
+    """Keys one split-KV block covers per loop step (warps x keys per warp x ``uk``)."""
     lanes = 1
     while lanes < min(32, d // 8):
         lanes *= 2
-    return warps * (32 // lanes) * 4
+    return warps * (32 // lanes) * uk
+
+
+def splitkv_bulk_smem(d: int, warps: int, stages: int, gt: int, uk: int = 4) -> int:
+    """Dynamic shared memory of the split-KV kernel's bulk-copy ring (``ATTN_BULK``):
+    1024 bytes of mbarriers, then ``stages`` block steps of K and of V (16-bit), which the
+    per-warp float32 partials of ``gt`` heads overlay after the key loop."""
+    return 1024 + max(2 * stages * _block_step(d, warps, uk) * d * 2, warps * gt * d * 4)
 
 
 def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None, groups: int = 0,

@@ -811,6 +811,39 @@ def test_gpu_cluster_merge(cluster: int, dtype: np.dtype, d: int, hq: int, hkv: 
             assert rel_err(out, want) < TOL[dtype], ("paged", causal)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("warps", "stages", "uk", "per_warp"),
+                         [(4, 1, 4, 0), (4, 3, 2, 0), (8, 2, 4, 0), (16, 2, 4, 0),
+                          (4, 1, 2, 1), (4, 3, 4, 1), (8, 2, 2, 1), (16, 3, 4, 1),
+                          (4, 2, 4, 2), (8, 1, 4, 2)])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(32, 9, 3), (64, 9, 3), (128, 32, 8), (128, 5, 5)])
+@pytest.mark.parametrize("lq", [1, 3, 8])
+def test_gpu_bulk_ring(warps: int, stages: int, uk: int, per_warp: int, dtype: np.dtype, d: int,
+                       hq: int, hkv: int, lq: int) -> None:
+    """The bulk-copy K/V ring (``ATTN_BULK``, block-wide or per warp): split and unsplit,
+    cluster merge and combine kernel, rows whose valid keys end inside a stage or before a
+    split's first stage."""
+    cp = _cupy()
+    if cp.cuda.Device().compute_capability < "90":
+        pytest.skip("cp.async.bulk needs sm_90")
+    rng = np.random.default_rng()
+    b, lk = 4, 1111
+    kv_len = np.array([lq, 70, lk, int(rng.integers(lq, lk))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    defines = (f"-DATTN_BULK={stages}", f"-DATTN_UK={uk}", f"-DATTN_BULKW={int(per_warp > 0)}",
+               f"-DATTN_BULKE={int(per_warp == 2)}")  # per_warp 2: refilled before the math
+    for min_steps, cluster in ((0, 0), (0, 4), (1 << 20, None)):
+        with _experiment.overrides(attention_splitkv_defines=defines, attention_split_warps=warps,
+                                   attention_split_min_steps=min_steps, attention_cluster=cluster):
+            for causal in (True, False):
+                want = ref64(q, k, v, causal, kv_len=kv_len)
+                out = _run_gpu_kv(q, k, v, causal, kv_len)
+                assert rel_err(out, want) < TOL[dtype], (min_steps, cluster, causal)
+
+
 def test_splitkv_cluster_rule() -> None:
     """The measured rule: cluster merge on sm_90 for head dim <= 64 and a planned split of 2
     to 16 (rounded down to a power of two, at most 8), or longer when 8 blocks per row group

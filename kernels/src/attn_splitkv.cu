@@ -33,9 +33,26 @@
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
 // block, 1 to 8), ATTN_NWARP (warps per block), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK
 // (keys per lane group per step);
+// ATTN_BULK (K/V through a shared-memory ring of ATTN_BULK stages filled by bulk copies;
+// 16-bit, contiguous K/V, sm_90; see below);
 // experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
 // distance in steps), ATTN_MINB (launch bounds).
+//
+// Bulk ring (ATTN_BULK = NST > 0): the keys of a (b, hk) row are contiguous, so one block
+// step of keys (STEP rows of K and of V) is two `cp.async.bulk` copies into a ring stage.
+// Thread 0 issues them (NST stages ahead) and completes the stage's `full` mbarrier with the
+// byte count; each warp waits on `full`, copies its keys' rows from the stage into
+// registers, and its lane 0 arrives on the stage's `empty` mbarrier; thread 0 waits on
+// `empty` before refilling the stage. Within a stage warp w takes keys w*KPW*UK + u*KPW + lg
+// (lane group lg, u < UK), so each shared-memory load of a warp reads KPW whole rows.
+// ATTN_BULKW = 1: each warp has its own NST stages of its WK = KPW * UK rows a step, filled
+// by its lane 0 after the warp has used the stage (no block-wide wait).
+// Dynamic shared memory: 1024 bytes of barriers, then NST stages of K, then of V; after the
+// key loop the per-warp partials sm_o overlay the stages.
 #include "attn_common.cuh"
+#if ATTN_BULK
+#include "sm90_common.cuh"
+#endif
 
 #ifndef ATTN_D
 #define ATTN_D 128
@@ -48,6 +65,18 @@
 #endif
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 0
+#endif
+#ifndef ATTN_BULK  // stages of the bulk-copy K/V ring (0: K/V loaded straight to registers)
+#define ATTN_BULK 0
+#endif
+#ifndef ATTN_BULKE  // per-warp ring: 1 refills a stage before the step's math, 0 after it
+#define ATTN_BULKE 0
+#endif
+#ifndef ATTN_BULKW  // 1: one ring per warp (each warp fills and drains its own stages)
+#define ATTN_BULKW 0
+#endif
+#if ATTN_BULK && (ATTN_PAGED || ATTN_F32 || ATTN_PREFETCH || ATTN_L2PF)
+#error "ATTN_BULK needs contiguous 16-bit K/V and no register prefetch"
 #endif
 #ifndef ATTN_L2PF  // L2 prefetch distance in loop steps (0: off)
 #define ATTN_L2PF 0
@@ -86,6 +115,16 @@ __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
 }
+
+#if ATTN_BULK
+// Bulk copy of `bytes` (a multiple of 16) from global to this block's shared memory; the
+// transfer completes on mbarrier `bar` (which must expect the bytes).
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+#endif
 
 // Eight consecutive elements of a row (16 bytes of 16-bit data, 32 bytes of float32).
 struct Row8 {
@@ -201,6 +240,56 @@ __device__ __forceinline__ void cluster_merge(elem_t* __restrict__ O, float (&o)
 }
 #endif
 
+// One step's math for a lane group: keys J0 + u * JS (u < UK) with rows kc / vc (zero past
+// ke), folded into the running max m, sum l and accumulator acc of every head. A macro, not
+// a lambda, so the register path compiles exactly as it did before the bulk ring.
+#define SPLITKV_STEP_MATH(J0, JS)                                                                    \
+  do {                                                                                               \
+    float sc[GT][UK];                                                                                \
+    _Pragma("unroll")                                                                                \
+    for (int u = 0; u < UK; ++u) {                                                                   \
+      float kf[8];                                                                                   \
+      cvt8(kc[u], kf);                                                                               \
+      _Pragma("unroll")                                                                              \
+      for (int t = 0; t < GT; ++t) {                                                                 \
+        float d = 0.f;                                                                               \
+        _Pragma("unroll")                                                                            \
+        for (int e = 0; e < 8; ++e) d = fmaf(qf[t][e], kf[e], d);                                    \
+        sc[t][u] = d;                                                                                \
+      }                                                                                              \
+    }                                                                                                \
+    _Pragma("unroll")                                                                                \
+    for (int t = 0; t < GT; ++t)                                                                     \
+      _Pragma("unroll")                                                                              \
+      for (int u = 0; u < UK; ++u) {                                                                 \
+        _Pragma("unroll")                                                                            \
+        for (int o = LPK / 2; o > 0; o >>= 1) sc[t][u] += __shfl_xor_sync(0xffffffffu, sc[t][u], o); \
+        if ((J0) + u * (JS) >= ke) sc[t][u] = ATTN_NEG_INF;                                          \
+      }                                                                                              \
+    float vf[UK][8];                                                                                 \
+    _Pragma("unroll")                                                                                \
+    for (int u = 0; u < UK; ++u) cvt8(vc[u], vf[u]);                                                 \
+    _Pragma("unroll")                                                                                \
+    for (int t = 0; t < GT; ++t) {                                                                   \
+      float mx = m[t];                                                                               \
+      _Pragma("unroll")                                                                              \
+      for (int u = 0; u < UK; ++u) mx = fmaxf(mx, sc[t][u]);                                         \
+      const float mu = mx == ATTN_NEG_INF ? 0.f : mx;  /* no valid key yet: all 0 */                 \
+      const float alpha = fast_exp2(m[t] - mu);                                                      \
+      m[t] = mx;                                                                                     \
+      l[t] *= alpha;                                                                                 \
+      _Pragma("unroll")                                                                              \
+      for (int e = 0; e < 8; ++e) acc[t][e] *= alpha;                                                \
+      _Pragma("unroll")                                                                              \
+      for (int u = 0; u < UK; ++u) {                                                                 \
+        const float pu = fast_exp2(sc[t][u] - mu);                                                   \
+        l[t] += pu;                                                                                  \
+        _Pragma("unroll")                                                                            \
+        for (int e = 0; e < 8; ++e) acc[t][e] = fmaf(pu, vf[u][e], acc[t][e]);                       \
+      }                                                                                              \
+    }                                                                                                \
+  } while (0)
+
 extern "C" __global__ void __launch_bounds__(NWARP * 32, ATTN_MINB) ATTN_CLUSTER_ATTR
 attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              const elem_t* __restrict__ K,  // (B, Hkv, Lk, D) or pool (NB, Hkv, BS, D)
@@ -213,7 +302,12 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              int Hq, int Hkv, int Lq, int Lk, float scale_log2, int causal, int n_split,
              int n_hchunk, int max_blocks, int block_size, int num_blocks) {
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
+#if ATTN_BULK  // the per-warp partials reuse the ring once every warp has left the key loop
+  extern __shared__ __align__(128) unsigned char dsm[];
+  float(&sm_o)[NWARP][GT][DH] = *reinterpret_cast<float(*)[NWARP][GT][DH]>(dsm + 1024);
+#else
   __shared__ float sm_o[NWARP][GT][DH];
+#endif
 #if ATTN_CL > 1
   __shared__ float cl_m[GT], cl_l[GT];  // this block's partial max and sum per head
 #endif
@@ -272,6 +366,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const size_t kv_row0 = ((size_t)b * Hkv + hk) * Lk;
 #endif
   constexpr int STEP = NWARP * KPW * UK;
+#if !ATTN_BULK
   // Row of key j of this (b, hk) in K/V: through the block table when paged (an entry
   // outside the pool is clamped into it), else contiguous from kv_row0.
   auto kv_row = [&](int j) -> size_t {
@@ -310,11 +405,65 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
     }
   };
+#endif
+#if ATTN_BULK
+  // The ring (see the header). Block ring: full[s] at bars + 8 s, empty[s] at
+  // bars + 8 (NST + s). Per-warp ring (ATTN_BULKW): warp w's full[s] at bars + 8 (w NST + s).
+  constexpr int NST = ATTN_BULK;
+  constexpr u32 ROWB = DH * sizeof(elem_t);
+  constexpr int WK = KPW * UK;  // rows of one warp step
+  const u32 bars = smem_u32(dsm);
+  const elem_t* ring_k = reinterpret_cast<const elem_t*>(dsm + 1024);  // (NST, STEP, DH)
+  const elem_t* ring_v = ring_k + (size_t)NST * STEP * DH;              // (NST, STEP, DH)
+#if ATTN_BULKW
+  // Warp w's stage s holds rows [w WK, (w+1) WK) of block step it (it % NST == s), at
+  // ((w NST + s) WK) rows into the ring.
+  auto issue = [&](int it, int st) {  // lane 0: this warp's keys of step `it` into stage `st`
+    const int j = ks + it * STEP + warp * WK;
+    if (j >= ke) return;
+    const u32 bytes = (u32)min(WK, ke - j) * ROWB;
+    const u32 full = bars + 8 * (warp * NST + st);
+    const size_t o = (size_t)(warp * NST + st) * WK * DH;
+    mbar_arrive_tx(full, 2 * bytes);
+    bulk_g2s(smem_u32(ring_k + o), K + (kv_row0 + j) * DH, bytes, full);
+    bulk_g2s(smem_u32(ring_v + o), V + (kv_row0 + j) * DH, bytes, full);
+  };
+  if (lane == 0) {
+#pragma unroll 1
+    for (int s2 = 0; s2 < NST; ++s2) mbar_init(bars + 8 * (warp * NST + s2), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll 1
+    for (int s2 = 0; s2 < NST; ++s2) issue(s2, s2);
+  }
+#else
+  const int n_it = ke > ks ? (ke - ks + STEP - 1) / STEP : 0;
+  auto issue = [&](int it, int st) {  // thread 0: keys of step `it` into stage `st`
+    const int j = ks + it * STEP;
+    const u32 bytes = (u32)min(STEP, ke - j) * ROWB;
+    const u32 full = bars + 8 * st;
+    mbar_arrive_tx(full, 2 * bytes);
+    bulk_g2s(smem_u32(ring_k + (size_t)st * STEP * DH), K + (kv_row0 + j) * DH, bytes, full);
+    bulk_g2s(smem_u32(ring_v + (size_t)st * STEP * DH), V + (kv_row0 + j) * DH, bytes, full);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int s2 = 0; s2 < NST; ++s2) {
+      mbar_init(bars + 8 * s2, 1);
+      mbar_init(bars + 8 * (NST + s2), NWARP);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll 1
+    for (int s2 = 0; s2 < min(NST, n_it); ++s2) issue(s2, s2);
+  }
+  __syncthreads();  // barriers initialised before any thread waits on them
+#endif
+#else
 #if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
   Row8 kr[UK], vr[UK];
   load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
 #else
   prefetch_step(ks + warp * KPW * UK + lg * UK);
+#endif
 #endif
   float qf[GT][8];  // q pre-scaled to base 2
 #pragma unroll
@@ -323,6 +472,67 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
     for (int e = 0; e < 8; ++e) qf[t][e] *= scale_log2;
   }
+#if ATTN_BULK && ATTN_BULKW
+#pragma unroll 1
+  for (int it = 0; ks + it * STEP + warp * WK < ke; ++it) {  // warp-uniform bound
+    const int st = it % NST;
+    mbar_wait(bars + 8 * (warp * NST + st), (u32)(it / NST) & 1u);
+    const int j0 = ks + it * STEP + warp * WK + lg;  // key of u = 0; u adds KPW keys
+    Row8 kc[UK], vc[UK];
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      zero8(kc[u]);
+      zero8(vc[u]);
+      if (lane_ok && j0 + u * KPW < ke) {
+        const size_t o = ((size_t)(warp * NST + st) * WK + lg + u * KPW) * DH + sl * 8;
+        kc[u].a = *reinterpret_cast<const uint4*>(ring_k + o);
+        vc[u].a = *reinterpret_cast<const uint4*>(ring_v + o);
+      }
+    }
+#if ATTN_BULKE  // refill as soon as every lane holds its rows in registers
+    __syncwarp();  // every lane has read its rows of the stage
+    if (lane == 0) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(it + NST, st);
+    }
+    SPLITKV_STEP_MATH(j0, KPW);
+#else
+    SPLITKV_STEP_MATH(j0, KPW);
+    __syncwarp();  // every lane has used its rows of the stage
+    if (lane == 0) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(it + NST, st);
+    }
+#endif
+  }
+#elif ATTN_BULK
+#pragma unroll 1
+  for (int it = 0; it < n_it; ++it) {
+    const int st = it % NST;
+    const u32 ph = (u32)(it / NST) & 1u;
+    mbar_wait(bars + 8 * st, ph);
+    const int r0 = warp * KPW * UK + lg;  // row of u = 0 in the stage; u adds KPW rows
+    const int j0 = ks + it * STEP + r0;
+    Row8 kc[UK], vc[UK];
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      zero8(kc[u]);
+      zero8(vc[u]);
+      if (lane_ok && j0 + u * KPW < ke) {
+        const size_t o = ((size_t)st * STEP + r0 + u * KPW) * DH + sl * 8;
+        kc[u].a = *reinterpret_cast<const uint4*>(ring_k + o);
+        vc[u].a = *reinterpret_cast<const uint4*>(ring_v + o);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * (NST + st));  // this warp is done with the stage
+    if (threadIdx.x == 0 && it + NST < n_it) {
+      mbar_wait(bars + 8 * (NST + st), ph);  // every warp has read it: refill
+      issue(it + NST, st);
+    }
+    SPLITKV_STEP_MATH(j0, KPW);
+  }
+#else
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
   for (int wbase = ks + warp * KPW * UK; wbase < ke; wbase += STEP) {
     const int base = wbase + lg * UK;
@@ -341,51 +551,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     Row8 kc[UK], vc[UK];
     load_step(base, kc, vc);
 #endif
-    float sc[GT][UK];
-#pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      float kf[8];
-      cvt8(kc[u], kf);
-#pragma unroll
-      for (int t = 0; t < GT; ++t) {
-        float d = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) d = fmaf(qf[t][e], kf[e], d);
-        sc[t][u] = d;
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < GT; ++t)
-#pragma unroll
-      for (int u = 0; u < UK; ++u) {
-#pragma unroll
-        for (int o = LPK / 2; o > 0; o >>= 1) sc[t][u] += __shfl_xor_sync(0xffffffffu, sc[t][u], o);
-        if (base + u >= ke) sc[t][u] = ATTN_NEG_INF;
-      }
-    float vf[UK][8];
-#pragma unroll
-    for (int u = 0; u < UK; ++u) cvt8(vc[u], vf[u]);
-#pragma unroll
-    for (int t = 0; t < GT; ++t) {
-      float mx = m[t];
-#pragma unroll
-      for (int u = 0; u < UK; ++u) mx = fmaxf(mx, sc[t][u]);
-      const float mu = mx == ATTN_NEG_INF ? 0.f : mx;  // no valid key yet: keep everything 0
-      const float alpha = fast_exp2(m[t] - mu);
-      m[t] = mx;
-      l[t] *= alpha;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] *= alpha;
-#pragma unroll
-      for (int u = 0; u < UK; ++u) {
-        const float pu = fast_exp2(sc[t][u] - mu);
-        l[t] += pu;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] = fmaf(pu, vf[u][e], acc[t][e]);
-      }
-    }
+    SPLITKV_STEP_MATH(base, 1);
   }
-
+#endif
   // Merge lane groups of the warp (lanes with equal sl).
 #pragma unroll
   for (int o = LPK; o < 32; o <<= 1) {
@@ -405,6 +573,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       m[t] = mx;
     }
   }
+#if ATTN_BULK
+  __syncthreads();  // no warp still reads the ring that sm_o overlays
+#endif
   if (lg == 0) {
 #pragma unroll
     for (int t = 0; t < GT; ++t) {
