@@ -51,6 +51,9 @@ from __future__ import annotations
 from ._attention_check import MAX_HEAD_DIM, attention_check, supported_dtypes
 from ._attention_cuda import flash_attention_cuda
 from ._attention_plan import (
+    BULK_MIN_BW_PER_SM,
+    BULK_MIN_STEPS,
+    BULK_STAGES,
     CLUSTER_MAX,
     DECODE_MAX_LQ,
     MAX_SPLITS,
@@ -61,12 +64,17 @@ from ._attention_plan import (
     SPLITKV_MIN_BLOCKS,
     attention_workspace_nbytes,
     plan_splitkv,
+    splitkv_bulk,
+    splitkv_bulk_smem,
     splitkv_cluster,
     splitkv_warps,
 )
 from ._attention_reference import attention_reference
 
 __all__ = [
+    "BULK_MIN_BW_PER_SM",
+    "BULK_MIN_STEPS",
+    "BULK_STAGES",
     "CLUSTER_MAX",
     "DECODE_MAX_LQ",
     "MAX_HEAD_DIM",
@@ -81,6 +89,8 @@ __all__ = [
     "attention_workspace_nbytes",
     "flash_attention_cuda",
     "plan_splitkv",
+    "splitkv_bulk",
+    "splitkv_bulk_smem",
     "splitkv_cluster",
     "splitkv_warps",
     "supported_dtypes",

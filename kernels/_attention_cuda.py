@@ -31,6 +31,7 @@ from ._attention_plan import (
     logical_lk,
     plan_splitkv,
     sm90_smem_bytes,
+    splitkv_bulk,
     splitkv_bulk_smem,
     splitkv_cluster,
     splitkv_warps,
@@ -80,29 +81,37 @@ def _sm90_kernel(
     return fn
 
 
-def _define(extra: tuple[str, ...], name: str, default: int) -> int:
-    """Value of ``-DATTN_<name>=V`` among the experiment defines (``default`` if absent)."""
+def _define(extra: tuple[str, ...], name: str) -> int | None:
+    """Value of ``-DATTN_<name>=V`` among the experiment defines (None if absent)."""
     for o in extra:
         if o.startswith(f"-DATTN_{name}="):
             return int(o.split("=", 1)[1])
-    return default
+    return None
 
 
 def _splitkv_kernels(
     device_id: int, d: int, gt: int, bf16: bool, f32: bool, paged: bool, warps: int, cl: int,
-    extra: tuple[str, ...],
+    bulk: int, extra: tuple[str, ...],
 ) -> tuple[Any, Any, int]:
-    """(split kernel, combine kernel, dynamic shared memory bytes of the split kernel)."""
+    """(split kernel, combine kernel, dynamic shared memory bytes of the split kernel).
+    ``bulk``: stages of the bulk-copy K/V ring (0: none); ``-DATTN_BULK=N`` in ``extra``
+    overrides it."""
+    forced = _define(extra, "BULK")
+    if forced is not None:
+        bulk = forced
+    elif bulk:
+        extra = (*extra, f"-DATTN_BULK={bulk}")
     key = ("splitkv", device_id, d, gt, bf16, f32, paged, warps, cl, extra)
     fns = _kernels.get(key)
-    bulk = _define(extra, "BULK", 0)
-    smem = splitkv_bulk_smem(d, warps, bulk, gt, _define(extra, "UK", 4)) if bulk else 0
+    uk = _define(extra, "UK")
+    smem = splitkv_bulk_smem(d, warps, bulk, gt, 4 if uk is None else uk) if bulk else 0
     if bulk and (paged or f32):
         raise ValueError("flash_attention: the bulk K/V ring needs contiguous 16-bit K/V")
-    if smem > 220 * 1024:  # 227 KiB a block, less the kernel's static shared memory
+    if smem > 220 * 1024 or bulk * warps * 8 > 1024:  # 227 KiB a block, less static memory
         raise ValueError(
             f"flash_attention: a {bulk}-stage bulk K/V ring of {warps}-warp blocks needs "
-            f"{smem} bytes of shared memory; use fewer stages or warps"
+            f"{smem} bytes of shared memory and {bulk * warps * 8} of barriers (at most "
+            f"{220 * 1024} and 1024); use fewer stages or warps"
         )
     if fns is None:
         opts = (
@@ -133,6 +142,22 @@ def _splitkv_kernels(
         _kernels[key] = fns
         _kernels[(*key, "raw")] = raw  # keeps the CuPy function objects alive
     return (*fns, smem)
+
+
+@functools.cache
+def _bw_per_sm(device_id: int, n_sm: int) -> float:
+    """Peak DRAM bandwidth per SM in bytes/s (memory clock x bus width), 0.0 where the
+    runtime does not report it (the bulk ring then stays off)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    try:
+        clock_khz = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMemoryClockRate", 36), device_id)
+        bus_bits = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrGlobalMemoryBusWidth", 37),
+                                         device_id)
+    except rt.CUDARuntimeError:
+        return 0.0
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / n_sm
 
 
 @functools.cache
@@ -289,6 +314,14 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         min_steps=(SPLIT_MIN_STEPS if ov.attention_split_min_steps is None
                    else ov.attention_split_min_steps),
     )  # fmt: skip
+    bulk = 0
+    auto_bulk = (ov.attention_split_warps is None
+                 and _define(ov.attention_splitkv_defines, "BULK") is None)
+    if cc == 90 and not (f32 or paged) and auto_bulk:
+        bulk, warps, n_split = splitkv_bulk(
+            b, hq, hkv, lq, lk, d, warps=warps, n_split=n_split,
+            may_split=workspace is not None and may_split, n_sm=n_sm,
+            bw_per_sm=_bw_per_sm(device_id, n_sm))
     x_blocks = hkv * lq * n_hchunk
     rows = b * hq * lq
     o_off = ml_off = 0
@@ -305,8 +338,8 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         mb, bs, nb = int(block_table.shape[1]), int(k.shape[2]), int(k.shape[0])
     else:
         mb, bs, nb = 0, 0, 0
-    fn, combine, smem = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl,
-                                   ov.attention_splitkv_defines)
+    fn, combine, smem = _splitkv_kernels(device_id, d, gt, bf16, f32, paged, warps, cl, bulk,
+                                         ov.attention_splitkv_defines)
     combined = n_split > 1 and cl == 1  # partials through the workspace: the combine kernel
     # Both kernels go through cuLaunchKernelEx with programmatic dependent launch on sm_90
     # (each waits with griddepcontrol.wait before touching memory), so the combine kernel's

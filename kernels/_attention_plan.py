@@ -6,6 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BULK_MIN_BW_PER_SM",
+    "BULK_MIN_STEPS",
+    "BULK_STAGES",
     "CLUSTER_MAX",
     "DECODE_MAX_LQ",
     "MAX_SPLITS",
@@ -18,6 +21,7 @@ __all__ = [
     "logical_lk",
     "plan_splitkv",
     "sm90_smem_bytes",
+    "splitkv_bulk",
     "splitkv_bulk_smem",
     "splitkv_cluster",
     "splitkv_warps",
@@ -42,6 +46,15 @@ SPLIT_MIN_STEPS = 4
 CLUSTER_MAX = 8
 #: Resident blocks per SM the 16-bit split-KV kernel is compiled for (__launch_bounds__).
 SPLITKV_MIN_BLOCKS = 4
+#: The split-KV kernel streams K/V through its bulk-copy ring (``ATTN_BULK``) on GPUs with at
+#: least this peak DRAM bandwidth per SM (bytes/s): H200, 4.8 TB/s over 132 SMs, ~37 GB/s;
+#: not H100 SXM, 3.35 TB/s, ~25 GB/s, where the ring measured slower (twelfth session).
+BULK_MIN_BW_PER_SM = 30e9
+#: ... and only for blocks of at least this many loop steps of keys (the ring's set-up and
+#: first fill cost more than they win on a short range).
+BULK_MIN_STEPS = 8
+#: Stages of each warp's ring (3 measured slower than 2 at every H200 decode point).
+BULK_STAGES = 2
 
 #: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
 #: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
@@ -207,6 +220,40 @@ def _block_step(d: int, warps: int = 4, uk: int = 4) -> int:
     while lanes < min(32, d // 8):
         lanes *= 2
     return warps * (32 // lanes) * uk
+
+
+def splitkv_bulk(
+    b: int, hq: int, hkv: int, lq: int, lk: int, d: int, *, warps: int, n_split: int,
+    may_split: bool, n_sm: int, bw_per_sm: float,
+) -> tuple[int, int, int]:
+    """Whether the split-KV kernel streams K/V through its bulk-copy ring: ``(stages, warps,
+    n_split)``, stages 0 = no (the plan unchanged).
+
+    Call it only where the ring can run (sm_90, 16-bit contiguous K/V). The rule, from the
+    H200 and H100 decode tables of the twelfth session (benchmarks/RESULTS.md):
+
+    * ``bw_per_sm >= BULK_MIN_BW_PER_SM`` and at least ``BULK_MIN_STEPS`` loop steps of keys
+      per block: the ring (H200 GQA 32/8 D128 B32 Lk1k 39.8 -> 37.9 us);
+    * and then 16-warp blocks, re-split for 16 warps, where each gets at least 64 steps, or
+      at least 16 in one wave (blocks <= ``n_sm``): H200 B8 Lk32k 267 -> 250 us, B32 Lk32k
+      1011 -> 954 us, B8 Lk4k 45.0 -> 42.6 us; at B32 Lk1k (8 steps) and B32 Lk4k (32 steps,
+      two waves) 16 warps measured slower than the planned 8.
+
+    Pure host arithmetic (tested on the cpu).
+    """
+    if bw_per_sm < BULK_MIN_BW_PER_SM or lq > DECODE_MAX_LQ:
+        return 0, warps, n_split
+    if -(-lk // n_split) < BULK_MIN_STEPS * _block_step(d, warps):
+        return 0, warps, n_split
+    gt = _heads_per_block(hq // hkv)
+    if warps != 16 and gt <= 4 and 16 * gt * d * 4 <= 32768:
+        gt, n_hchunk, ns16 = plan_splitkv(b, hq, hkv, lq, lk, d, n_sm=n_sm, split=may_split,
+                                          warps=16)
+        steps16 = -(-lk // ns16) // _block_step(d, 16)
+        blocks16 = b * hkv * lq * n_hchunk * ns16
+        if steps16 >= 64 or (steps16 >= 16 and blocks16 <= n_sm):
+            return BULK_STAGES, 16, ns16
+    return BULK_STAGES, warps, n_split
 
 
 def splitkv_bulk_smem(d: int, warps: int, stages: int, gt: int, uk: int = 4) -> int:

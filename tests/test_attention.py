@@ -812,18 +812,16 @@ def test_gpu_cluster_merge(cluster: int, dtype: np.dtype, d: int, hq: int, hkv: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("warps", "stages", "uk", "per_warp"),
-                         [(4, 1, 4, 0), (4, 3, 2, 0), (8, 2, 4, 0), (16, 2, 4, 0),
-                          (4, 1, 2, 1), (4, 3, 4, 1), (8, 2, 2, 1), (16, 3, 4, 1),
-                          (4, 2, 4, 2), (8, 1, 4, 2)])
+@pytest.mark.parametrize(("warps", "stages", "uk"),
+                         [(4, 1, 2), (4, 2, 4), (4, 3, 4), (8, 2, 2), (8, 2, 4), (16, 2, 4),
+                          (16, 3, 4)])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize(("d", "hq", "hkv"), [(32, 9, 3), (64, 9, 3), (128, 32, 8), (128, 5, 5)])
 @pytest.mark.parametrize("lq", [1, 3, 8])
-def test_gpu_bulk_ring(warps: int, stages: int, uk: int, per_warp: int, dtype: np.dtype, d: int,
-                       hq: int, hkv: int, lq: int) -> None:
-    """The bulk-copy K/V ring (``ATTN_BULK``, block-wide or per warp): split and unsplit,
-    cluster merge and combine kernel, rows whose valid keys end inside a stage or before a
-    split's first stage."""
+def test_gpu_bulk_ring(warps: int, stages: int, uk: int, dtype: np.dtype, d: int, hq: int,
+                       hkv: int, lq: int) -> None:
+    """The bulk-copy K/V ring (``ATTN_BULK``): split and unsplit, cluster merge and combine
+    kernel, rows whose valid keys end inside a warp's step or before a split's first step."""
     cp = _cupy()
     if cp.cuda.Device().compute_capability < "90":
         pytest.skip("cp.async.bulk needs sm_90")
@@ -833,8 +831,7 @@ def test_gpu_bulk_ring(warps: int, stages: int, uk: int, per_warp: int, dtype: n
     q = rand(rng, (b, hq, lq, d), dtype)
     k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
     v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
-    defines = (f"-DATTN_BULK={stages}", f"-DATTN_UK={uk}", f"-DATTN_BULKW={int(per_warp > 0)}",
-               f"-DATTN_BULKE={int(per_warp == 2)}")  # per_warp 2: refilled before the math
+    defines = (f"-DATTN_BULK={stages}", f"-DATTN_UK={uk}")
     for min_steps, cluster in ((0, 0), (0, 4), (1 << 20, None)):
         with _experiment.overrides(attention_splitkv_defines=defines, attention_split_warps=warps,
                                    attention_split_min_steps=min_steps, attention_cluster=cluster):
@@ -842,6 +839,59 @@ def test_gpu_bulk_ring(warps: int, stages: int, uk: int, per_warp: int, dtype: n
                 want = ref64(q, k, v, causal, kv_len=kv_len)
                 out = _run_gpu_kv(q, k, v, causal, kv_len)
                 assert rel_err(out, want) < TOL[dtype], (min_steps, cluster, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_bulk_ring_refuses_oversized() -> None:
+    """A ring that does not fit shared memory is refused before any launch, naming the fix."""
+    cp = _cupy()
+    if cp.cuda.Device().compute_capability < "90":
+        pytest.skip("cp.async.bulk needs sm_90")
+    rng = np.random.default_rng()
+    q = rand(rng, (1, 32, 1, 128), F16)
+    k = rand(rng, (1, 8, 4096, 128), F16)
+    with (_experiment.overrides(attention_splitkv_defines=("-DATTN_BULK=4",),
+                                attention_split_warps=16),
+          pytest.raises(ValueError, match="use fewer stages or warps")):
+        _run_gpu_kv(q, k, k, False, None)
+
+
+def test_splitkv_bulk_rule() -> None:
+    """The measured rule (twelfth session): the ring only above the bandwidth threshold and for
+    long enough blocks; 16 warps where each block gets a long run of steps."""
+    h100, h200 = 3.35e12 / 132, 4.8e12 / 132
+    assert h100 < attn.BULK_MIN_BW_PER_SM <= h200
+
+    def plan(b: int, hq: int, hkv: int, lk: int, d: int, bw: float) -> tuple[int, int, int]:
+        warps, may = attn.splitkv_warps(b, hq, hkv, 1, lk, d, f32=False, n_sm=132)
+        _, _, ns = attn.plan_splitkv(b, hq, hkv, 1, lk, d, n_sm=132, split=may, warps=warps)
+        return attn.splitkv_bulk(b, hq, hkv, 1, lk, d, warps=warps, n_split=ns, may_split=may,
+                                 n_sm=132, bw_per_sm=bw)
+
+    # H100: never (the plan is returned unchanged).
+    for b, lk in ((1, 32768), (8, 4096), (32, 32768)):
+        warps, may = attn.splitkv_warps(b, 32, 8, 1, lk, 128, f32=False, n_sm=132)
+        _, _, ns = attn.plan_splitkv(b, 32, 8, 1, lk, 128, n_sm=132, split=may, warps=warps)
+        assert plan(b, 32, 8, lk, 128, h100) == (0, warps, ns)
+    # H200, GQA 32/8 D128: short blocks stay on the register path ...
+    assert plan(1, 32, 8, 1024, 128, h200)[0] == 0
+    assert plan(1, 32, 8, 4096, 128, h200)[0] == 0
+    assert plan(8, 32, 8, 1024, 128, h200)[0] == 0
+    # ... long ones take the ring, on 16 warps where each block gets a long run.
+    assert plan(1, 32, 8, 32768, 128, h200) == (attn.BULK_STAGES, 16, 16)
+    assert plan(8, 32, 8, 4096, 128, h200) == (attn.BULK_STAGES, 16, 2)
+    assert plan(8, 32, 8, 32768, 128, h200) == (attn.BULK_STAGES, 16, 2)
+    assert plan(32, 32, 8, 1024, 128, h200) == (attn.BULK_STAGES, 8, 1)
+    assert plan(32, 32, 8, 4096, 128, h200) == (attn.BULK_STAGES, 8, 1)
+    assert plan(32, 32, 8, 32768, 128, h200) == (attn.BULK_STAGES, 16, 1)
+    # SmolLM2 9/3 D64: only the longest blocks.
+    assert plan(32, 9, 3, 2048, 64, h200) == (attn.BULK_STAGES, 16, 1)
+    assert plan(32, 9, 3, 1024, 64, h200)[0] == 0
+    assert plan(8, 9, 3, 2048, 64, h200)[0] == 0
+    # Prefill-shaped queries never.
+    assert attn.splitkv_bulk(1, 32, 8, 64, 32768, 128, warps=4, n_split=1, may_split=True,
+                             n_sm=132, bw_per_sm=h200)[0] == 0
+    assert attn.splitkv_bulk_smem(128, 16, 2, 4) == 1024 + 2 * 2 * 128 * 128 * 2
 
 
 def test_splitkv_cluster_rule() -> None:

@@ -33,22 +33,23 @@
 // Compile-time parameters: ATTN_D (head dim, multiple of 8, <= 256), ATTN_GT (heads per
 // block, 1 to 8), ATTN_NWARP (warps per block), ATTN_BF16, ATTN_F32, ATTN_PAGED, ATTN_UK
 // (keys per lane group per step);
-// ATTN_BULK (K/V through a shared-memory ring of ATTN_BULK stages filled by bulk copies;
-// 16-bit, contiguous K/V, sm_90; see below);
+// ATTN_BULK (stages of the bulk-copy K/V ring; 16-bit, contiguous K/V, sm_90; see below);
 // experiment switches ATTN_PREFETCH (register double buffer), ATTN_L2PF (L2 prefetch
 // distance in steps), ATTN_MINB (launch bounds).
 //
-// Bulk ring (ATTN_BULK = NST > 0): the keys of a (b, hk) row are contiguous, so one block
-// step of keys (STEP rows of K and of V) is two `cp.async.bulk` copies into a ring stage.
-// Thread 0 issues them (NST stages ahead) and completes the stage's `full` mbarrier with the
-// byte count; each warp waits on `full`, copies its keys' rows from the stage into
-// registers, and its lane 0 arrives on the stage's `empty` mbarrier; thread 0 waits on
-// `empty` before refilling the stage. Within a stage warp w takes keys w*KPW*UK + u*KPW + lg
-// (lane group lg, u < UK), so each shared-memory load of a warp reads KPW whole rows.
-// ATTN_BULKW = 1: each warp has its own NST stages of its WK = KPW * UK rows a step, filled
-// by its lane 0 after the warp has used the stage (no block-wide wait).
-// Dynamic shared memory: 1024 bytes of barriers, then NST stages of K, then of V; after the
-// key loop the per-warp partials sm_o overlay the stages.
+// Bulk ring (ATTN_BULK = NST > 0). The keys of a (b, hk) row are contiguous, so the WK =
+// KPW * UK rows a warp takes in one step are two `cp.async.bulk` copies (K and V) into
+// shared memory. Each warp has its own ring of NST stages and its own `full` mbarriers: its
+// lane 0 issues the copies of the next NST steps and completes a stage's barrier with the
+// byte count; the warp waits on the barrier, reads its rows from the stage into registers
+// (lane group lg, key u: row u * KPW + lg, so one load of the warp reads KPW whole rows),
+// does the step's math, and lane 0 refills the stage NST steps ahead. No block-wide wait:
+// many bytes stay in flight without the registers the direct loads would need. Measured on
+// H200 (4.8 TB/s) faster at long caches, on H100 not (benchmarks/RESULTS.md, twelfth
+// session); the planner turns it on by the GPU's bandwidth per SM (_attention_plan.py).
+// Dynamic shared memory: 1024 bytes of barriers, then the stages (warp w's stage s of K at
+// rows (w * NST + s) * WK of the K ring, V likewise); after the key loop the per-warp
+// partials sm_o overlay the stages.
 #include "attn_common.cuh"
 #if ATTN_BULK
 #include "sm90_common.cuh"
@@ -68,12 +69,6 @@
 #endif
 #ifndef ATTN_BULK  // stages of the bulk-copy K/V ring (0: K/V loaded straight to registers)
 #define ATTN_BULK 0
-#endif
-#ifndef ATTN_BULKE  // per-warp ring: 1 refills a stage before the step's math, 0 after it
-#define ATTN_BULKE 0
-#endif
-#ifndef ATTN_BULKW  // 1: one ring per warp (each warp fills and drains its own stages)
-#define ATTN_BULKW 0
 #endif
 #if ATTN_BULK && (ATTN_PAGED || ATTN_F32 || ATTN_PREFETCH || ATTN_L2PF)
 #error "ATTN_BULK needs contiguous 16-bit K/V and no register prefetch"
@@ -109,6 +104,9 @@
 #define ATTN_NWARP 4
 #endif
 #define NWARP ATTN_NWARP
+#if ATTN_BULK * ATTN_NWARP * 8 > 1024
+#error "ATTN_BULK: the ring's mbarriers (8 bytes a warp and stage) exceed their 1024 bytes"
+#endif
 
 __device__ __forceinline__ void ld_global16(const void* p, uint4& r) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -407,17 +405,13 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   };
 #endif
 #if ATTN_BULK
-  // The ring (see the header). Block ring: full[s] at bars + 8 s, empty[s] at
-  // bars + 8 (NST + s). Per-warp ring (ATTN_BULKW): warp w's full[s] at bars + 8 (w NST + s).
+  // The ring (see the header): warp w's full[s] at bars + 8 (w NST + s).
   constexpr int NST = ATTN_BULK;
   constexpr u32 ROWB = DH * sizeof(elem_t);
   constexpr int WK = KPW * UK;  // rows of one warp step
   const u32 bars = smem_u32(dsm);
-  const elem_t* ring_k = reinterpret_cast<const elem_t*>(dsm + 1024);  // (NST, STEP, DH)
-  const elem_t* ring_v = ring_k + (size_t)NST * STEP * DH;              // (NST, STEP, DH)
-#if ATTN_BULKW
-  // Warp w's stage s holds rows [w WK, (w+1) WK) of block step it (it % NST == s), at
-  // ((w NST + s) WK) rows into the ring.
+  const elem_t* ring_k = reinterpret_cast<const elem_t*>(dsm + 1024);  // (NWARP, NST, WK, DH)
+  const elem_t* ring_v = ring_k + (size_t)NST * STEP * DH;              // (NWARP, NST, WK, DH)
   auto issue = [&](int it, int st) {  // lane 0: this warp's keys of step `it` into stage `st`
     const int j = ks + it * STEP + warp * WK;
     if (j >= ke) return;
@@ -436,28 +430,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     for (int s2 = 0; s2 < NST; ++s2) issue(s2, s2);
   }
 #else
-  const int n_it = ke > ks ? (ke - ks + STEP - 1) / STEP : 0;
-  auto issue = [&](int it, int st) {  // thread 0: keys of step `it` into stage `st`
-    const int j = ks + it * STEP;
-    const u32 bytes = (u32)min(STEP, ke - j) * ROWB;
-    const u32 full = bars + 8 * st;
-    mbar_arrive_tx(full, 2 * bytes);
-    bulk_g2s(smem_u32(ring_k + (size_t)st * STEP * DH), K + (kv_row0 + j) * DH, bytes, full);
-    bulk_g2s(smem_u32(ring_v + (size_t)st * STEP * DH), V + (kv_row0 + j) * DH, bytes, full);
-  };
-  if (threadIdx.x == 0) {
-#pragma unroll 1
-    for (int s2 = 0; s2 < NST; ++s2) {
-      mbar_init(bars + 8 * s2, 1);
-      mbar_init(bars + 8 * (NST + s2), NWARP);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#pragma unroll 1
-    for (int s2 = 0; s2 < min(NST, n_it); ++s2) issue(s2, s2);
-  }
-  __syncthreads();  // barriers initialised before any thread waits on them
-#endif
-#else
 #if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
   Row8 kr[UK], vr[UK];
   load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
@@ -472,7 +444,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
     for (int e = 0; e < 8; ++e) qf[t][e] *= scale_log2;
   }
-#if ATTN_BULK && ATTN_BULKW
+#if ATTN_BULK
 #pragma unroll 1
   for (int it = 0; ks + it * STEP + warp * WK < ke; ++it) {  // warp-uniform bound
     const int st = it % NST;
@@ -489,48 +461,12 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
         vc[u].a = *reinterpret_cast<const uint4*>(ring_v + o);
       }
     }
-#if ATTN_BULKE  // refill as soon as every lane holds its rows in registers
-    __syncwarp();  // every lane has read its rows of the stage
-    if (lane == 0) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(it + NST, st);
-    }
-    SPLITKV_STEP_MATH(j0, KPW);
-#else
     SPLITKV_STEP_MATH(j0, KPW);
     __syncwarp();  // every lane has used its rows of the stage
     if (lane == 0) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before the refill
       issue(it + NST, st);
     }
-#endif
-  }
-#elif ATTN_BULK
-#pragma unroll 1
-  for (int it = 0; it < n_it; ++it) {
-    const int st = it % NST;
-    const u32 ph = (u32)(it / NST) & 1u;
-    mbar_wait(bars + 8 * st, ph);
-    const int r0 = warp * KPW * UK + lg;  // row of u = 0 in the stage; u adds KPW rows
-    const int j0 = ks + it * STEP + r0;
-    Row8 kc[UK], vc[UK];
-#pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      zero8(kc[u]);
-      zero8(vc[u]);
-      if (lane_ok && j0 + u * KPW < ke) {
-        const size_t o = ((size_t)st * STEP + r0 + u * KPW) * DH + sl * 8;
-        kc[u].a = *reinterpret_cast<const uint4*>(ring_k + o);
-        vc[u].a = *reinterpret_cast<const uint4*>(ring_v + o);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bars + 8 * (NST + st));  // this warp is done with the stage
-    if (threadIdx.x == 0 && it + NST < n_it) {
-      mbar_wait(bars + 8 * (NST + st), ph);  // every warp has read it: refill
-      issue(it + NST, st);
-    }
-    SPLITKV_STEP_MATH(j0, KPW);
   }
 #else
   // The loop bound is warp-uniform (shuffles below need the whole warp); keys past ke are masked.
