@@ -780,6 +780,19 @@ def test_gpu_wide_blocks(warps: int, dtype: np.dtype, d: int, hq: int, hkv: int,
                 assert rel_err(out, want) < TOL[dtype], ("paged", min_steps, causal)
 
 
+def _ragged_decode_case(
+    rng: np.random.Generator, hq: int, hkv: int, lq: int, lk: int, d: int, dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """q, K, V and kv_len of 4 batch rows: valid keys lq (fewer than any split), 70 (just past
+    one split granule), lk (full) and a random length; K/V poisoned past each row's keys."""
+    b = 4
+    kv_len = np.array([lq, 70, lk, int(rng.integers(lq, lk))], np.int32)
+    q = rand(rng, (b, hq, lq, d), dtype)
+    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    return q, k, v, kv_len
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster", [0, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
@@ -794,11 +807,7 @@ def test_gpu_cluster_merge(cluster: int, dtype: np.dtype, d: int, hq: int, hkv: 
     if cluster and cp.cuda.Device().compute_capability < "90":
         pytest.skip("thread-block clusters need sm_90")
     rng = np.random.default_rng()
-    b, lk = 4, 1500
-    kv_len = np.array([lq, 70, lk, int(rng.integers(lq, lk))], np.int32)
-    q = rand(rng, (b, hq, lq, d), dtype)
-    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
-    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    q, k, v, kv_len = _ragged_decode_case(rng, hq, hkv, lq, 1500, d, dtype)
     kp, vp, table = _paged(rng, k, v, kv_len, 16)
     with _experiment.overrides(attention_cluster=cluster, attention_split_min_steps=0):
         for causal in (True, False):
@@ -825,12 +834,7 @@ def test_gpu_bulk_ring(warps: int, stages: int, uk: int, dtype: np.dtype, d: int
     cp = _cupy()
     if cp.cuda.Device().compute_capability < "90":
         pytest.skip("cp.async.bulk needs sm_90")
-    rng = np.random.default_rng()
-    b, lk = 4, 1111
-    kv_len = np.array([lq, 70, lk, int(rng.integers(lq, lk))], np.int32)
-    q = rand(rng, (b, hq, lq, d), dtype)
-    k = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
-    v = poison_tail(rand(rng, (b, hkv, lk, d), dtype), kv_len)
+    q, k, v, kv_len = _ragged_decode_case(np.random.default_rng(), hq, hkv, lq, 1111, d, dtype)
     defines = (f"-DATTN_BULK={stages}", f"-DATTN_UK={uk}")
     for min_steps, cluster in ((0, 0), (0, 4), (1 << 20, None)):
         with _experiment.overrides(attention_splitkv_defines=defines, attention_split_warps=warps,

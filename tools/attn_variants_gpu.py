@@ -11,6 +11,8 @@ Usage (GPU machine)::
 A variant is ``,``-separated items: ``NAME=V`` (``-DATTN_NAME=V``), ``warps=W``,
 ``target=T`` (split blocks per SM), ``cl=C`` (cluster merge, 0 = combine kernel),
 ``minsteps=S``; ``same`` (or ``same#N``): the planned kernel again, a noise gauge.
+``BULK=N`` forces the bulk-copy K/V ring with N stages (``BULK=0``: the register path);
+either one, or ``warps=W``, turns off the planner's own ring choice for that variant.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@
 # Usage: OUT=out bash tools/s11_gpu.sh gemm var
 OUT=${OUT:-/tmp/s11}
 source "$(dirname "$0")/device_prologue.sh"
+source "$(dirname "$0")/attn_gpu_steps.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader; python3 --version
 for step in "$@"; do case "$step" in
 gemm)
@@ -18,22 +19,6 @@ gemm)
 gemmsan)
     GEMM_SANITIZE_ONLY=tma timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 tools/gemm_sanitize.py > "$OUT/tma_memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -2 "$OUT/tma_memcheck.log"; t gemmsan ;;
-var)
-    timeout ${T_VAR:-300} python3 tools/attn_variants_gpu.py --reps ${REPS:-60} --only "${ONLY:-}" ${ALL:+--all} \
-        ${VARS:+--variants "$VARS"} --json "$OUT/var_${TAG:-1}.json" > "$OUT/var_${TAG:-1}.log" 2>&1
-    echo "var rc=$?"; grep -E "^[A-Z]" "$OUT/var_${TAG:-1}.log" | grep -v Warning; t var ;;
-attn)
-    timeout ${T_ATTN:-300} python3 -m pytest -q -p no:cacheprovider --timeout 280 tests/test_attention.py \
-        > "$OUT/test_attn.log" 2>&1; echo "test_attention rc=$?"; tail -3 "$OUT/test_attn.log"; t attn ;;
-table)  # the interleaved decode tables (L2 flushed before every call)
-    (cd benchmarks && timeout ${T_TABLE:-300} python3 attention.py --decode-tables --reps ${REPS:-60} \
-        --json "$OUT/decode_tables_${TAG:-1}.json" > "$OUT/decode_tables_${TAG:-1}.log" 2>&1)
-    echo "table rc=$?"; grep -E "^(GQA|Smol|\|)" "$OUT/decode_tables_${TAG:-1}.log" | head -40; t table ;;
-attnsan)
-    for tool in memcheck racecheck; do
-        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/attention.py --check \
-            > "$OUT/attn_$tool.log" 2>&1; echo "attn $tool rc=$?"; grep -c " ok$" "$OUT/attn_$tool.log"; tail -2 "$OUT/attn_$tool.log"
-    done; t attnsan ;;
 w1) mkdir -p /tmp/wts && cp .w1/part00 /tmp/wts/ && t "part00 copied" ;;
 w2)  # within 30 s of w1 (carry .w2): the real-weights nn GPU tests, then decode.py
     [ -f /tmp/wts/part00 ] || { echo "machine went cold: no part00"; exit 2; }
@@ -55,5 +40,6 @@ ab)  # after w2 (carry _old_s11/, a git archive of 0c6220d: heads per block a po
             --json "$OUT/ab_${v}_$r.json" > "$OUT/ab_${v}_$r.log" 2>&1; echo "$v $r rc=$?"
         grep -E "^(prefill|decode batch .* graph)" "$OUT/ab_${v}_$r.log"
     done; done; t ab ;;
+var|attn|table|attnsan) attn_gpu_step "$step" ;;
 *) echo "unknown step $step" ;;
 esac; done

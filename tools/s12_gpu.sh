@@ -8,11 +8,11 @@
 # Usage: OUT=out bash tools/s12_gpu.sh bulk var
 OUT=${OUT:-/tmp/s12}
 source "$(dirname "$0")/device_prologue.sh"
+source "$(dirname "$0")/attn_gpu_steps.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader; python3 --version
 for step in "$@"; do case "$step" in
 info)  # the peak bandwidth per SM the planner reads, and the decode plans it gives
     python3 - <<'PY'
-import cupy
 from deviceops.kernels import _attention as attn
 from deviceops.kernels._attention_cuda import _bw_per_sm, _device_info
 cc, n_sm = _device_info(0)
@@ -30,21 +30,6 @@ PY
 bulk)
     timeout ${T_BULK:-300} python3 -m pytest -q -p no:cacheprovider --timeout 280 tests/test_attention.py \
         -k bulk_ring > "$OUT/test_bulk.log" 2>&1; echo "bulk tests rc=$?"; tail -3 "$OUT/test_bulk.log"; t bulk ;;
-var)
-    timeout ${T_VAR:-300} python3 tools/attn_variants_gpu.py --reps ${REPS:-60} --only "${ONLY:-}" ${ALL:+--all} \
-        ${VARS:+--variants "$VARS"} --json "$OUT/var_${TAG:-1}.json" > "$OUT/var_${TAG:-1}.log" 2>&1
-    echo "var rc=$?"; grep -E "^[A-Z]" "$OUT/var_${TAG:-1}.log" | grep -v Warning; t var ;;
-attn)
-    timeout ${T_ATTN:-300} python3 -m pytest -q -p no:cacheprovider --timeout 280 tests/test_attention.py \
-        > "$OUT/test_attn.log" 2>&1; echo "test_attention rc=$?"; tail -3 "$OUT/test_attn.log"; t attn ;;
-table)  # the interleaved decode tables (L2 flushed before every call)
-    (cd benchmarks && timeout ${T_TABLE:-300} python3 attention.py --decode-tables --reps ${REPS:-60} \
-        --json "$OUT/decode_tables_${TAG:-1}.json" > "$OUT/decode_tables_${TAG:-1}.log" 2>&1)
-    echo "table rc=$?"; grep -E "^(GQA|Smol|\|)" "$OUT/decode_tables_${TAG:-1}.log" | head -40; t table ;;
-attnsan)
-    for tool in memcheck racecheck; do
-        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/attention.py --check \
-            > "$OUT/attn_$tool.log" 2>&1; echo "attn $tool rc=$?"; grep -c " ok$" "$OUT/attn_$tool.log"; tail -2 "$OUT/attn_$tool.log"
-    done; t attnsan ;;
+var|attn|table|attnsan) attn_gpu_step "$step" ;;
 *) echo "unknown step $step" ;;
 esac; done
