@@ -81,6 +81,11 @@ def _sm90_kernel(
     return fn
 
 
+#: Dynamic shared memory the split-KV kernel's bulk ring may take: 227 KiB a block on sm_90,
+#: less the kernel's static shared memory (per-warp maxima and sums, cluster partials).
+_BULK_SMEM_MAX = 220 * 1024
+
+
 def _define(extra: tuple[str, ...], name: str) -> int | None:
     """Value of ``-DATTN_<name>=V`` among the experiment defines (None if absent)."""
     for o in extra:
@@ -107,11 +112,11 @@ def _splitkv_kernels(
     smem = splitkv_bulk_smem(d, warps, bulk, gt, 4 if uk is None else uk) if bulk else 0
     if bulk and (paged or f32):
         raise ValueError("flash_attention: the bulk K/V ring needs contiguous 16-bit K/V")
-    if smem > 220 * 1024 or bulk * warps * 8 > 1024:  # 227 KiB a block, less static memory
+    if smem > _BULK_SMEM_MAX or bulk * warps * 8 > 1024:
         raise ValueError(
             f"flash_attention: a {bulk}-stage bulk K/V ring of {warps}-warp blocks needs "
             f"{smem} bytes of shared memory and {bulk * warps * 8} of barriers (at most "
-            f"{220 * 1024} and 1024); use fewer stages or warps"
+            f"{_BULK_SMEM_MAX} and 1024); use fewer stages or warps"
         )
     if fns is None:
         opts = (

@@ -364,7 +364,32 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const size_t kv_row0 = ((size_t)b * Hkv + hk) * Lk;
 #endif
   constexpr int STEP = NWARP * KPW * UK;
-#if !ATTN_BULK
+#if ATTN_BULK
+  // The ring (see the header): warp w's full[s] at bars + 8 (w NST + s).
+  constexpr int NST = ATTN_BULK;
+  constexpr u32 ROWB = DH * sizeof(elem_t);
+  constexpr int WK = KPW * UK;  // rows of one warp step
+  const u32 bars = smem_u32(dsm);
+  const elem_t* ring_k = reinterpret_cast<const elem_t*>(dsm + 1024);  // (NWARP, NST, WK, DH)
+  const elem_t* ring_v = ring_k + (size_t)NST * STEP * DH;              // (NWARP, NST, WK, DH)
+  auto issue = [&](int it, int st) {  // lane 0: this warp's keys of step `it` into stage `st`
+    const int j = ks + it * STEP + warp * WK;
+    if (j >= ke) return;
+    const u32 bytes = (u32)min(WK, ke - j) * ROWB;
+    const u32 full = bars + 8 * (warp * NST + st);
+    const size_t o = (size_t)(warp * NST + st) * WK * DH;
+    mbar_arrive_tx(full, 2 * bytes);
+    bulk_g2s(smem_u32(ring_k + o), K + (kv_row0 + j) * DH, bytes, full);
+    bulk_g2s(smem_u32(ring_v + o), V + (kv_row0 + j) * DH, bytes, full);
+  };
+  if (lane == 0) {
+#pragma unroll 1
+    for (int s2 = 0; s2 < NST; ++s2) mbar_init(bars + 8 * (warp * NST + s2), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll 1
+    for (int s2 = 0; s2 < NST; ++s2) issue(s2, s2);
+  }
+#else
   // Row of key j of this (b, hk) in K/V: through the block table when paged (an entry
   // outside the pool is clamped into it), else contiguous from kv_row0.
   auto kv_row = [&](int j) -> size_t {
@@ -403,33 +428,6 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
       }
     }
   };
-#endif
-#if ATTN_BULK
-  // The ring (see the header): warp w's full[s] at bars + 8 (w NST + s).
-  constexpr int NST = ATTN_BULK;
-  constexpr u32 ROWB = DH * sizeof(elem_t);
-  constexpr int WK = KPW * UK;  // rows of one warp step
-  const u32 bars = smem_u32(dsm);
-  const elem_t* ring_k = reinterpret_cast<const elem_t*>(dsm + 1024);  // (NWARP, NST, WK, DH)
-  const elem_t* ring_v = ring_k + (size_t)NST * STEP * DH;              // (NWARP, NST, WK, DH)
-  auto issue = [&](int it, int st) {  // lane 0: this warp's keys of step `it` into stage `st`
-    const int j = ks + it * STEP + warp * WK;
-    if (j >= ke) return;
-    const u32 bytes = (u32)min(WK, ke - j) * ROWB;
-    const u32 full = bars + 8 * (warp * NST + st);
-    const size_t o = (size_t)(warp * NST + st) * WK * DH;
-    mbar_arrive_tx(full, 2 * bytes);
-    bulk_g2s(smem_u32(ring_k + o), K + (kv_row0 + j) * DH, bytes, full);
-    bulk_g2s(smem_u32(ring_v + o), V + (kv_row0 + j) * DH, bytes, full);
-  };
-  if (lane == 0) {
-#pragma unroll 1
-    for (int s2 = 0; s2 < NST; ++s2) mbar_init(bars + 8 * (warp * NST + s2), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#pragma unroll 1
-    for (int s2 = 0; s2 < NST; ++s2) issue(s2, s2);
-  }
-#else
 #if ATTN_PREFETCH  // experiment: the next step's K/V loads are in flight during this step's math
   Row8 kr[UK], vr[UK];
   load_step(ks + warp * KPW * UK + lg * UK, kr, vr);
