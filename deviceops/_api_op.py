@@ -8,7 +8,7 @@ producing its tensor argument when it has one (iteratively: see ``_drive``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from ._context import ExecutionContext
 from ._launch import launch
 from ._op import DeviceOp, _drive
 from ._tensor import Tensor, allocate
+
+if TYPE_CHECKING:
+    from ._device import Device
 
 __all__: list[str] = []
 
@@ -27,14 +30,23 @@ class _ApiOp(DeviceOp[Any]):
     runs after ``dep`` executed on the same stream (iteratively: see ``_drive``).
     """
 
-    __slots__ = ("_dep", "_fn", "_name")
+    __slots__ = ("_dep", "_fn", "_name", "_on", "_tensors")
     _iterative = True
 
-    def __init__(self, name: str, fn: Callable[..., Any], dep: DeviceOp[Any] | None = None) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], dep: DeviceOp[Any] | None = None, *,
+                 tensors: tuple[Tensor, ...] = (), on: Device | None = None) -> None:
         super().__init__()
         self._name = name
         self._fn = fn
         self._dep = dep
+        self._tensors = tensors  # the tensors it was given (placement)
+        self._on = on  # the device it runs on whatever its inputs (to_device)
+
+    def _inputs(self) -> tuple[Tensor, ...]:
+        return self._tensors
+
+    def _pin(self) -> tuple[Device | None, bool]:
+        return (self._on, self._on is not None)
 
     def _execute(self, ctx: ExecutionContext) -> Any:
         if self._dep is None:
@@ -93,7 +105,7 @@ def _with_arg(op: str, arg: Tensor | DeviceOp[Tensor], run: Callable[[ExecutionC
               ) -> DeviceOp[Any]:
     """An op running ``run(ctx, tensor)``; a DeviceOp ``arg`` executes first (iteratively)."""
     if isinstance(arg, Tensor):
-        return _ApiOp(op, lambda ctx: run(ctx, arg))
+        return _ApiOp(op, lambda ctx: run(ctx, arg), tensors=(arg,))
 
     def after(ctx: ExecutionContext, t: Any) -> Any:
         if not isinstance(t, Tensor):

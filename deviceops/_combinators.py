@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ._context import ExecutionContext
-from ._errors import SchedulingError
-from ._op import _DONE, _FRESH, _OWNED, DeviceOp, _drive, _fn_name
+from ._errors import DeviceError, SchedulingError
+from ._op import _DONE, _FRESH, _OWNED, DeviceOp, _drive, _fn_name, _walk
+from ._placement import placement
+from ._tensor import Partition, Tensor
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Generator
 
+    from ._device import Device
     from ._stream import Stream
 
 __all__ = ["SharedOp", "unzip", "value", "zip"]
@@ -40,6 +43,12 @@ class _Value(DeviceOp[T]):
 
     def _execute(self, ctx: ExecutionContext) -> T:
         return self._value
+
+    def _inputs(self) -> tuple[Tensor, ...]:
+        v: Any = self._value
+        if isinstance(v, Partition):
+            return (v.tensor,)
+        return (v,) if isinstance(v, Tensor) else ()
 
     def _describe(self) -> str:
         return f"value({type(self._value).__name__})"
@@ -235,20 +244,28 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
         home = ctx.stream
         if len(ops) <= 1:
             return tuple(op._exec(ctx) for op in ops)
-        streams = [home]
-        for _ in ops[1:]:
-            s = ctx.policy.next_stream()
-            streams.append(home if s.device is not home.device and not _multi(ctx) else s)
+        if _multi(ctx):  # each branch on its data's device (else the next in turn)
+            policy = ctx.policy
+            streams = [home if placement(ops[0]) in (None, home.device) else policy.stream_for(ops[0])]
+            streams += [policy.stream_for(op) for op in ops[1:]]
+        else:
+            streams = [home]
+            for _ in ops[1:]:
+                s = ctx.policy.next_stream()
+                streams.append(home if s.device is not home.device else s)
         others = {s.id: s for s in streams if s is not home}
         if others:
             fork = home.record_event()
             for s in others.values():
                 s.wait_event(fork)
         marks = [(s, s.seq) for s in others.values()]
-        outs = []
+        outs: list[Any] = []
         try:
-            for op, s in _bzip(ops, streams):
-                outs.append(op._exec(ctx if s is home else ctx.on(s)))
+            if len({s.device for s in streams}) > 1:
+                outs = _interleaved(ops, streams, ctx)
+            else:
+                for op, s in _bzip(ops, streams):
+                    outs.append(op._exec(ctx if s is home else ctx.on(s)))
         except BaseException:
             for s, q in marks:  # the zip raised: its branches' device failures are its own
                 s.absorb_after(q)
@@ -268,8 +285,52 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return self._ops
 
+    def _pin(self) -> tuple[Device | None, bool]:
+        # branches on one device place the zip there; branches on several devices place
+        # nothing (each branch is placed on its own when the zip runs)
+        devs = set()
+        for op in self._ops:
+            try:
+                devs.add(placement(op))
+            except DeviceError:
+                return (None, True)  # the branch is refused when it runs, naming itself
+        devs.discard(None)
+        return (devs.pop() if len(devs) == 1 else None, True)
+
     def _describe(self) -> str:
         return f"zip[{len(self._ops)}]"
+
+
+def _interleaved(ops: tuple[DeviceOp[Any], ...], streams: list[Stream], ctx: ExecutionContext
+                 ) -> list[Any]:
+    """Execute branches on streams of several devices, one finished op of each in turn.
+
+    Executed one after the other, the second device would idle while the host enqueues the
+    whole first branch; stepping the branches' walks in turn starts every device at once.
+    Branches that are not plain iterative ops (a nested ``zip``, ``shared``) run whole.
+    """
+    outs: list[Any] = [None] * len(ops)
+    walks: list[tuple[int, Generator[None, None, Any]]] = []
+    try:
+        for i, (op, s) in enumerate(_bzip(ops, streams)):
+            bctx = ctx if s is ctx.stream else ctx.on(s)
+            if op._iterative and type(op)._exec is DeviceOp._exec and op._state != _DONE:
+                op._state = _DONE
+                op._ran_on = s.id
+                walks.append((i, _walk(op, op._deps(bctx), bctx)))
+            else:
+                outs[i] = op._exec(bctx)
+        while walks:
+            for w in list(walks):
+                try:
+                    next(w[1])
+                except StopIteration as done:
+                    outs[w[0]] = done.value
+                    walks.remove(w)
+    finally:
+        for _, g in walks:  # a branch raised: the others stop where they are
+            g.close()
+    return outs
 
 
 def _multi(ctx: ExecutionContext) -> bool:

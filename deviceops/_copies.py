@@ -135,7 +135,10 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
         launch(ctx, "memcpy", (s,), (d,), cpu, cuda)
         return d
 
-    return _with_arg("memcpy", src_arg, run)
+    op = _with_arg("memcpy", src_arg, run)
+    assert isinstance(op, _ApiOp)
+    op._tensors = (d, *op._tensors)
+    return op
 
 
 def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
@@ -223,7 +226,7 @@ def to_device(t: Tensor, device: Device | int | str) -> DeviceOp[Tensor]:
                 stream.synchronize()
         return out
 
-    return _ApiOp("to_device", run)
+    return _ApiOp("to_device", run, on=dev)
 
 
 _hooks.install(to_host=to_host)  # Tensor.to_host()

@@ -324,9 +324,11 @@ class CpuStream(Stream):
 _all_workers: weakref.WeakSet[_Worker] = weakref.WeakSet()
 
 
-def synchronize_all() -> None:
-    """Wait until every live cpu stream's queue is drained (cpu ``device.synchronize()``)."""
+def synchronize_all(device: str | None = None) -> None:
+    """Wait until every live cpu stream's queue is drained (of ``device`` only, if given)."""
     for w in list(_all_workers):
+        if device is not None and w.device != device:
+            continue
         with w.cond:
             target = w.submitted
             while w.completed < target:
@@ -409,7 +411,7 @@ class CpuBackend(Backend):
         return 1
 
     def device_name(self, index: int) -> str:
-        return "cpu"
+        return "cpu" if index == 0 else f"cpu:{index}"
 
     def new_stream(self, device: Device) -> Stream:
         return CpuStream(device)
@@ -418,7 +420,7 @@ class CpuBackend(Backend):
         raise DeviceError("wrap_stream: the cpu backend has no native streams", device="cpu")
 
     def synchronize(self, device: Device) -> None:
-        synchronize_all()
+        synchronize_all(str(device))
 
     def empty(self, stream: Stream, shape: tuple[int, ...], dtype: np.dtype[Any], op: str) -> Any:
         try:

@@ -13,6 +13,7 @@ whether a GPU answers). :class:`CudaBackend` is the backend object
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._tensor import Storage
 
-__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "cuda_errors", "probe",
-           "raise_driver_error"]
+__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "cuda_errors", "enter_device",
+           "exit_device", "on_device", "peer_access", "probe", "raise_driver_error"]
 
 
 @contextlib.contextmanager
@@ -73,6 +74,39 @@ def _runtime() -> Any:
 
         _rt = cupy.cuda.runtime
     return _rt
+
+
+def enter_device(index: int) -> int:
+    """Make CUDA device ``index`` current on this thread; return the device to restore, or -1.
+
+    Every piece of work the backend enqueues runs with its stream's device current and then
+    gives the thread its previous device back (:func:`exit_device`), so nothing depends on,
+    or leaks, an ambient current device: a caller's thread, the completion thread or an
+    event loop may have any device current. Costs one ``cudaGetDevice`` when the device is
+    already current.
+    """
+    rt = _rt or _runtime()
+    prev: int = rt.getDevice()
+    if prev == index:
+        return -1
+    rt.setDevice(index)
+    return prev
+
+
+def exit_device(prev: int) -> None:
+    """Give the thread back the device :func:`enter_device` returned (nothing if -1)."""
+    if prev >= 0:
+        (_rt or _runtime()).setDevice(prev)
+
+
+@contextlib.contextmanager
+def on_device(index: int) -> Iterator[None]:
+    """The block with CUDA device ``index`` current; the previous device restored after."""
+    prev = enter_device(index)
+    try:
+        yield
+    finally:
+        exit_device(prev)
 
 
 _EVENT_BATCH = 64
@@ -166,11 +200,18 @@ class CudaStream(Stream):
             with cupy.cuda.Device(device.index):
                 native = cupy.cuda.Stream(non_blocking=True)
         self.native = native
+        self.enter_device = functools.partial(enter_device, device.index)
+        self.exit_device = exit_device
 
     def enqueue(self, fn: Callable[[], None], name: str) -> None:
-        """Run ``fn()`` now with this stream current, so CuPy enqueues its work here."""
-        with cuda_errors(name, str(self.device)), self.native:
-            fn()
+        """Run ``fn()`` now with this stream (and its device) current, so CuPy enqueues its
+        work here."""
+        prev = enter_device(self.device.index)
+        try:
+            with cuda_errors(name, str(self.device)), self.native:
+                fn()
+        finally:
+            exit_device(prev)
 
     def _record(self) -> Event:
         try:  # not the cuda_errors context manager: this is on every op's path
@@ -188,7 +229,7 @@ class CudaStream(Stream):
         def trampoline(_arg: object) -> None:
             fn()
 
-        with cuda_errors("launch_host_func", str(self.device)):
+        with cuda_errors("launch_host_func", str(self.device)), on_device(self.device.index):
             self.native.launch_host_func(trampoline, None)
 
     def query(self) -> bool:
@@ -204,6 +245,36 @@ def _destroy(handle: int) -> None:
     """Destroy a raw event handle (quietly at interpreter shutdown)."""
     with contextlib.suppress(Exception):  # the context may already be gone at exit
         _runtime().eventDestroy(handle)
+
+
+_peers: dict[tuple[int, int], bool] = {}
+_PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+def peer_access(a: int, b: int) -> bool:
+    """Enable peer access between CUDA devices ``a`` and ``b``, both ways, once per pair.
+
+    Returns whether the two GPUs reach each other (NVLink or PCIe peer to peer). Where they
+    do, ``cudaMemcpyPeerAsync`` copies directly between them; where they do not, the driver
+    stages the copy through host memory (correct, at host-link speed). The answer is cached
+    per pair; the calling thread's current device is left as it was.
+    """
+    key = (a, b) if a < b else (b, a)
+    ok = _peers.get(key)
+    if ok is not None:
+        return ok
+    rt = _runtime()
+    ok = bool(rt.deviceCanAccessPeer(a, b)) and bool(rt.deviceCanAccessPeer(b, a))
+    if ok:
+        for here, there in ((a, b), (b, a)):
+            with on_device(here):
+                try:
+                    rt.deviceEnablePeerAccess(there)
+                except rt.CUDARuntimeError as exc:
+                    if getattr(exc, "status", None) != _PEER_ALREADY_ENABLED:
+                        raise
+    _peers[key] = ok
+    return ok
 
 
 def probe() -> tuple[bool, str]:
@@ -308,7 +379,8 @@ class CudaBackend(Backend):
         return pinned
 
     def to_numpy(self, array: Any) -> np.ndarray:
-        host: np.ndarray = array.get()
+        with on_device(array.device.id):
+            host: np.ndarray = array.get()
         return host
 
     def from_dlpack(self, obj: Any) -> Any:
@@ -333,13 +405,19 @@ class CudaBackend(Backend):
                   native: Any) -> None:
         if not src.flags.c_contiguous:
             raise ShapeError("to_device: source must be contiguous", op="to_device")
-        _cp().cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst_device.index, src.data.ptr,
-                                           src_device.index, src.nbytes, native.ptr)
+        rt = _cp().cuda.runtime
+        if dst_device.index == src_device.index:
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice,
+                           native.ptr)
+            return
+        peer_access(src_device.index, dst_device.index)
+        rt.memcpyPeerAsync(dst.data.ptr, dst_device.index, src.data.ptr, src_device.index,
+                           src.nbytes, native.ptr)
 
     def submit(self, stream: Stream, name: str, reads: Sequence[Storage],
                writes: Sequence[Storage], cpu_fn: Callable[[], None],
                cuda_fn: Callable[[Any], None]) -> None:
-        try:
+        try:  # (the stream's device is current: deviceops._storage.ordered makes it so)
             cuda_fn(stream.native)
         except Exception as exc:
             raise_driver_error(exc, name, str(stream.device))
@@ -347,23 +425,24 @@ class CudaBackend(Backend):
 
     def begin_capture(self, stream: Stream) -> None:
         mode = getattr(_cp().cuda.runtime, "streamCaptureModeRelaxed", 2)
-        with cuda_errors("begin_capture", str(stream.device)):
+        with cuda_errors("begin_capture", str(stream.device)), on_device(stream.device.index):
             stream.native.begin_capture(mode=mode)
 
     def end_capture(self, stream: Stream) -> Any:
-        with cuda_errors("end_capture", str(stream.device)):
+        with cuda_errors("end_capture", str(stream.device)), on_device(stream.device.index):
             return stream.native.end_capture()
 
     def abort_capture(self, stream: Stream) -> None:
         try:
-            g = stream.native.end_capture()
+            with on_device(stream.device.index):
+                g = stream.native.end_capture()
             del g
         except Exception:
             pass  # an invalidated capture fails to end; the partial graph is gone either way
 
     def replay(self, stream: Stream, native: Any,
                tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
-        with cuda_errors("graph launch", str(stream.device)):
+        with cuda_errors("graph launch", str(stream.device)), on_device(stream.device.index):
             native.launch(stream.native)
 
     def graph_size(self, native: Any, tasks: Sequence[Any]) -> int | None:
@@ -398,13 +477,14 @@ class CudaBackend(Backend):
         cupy = _cp()
         index = stream.device.index
         base = clock.get(index)
-        if base is None:  # one base event per device and trace, taken against the host clock
-            ev0 = cupy.cuda.Event()
-            ev0.record(stream.native)
-            ev0.synchronize()
-            base = clock[index] = (ev0, time.perf_counter())
-        ev = cupy.cuda.Event()
-        ev.record(stream.native)
+        with on_device(index):
+            if base is None:  # one base event per device and trace, taken against the host clock
+                ev0 = cupy.cuda.Event()
+                ev0.record(stream.native)
+                ev0.synchronize()
+                base = clock[index] = (ev0, time.perf_counter())
+            ev = cupy.cuda.Event()
+            ev.record(stream.native)
         ev0, host0 = base
 
         def resolve() -> float | None:

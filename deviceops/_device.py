@@ -1,7 +1,10 @@
 """Devices: where tensors live and streams run.
 
 ``device(0)`` / ``device("cuda:1")`` name a CUDA GPU, ``device("cpu")`` the
-NumPy backend. The default device is CUDA device 0 when CuPy imports **and** a
+NumPy backend. ``device("cpu:N")`` (N >= 0) is the N-th emulated cpu device: each has
+its own streams and its own memory (a tensor of ``cpu:1`` is refused on a stream of
+``cpu:0``, as a tensor of GPU 1 is on GPU 0), so multi-device placement, refusal, copies
+and cross-device ordering are tested without GPUs. ``"cpu"`` is ``"cpu:0"``. The default device is CUDA device 0 when CuPy imports **and** a
 GPU answers; otherwise the ``cpu`` backend, which is said once on the
 ``deviceops`` logger. ``DEVICEOPS_DEVICE=cpu`` or ``=cuda`` forces the choice;
 forcing ``cuda`` without a usable GPU is an error.
@@ -75,7 +78,7 @@ class Device:
 
     Attributes:
         kind: ``"cuda"`` or ``"cpu"``.
-        index: the CUDA ordinal (0 for cpu).
+        index: the CUDA ordinal, or the emulated cpu device's number (``"cpu"`` is 0).
         backend: the :class:`~deviceops._backend.Backend` of its kind (shared by all
             devices of that kind); the device delegates to it.
         is_cpu: ``kind == "cpu"`` (a plain attribute: read on hot paths).
@@ -114,7 +117,7 @@ class Device:
 
 
 def device(spec: int | str | Device) -> Device:
-    """The device named by ``spec``: ``0``, ``"cuda"``, ``"cuda:1"`` or ``"cpu"``.
+    """The device named by ``spec``: ``0``, ``"cuda"``, ``"cuda:1"``, ``"cpu"`` or ``"cpu:1"``.
 
     Raises:
         DeviceError: CUDA was asked for but no usable GPU exists, or the
@@ -129,13 +132,14 @@ def device(spec: int | str | Device) -> Device:
         kind, index = "cuda", int(spec)
         if index < 0:
             raise ValueError(f"device: CUDA ordinal {index} is negative; use 0, 1, ...")
-    elif spec == "cpu":
-        kind, index = "cpu", 0
+    elif spec == "cpu" or (spec.startswith("cpu:") and spec[4:].isdigit()):
+        kind, index = "cpu", int(spec.partition(":")[2] or 0)
     elif spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
         kind, index = "cuda", int(spec.partition(":")[2] or 0)
     else:
-        raise ValueError(f"device: {spec!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or N")
-    key = "cpu" if kind == "cpu" else f"cuda:{index}"
+        raise ValueError(f"device: {spec!r} is not a device; use 'cpu', 'cpu:N', 'cuda', 'cuda:N' "
+                         "or N")
+    key = ("cpu" if index == 0 else f"cpu:{index}") if kind == "cpu" else f"cuda:{index}"
     dev = _devices.get(key)
     if dev is not None:
         return dev

@@ -36,8 +36,10 @@ from ._errors import DeviceError, SchedulingError
 from ._tensor import failed_output_error, output_failure
 
 if TYPE_CHECKING:
+    from ._device import Device
     from ._future import DeviceFuture
     from ._stream import Stream
+    from ._tensor import Tensor
     from .graphs import CudaGraph
     from .scheduling import SchedulingPolicy
 
@@ -148,6 +150,25 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
             raise
         out: Any = root._finish(ctx, [v])
         return out._exec(ctx) if root._tail else out
+    walk = _walk(root, deps, ctx)
+    try:
+        while True:
+            next(walk)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def _walk(root: DeviceOp[T], deps: tuple[DeviceOp[Any], ...], ctx: ExecutionContext
+          ) -> Generator[None, None, T]:
+    """The stack walk of :func:`_drive` (``root`` marked executed, ``deps`` its dependencies),
+    as a generator that yields after each op it finishes; returns ``root``'s output.
+
+    :func:`_drive` runs it through; a ``zip`` whose branches run on several devices steps its
+    branches' walks in turn, so that every device gets work from the first op on.
+    """
+    if not deps:
+        out0: Any = root._finish(ctx, [])
+        return out0._exec(ctx) if root._tail else out0  # type: ignore[no-any-return]
     sid = ctx.stream.id
     stack: list[list[Any]] = [[root, deps, []]]  # frames: [op, its deps, their values so far]
     try:
@@ -170,6 +191,7 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
             stack.pop()
             node = fr[0]
             out = node._finish(ctx, vals)
+            yield
             if node._tail:  # execute the returned op in node's place
                 nxt = out
                 if nxt._iterative:
@@ -181,8 +203,10 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
                 else:
                     out = nxt._exec(ctx)
             if not stack:
-                return out
+                return out  # type: ignore[no-any-return]
             stack[-1][2].append(out)
+    except GeneratorExit:  # closed by a zip whose other branch failed: not this walk's failure
+        raise
     except BaseException as exc:
         for fr in stack:
             fr[0]._failed(exc)
@@ -234,6 +258,15 @@ class DeviceOp(Generic[T]):
     def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> T:
         """(iterative ops) the output, given the values of :meth:`_deps`."""
         return self._execute(ctx)
+
+    def _inputs(self) -> tuple[Tensor, ...]:
+        """The tensors this op was given directly (placement; see :mod:`._placement`)."""
+        return ()
+
+    def _pin(self) -> tuple[Device | None, bool]:
+        """(a device this op runs on whatever its inputs, whether to stop the placement walk
+        here): ``(None, False)`` unless the op says otherwise (``to_device``, ``zip``)."""
+        return (None, False)
 
     def _failed(self, exc: BaseException) -> None:
         """(iterative ops) a dependency raised ``exc`` while this op was executing."""
@@ -299,7 +332,7 @@ class DeviceOp(Generic[T]):
                 this op's work (or of an op whose output it consumed).
         """
         policy = _current_policy()
-        stream = policy.next_stream()
+        stream = _stream_for(policy, self)
         out = _run(self, stream, policy, "sync()")
         _finish_sync(self, stream, out)
         return out
@@ -325,7 +358,7 @@ class DeviceOp(Generic[T]):
         if guard.active is not None:
             self._consume()
             refuse_nested(f"schedule() on {self._describe()}")
-        stream = policy.next_stream()
+        stream = _stream_for(policy, self)
         try:
             out = _run(self, stream, policy, "schedule()")
         except Exception as exc:
@@ -377,6 +410,16 @@ class DeviceOp(Generic[T]):
         from ._dot import to_dot
 
         return to_dot(self)
+
+
+def _stream_for(policy: SchedulingPolicy, op: DeviceOp[Any]) -> Stream:
+    """The policy's stream for ``op`` (placing policies look at its data); a refusal
+    consumes the op (the error is the report)."""
+    try:
+        return policy.stream_for(op)
+    except BaseException:
+        op._consume()
+        raise
 
 
 def _finish_sync(op: DeviceOp[Any], stream: Stream, out: Any) -> None:

@@ -168,7 +168,16 @@ def ordered(stream: Stream, reads: Sequence[Storage], writes: Sequence[Storage],
             for s, q in st.reads.items():
                 if s is not stream:
                     stream.wait_for(s, q)
-    call(*args)
+    enter = stream.enter_device
+    if enter is None:
+        call(*args)
+    else:  # cuda: the stream's device current for the driver calls, the thread's given back
+        prev = enter()
+        try:
+            call(*args)
+        finally:
+            if prev >= 0:
+                stream.exit_device(prev)  # type: ignore[misc]
     seq = stream.seq + 1  # (Stream.bump)
     stream.seq = seq
     for st in reads:

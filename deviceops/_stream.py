@@ -108,9 +108,16 @@ class Stream(ABC):
         id: a process-unique number.
         seq: how many operations were enqueued on it so far.
         capture: the graph capture it belongs to, if any.
+        enter_device: ``None``, or (cuda) a function making the stream's device current
+            on the calling thread and returning the device to give back to
+            :attr:`exit_device` (-1: nothing to give back). Every op's driver calls run
+            between the two (:func:`deviceops._storage.ordered`), so no op depends on, or
+            leaks, the thread's current device.
     """
 
     native: Any = None
+    enter_device: Callable[[], int] | None = None
+    exit_device: Callable[[int], None] | None = None
 
     def __init__(self, device: Device) -> None:
         self.device = device

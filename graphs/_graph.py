@@ -98,7 +98,7 @@ class CudaGraph(Generic[T]):
         """Enqueue one replay on :attr:`stream` now; does not block."""
         refuse_nested("CudaGraph.launch()")
         with enqueue_lock:
-            self._replay(ExecutionContext(self.stream, _policy()))
+            self._replay(ExecutionContext(self.stream, None))  # (the policy: resolved if asked)
 
     def launch_op(self) -> DeviceOp[T]:
         """A DeviceOp that replays the graph on the stream it executes on; produces the output."""
@@ -126,6 +126,9 @@ class _LaunchOp(DeviceOp[Any]):
         self._graph._replay(ctx)
         return self._graph._output
 
+    def _pin(self) -> tuple[Any, bool]:
+        return (self._graph.stream.device, True)  # a graph replays on the device it was captured on
+
     def _describe(self) -> str:
         return f"graph_launch({self._graph._state.op_name})"
 
@@ -135,9 +138,14 @@ def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
     refuse_nested(f"graph() of {op._describe()}")
     if op._state == _OWNED and not op._multi_use:
         raise _owned_error(op, "graph()")
-    policy = _policy()
+    policy = None
     if stream is None:
-        stream = policy.next_stream()
+        policy = _policy()
+        try:
+            stream = policy.stream_for(op)
+        except BaseException:
+            op._consume()
+            raise
     if stream.capture is not None:
         raise CaptureError(f"{stream!r} is already capturing", op=op._describe())
     stream.device.synchronize()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops.extend import ShapeError
+from deviceops.extend import DeviceError, ShapeError
 
 from . import _experiment
 from ._attention_check import attention_check
@@ -187,9 +187,10 @@ def _check_array(name: str, a: Any, device_id: int, align: int = 16) -> None:
             op="flash_attention",
         )
     if a.device.id != device_id:
-        raise ShapeError(
-            f"flash_attention: {name} is on device {a.device.id}, q on device {device_id}",
-            op="flash_attention",
+        raise DeviceError(
+            f"flash_attention: {name} is on cuda:{a.device.id} but q is on cuda:{device_id}; "
+            f"copy it first with api.to_device(t, 'cuda:{device_id}')",
+            op="flash_attention", device=f"cuda:{a.device.id}",
         )
 
 

@@ -52,7 +52,9 @@ def same_device(name: str, ts: Mapping[str, Tensor | None]) -> None:
     k0, t0 = given[0]
     for k, t in given[1:]:
         if t.device is not t0.device:
-            raise DeviceError(f"{name}: {k} is on {t.device} but {k0} is on {t0.device}", op=name)
+            raise DeviceError(f"{name}: {k} is on {t.device} but {k0} is on {t0.device}; an op "
+                              f"runs on one device: copy one first with api.to_device(t, "
+                              f"{str(t0.device)!r})", op=name, device=str(t.device))
 
 
 def checked(name: str, ts: Mapping[str, Tensor | None], check: Callable[[Any], Any]) -> Any:

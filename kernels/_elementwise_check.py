@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from deviceops.extend import DTypeError, ShapeError, Tensor, int32, int64
+from deviceops.extend import DeviceError, DTypeError, ShapeError, Tensor, int32, int64
 
 from ._launch import contiguous
 
@@ -25,7 +25,9 @@ def _check_pair(name: str, a: Tensor, b: Tensor, an: str, bn: str) -> None:
     if aa.dtype != ba.dtype:
         raise DTypeError(f"{name}: {an} dtype {a.dtype} != {bn} dtype {b.dtype}", op=name)
     if a._storage.device is not b._storage.device:
-        raise ShapeError(f"{name}: {an} is on {a.device}, {bn} on {b.device}", op=name)
+        raise DeviceError(f"{name}: {an} is on {a.device} but {bn} is on {b.device}; an op runs "
+                          f"on one device: copy one first with api.to_device(t, {str(a.device)!r})",
+                          op=name, device=str(b.device))
 
 
 def _saxpy_check(z: Tensor, x: Tensor) -> None:

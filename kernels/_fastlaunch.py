@@ -19,8 +19,10 @@ is the only place the driver library is loaded through ctypes.
 The function handle comes from the CuPy module (loaded and cached by
 :mod:`._module`), so compilation, caching and module lifetime stay CuPy's.
 Launch failures raise :class:`~deviceops.DriverError` naming the kernel and
-device. A thread whose current CUDA context is not the kernel's device gets
-it made current once (``cudaSetDevice``) and the launch retried.
+device. Launches made through ``deviceops.extend.ordered`` run with their stream's
+device current; one made elsewhere from a thread whose current CUDA context is another
+device's is retried once with the kernel's device current, and the thread's device is
+given back.
 """
 
 from __future__ import annotations
@@ -278,14 +280,18 @@ def retry_or_raise(ln: Any, exc: Exception, grid: tuple[int, int, int], block: t
     import cupy
 
     status = getattr(exc, "status", None)
-    if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
-        cupy.cuda.runtime.setDevice(ln.device_index)
+    rt = cupy.cuda.runtime
+    if status in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE) and rt.getDevice() != ln.device_index:
+        prev = rt.getDevice()
+        rt.setDevice(ln.device_index)
         try:
             driver_launch()(ln._fptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                             shared_mem, stream_ptr, params, 0)
             return
         except Exception as again:
             exc = again
+        finally:
+            rt.setDevice(prev)
     raise DriverError(f"launching {ln.name} (grid {grid}, block {block}) on cuda:{ln.device_index} "
                       f"failed: {exc}", op=ln.name, device=f"cuda:{ln.device_index}") from exc
 
@@ -324,11 +330,19 @@ def _launch_ex(ln: Launcher, cfg: tuple[Any, ...], params: int) -> None:
         fn.restype = ctypes.c_int
     rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
     if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
-        # this thread's current context is another device's: make the kernel's current, retry
+        # this thread's current context is another device's (a launch outside
+        # deviceops.extend.ordered, which makes the stream's device current): make the
+        # kernel's device current for the retry, then give the thread its device back
         import cupy
 
-        cupy.cuda.runtime.setDevice(ln.device_index)
-        rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
+        rt = cupy.cuda.runtime
+        prev = rt.getDevice()
+        if prev != ln.device_index:
+            rt.setDevice(ln.device_index)
+            try:
+                rc = fn(ctypes.addressof(cfg[0]), ln._fptr, params, None)
+            finally:
+                rt.setDevice(prev)
     if rc:
         _pdl_failed(ln, rc)
 

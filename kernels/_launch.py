@@ -124,5 +124,9 @@ class KernelOp(DeviceOp[Any]):
     def _children(self) -> tuple[DeviceOp[Any], ...]:
         return tuple(a for a in self._args if isinstance(a, DeviceOp))
 
+    def _inputs(self) -> tuple[Tensor, ...]:
+        return tuple(a.tensor if isinstance(a, Partition) else a for a in self._args
+                     if isinstance(a, Tensor | Partition))
+
     def _describe(self) -> str:
         return self._name

@@ -4,7 +4,8 @@
 |------------------------------------------|-----------------------------|---------------------|
 | ``StreamPoolRoundRobin(device, n=4)``    | ``n`` streams on one device | overlap             |
 | ``SingleStream(stream)``                 | that stream                 | run in order        |
-| ``MultiDeviceRoundRobin(devices, n=2)``  | ``n`` per device, rotating  | spread over devices |
+| ``MultiDeviceRoundRobin(devices, n=2)``  | ``n`` per device; an op on  | each on its data's  |
+|                                          | its inputs' device          | device, else spread |
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from deviceops._errors import SchedulingError
+from deviceops._errors import DeviceError, SchedulingError
+from deviceops._placement import placement
 
 from ._policy import SchedulingPolicy
 
 if TYPE_CHECKING:
     from deviceops._device import Device
+    from deviceops._op import DeviceOp
     from deviceops._stream import Stream
 
 __all__ = ["MultiDeviceRoundRobin", "SingleStream", "StreamPoolRoundRobin"]
@@ -72,16 +75,28 @@ class SingleStream(SchedulingPolicy):
 
 
 class MultiDeviceRoundRobin(SchedulingPolicy):
-    """Rotates over devices, and over ``streams_per_device`` streams on each.
+    """Runs each op on the device its data lives on; spreads the rest over the devices.
 
-    Successive ops and zip branches land on successive devices, so independent
-    branches of a ``zip`` spread over the GPUs. An op still runs where it is
-    placed: a tensor from another device is refused with an error naming
-    ``api.to_device``; copy it explicitly.
+    Placement follows the data: an op (or a ``zip`` branch) whose input tensors live on
+    one device runs on a stream of that device (its ``streams_per_device`` streams in
+    turn); an op with no input tensors (``api.zeros``, ``api.from_host``) takes the next
+    device in turn, so independent ``zip`` branches spread over the GPUs and overlap. An
+    op whose inputs live on two devices is refused before anything is enqueued, with a
+    :class:`~deviceops.DeviceError` naming both devices and ``api.to_device``; copy
+    explicitly. ``api.to_device(t, d)`` is placed on ``d``.
 
     Args:
         devices: the devices (``None``: every CUDA device, or ``cpu`` without one).
+            Emulated cpu devices (``"cpu:0"``, ``"cpu:1"``) work as GPUs do; the two
+            backends cannot be mixed.
         streams_per_device: streams per device, >= 1.
+
+    Example:
+        >>> pol = MultiDeviceRoundRobin(["cpu:0", "cpu:1"])
+        >>> with deviceops.using(pol):
+        ...     a, b = deviceops.zip(api.ones((4,)), api.ones((4,))).sync()
+        >>> (str(a.device), str(b.device))
+        ('cpu', 'cpu:1')
     """
 
     spans_devices = True
@@ -95,6 +110,8 @@ class MultiDeviceRoundRobin(SchedulingPolicy):
         devs = [_device(d) for d in devices]
         if not devs:
             raise SchedulingError("MultiDeviceRoundRobin: give at least one device")
+        if len(set(devs)) != len(devs):
+            raise SchedulingError(f"MultiDeviceRoundRobin: a device is named twice in {devs}")
         if len({d.backend for d in devs}) > 1:
             raise SchedulingError("MultiDeviceRoundRobin: cannot mix the cpu backend with CUDA devices")
         if streams_per_device < 1:
@@ -104,15 +121,35 @@ class MultiDeviceRoundRobin(SchedulingPolicy):
         # interleave: d0s0, d1s0, ..., d0s1, d1s1, ...
         self.streams: tuple[Stream, ...] = tuple(s for group in zip(*pools, strict=True) for s in group)
         self._next = itertools.cycle(self.streams).__next__
+        self._per_device = {d: itertools.cycle(pool).__next__ for d, pool in zip(devs, pools, strict=True)}
         self._lock = threading.Lock()
 
     def next_stream(self) -> Stream:
         with self._lock:
             return self._next()
 
+    def stream_for(self, op: DeviceOp[Any]) -> Stream:
+        """A stream of the device ``op``'s inputs live on, else :meth:`next_stream`.
+
+        Raises:
+            DeviceError: the inputs live on two devices, or on a device this policy does
+                not cover.
+        """
+        dev = placement(op)
+        if dev is None:
+            return self.next_stream()
+        nxt = self._per_device.get(dev)
+        if nxt is None:
+            raise DeviceError(
+                f"{op._describe()}: its inputs live on {dev}, which {self!r} does not cover; "
+                f"add {str(dev)!r} to its devices or copy the data with api.to_device",
+                op=op._describe(), device=str(dev))
+        with self._lock:
+            return nxt()
+
     @property
     def device(self) -> Device:
         return self.devices[0]
 
     def __repr__(self) -> str:
-        return f"MultiDeviceRoundRobin(devices={list(self.devices)!r})"
+        return f"MultiDeviceRoundRobin(devices={[str(d) for d in self.devices]!r})"

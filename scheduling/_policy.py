@@ -18,13 +18,14 @@ import contextvars
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deviceops import _hooks
 from deviceops._device import default_device
 
 if TYPE_CHECKING:
     from deviceops._device import Device
+    from deviceops._op import DeviceOp
     from deviceops._stream import Stream
 
 __all__ = ["SchedulingPolicy", "current_policy", "set_default_policy", "using"]
@@ -46,6 +47,17 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def next_stream(self) -> Stream:
         """The stream the next op (or zip branch) should run on."""
+
+    def stream_for(self, op: DeviceOp[Any]) -> Stream:
+        """The stream to run ``op`` (a top-level op or a zip branch) on.
+
+        The default is :meth:`next_stream`; a policy that places ops by their data
+        (:class:`MultiDeviceRoundRobin`) looks at ``op``'s input tensors.
+
+        Raises:
+            DeviceError: the policy refuses ``op`` (its inputs live on two devices).
+        """
+        return self.next_stream()
 
     @property
     def device(self) -> Device:

@@ -112,19 +112,19 @@ def _fake_launch_ex(monkeypatch: pytest.MonkeyPatch, results: list[int]) -> list
 
 def test_pdl_launch_retries_once_on_the_kernels_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A PDL launch from a thread whose current context is another device's (CUresult 201)
-    makes the kernel's device current and retries once, as plain launches do."""
+    makes the kernel's device current, retries once, and gives the thread its device back."""
     import sys
     import types
 
     seen: list[int] = []
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
-        setDevice=seen.append)))  # fmt: skip
+        setDevice=seen.append, getDevice=lambda: 0)))  # fmt: skip
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     calls = _fake_launch_ex(monkeypatch, [201, 0])
     cfg = _fastlaunch._pdl_config((2, 1, 1), (128, 1, 1), 0, 4096)
     assert cfg[0].shared_mem == 4096 and cfg[0].grid_x == 2
     _fastlaunch._launch_ex(_FakeKernelFn(), cfg, 99)  # type: ignore[arg-type]
-    assert calls == [(1234, 99), (1234, 99)] and seen == [3]
+    assert calls == [(1234, 99), (1234, 99)] and seen == [3, 0]
 
 
 def test_pdl_launch_failure_names_kernel_device_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,20 +160,21 @@ def test_launcher_for_follows_the_pdl_switch(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_plain_launch_retry_on_the_kernels_device_then_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``retry_or_raise``: an invalid-context failure makes the kernel's device current and
-    launches again; a second failure, or any other error, raises DriverError naming the kernel."""
+    """``retry_or_raise``: an invalid-context failure makes the kernel's device current,
+    launches again and gives the thread its device back; a second failure, or any other error,
+    raises DriverError naming the kernel."""
     import sys
     import types
 
     seen: list[int] = []
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
-        runtime=types.SimpleNamespace(setDevice=seen.append))))  # fmt: skip
+        runtime=types.SimpleNamespace(setDevice=seen.append, getDevice=lambda: 0))))  # fmt: skip
     launches: list[int] = []
     monkeypatch.setattr(_fastlaunch, "_cu_launch", lambda fptr, *rest: launches.append(fptr))
     exc = RuntimeError("invalid context")
     exc.status = 201  # type: ignore[attr-defined]
     _fastlaunch.retry_or_raise(_FakeKernelFn(), exc, (1, 1, 1), (32, 1, 1), 0, 0, 0)
-    assert seen == [3] and launches == [1234]
+    assert seen == [3, 0] and launches == [1234]
     other = RuntimeError("launch out of resources")
     with pytest.raises(deviceops.DriverError, match=r"fake_kernel.*cuda:3.*out of resources"):
         _fastlaunch.retry_or_raise(_FakeKernelFn(), other, (1, 1, 1), (32, 1, 1), 0, 0, 0)
