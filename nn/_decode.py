@@ -3,7 +3,11 @@
 and replayed per token. Positions, key counts, input tokens and sampling state live in
 device memory; the host keeps a shadow of them and uploads it only when a row does not
 continue from the previous step. Functions of a :class:`~.model.CausalLM`, whose
-:meth:`~.model.CausalLM.decode_step` documents the behaviour."""
+:meth:`~.model.CausalLM.decode_step` documents the behaviour.
+
+Every op runs on the model's :attr:`~.model.CausalLM.device_stream`: graphs are captured
+on it under the model's own policy and replayed there, so nothing consults the default
+policy, which lives on the default device."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor, api
 
 from ._forward import Thunk, chain, head, layers_chain
-from ._prefill import graph_refused, prefill_graph_op
+from ._prefill import graph_on_model, graph_refused, launch, prefill_graph_op
 
 if TYPE_CHECKING:
     from .model import CausalLM
@@ -69,7 +73,7 @@ def decode_step(m: CausalLM, slots: Sequence[int], tokens: Sequence[int],
         api.memcpy(m._counter, api.from_host(m._h_counter)).async_on(s)
         m._dirty = False
     if use_graph:
-        m._graphs[b].launch()
+        launch(m, m._graphs[b])
     else:
         run_eager(m, b)
     # advance the shadow: active rows moved one position and drew one number
@@ -90,7 +94,7 @@ def capture(m: CausalLM, b: int) -> None:
     idle[3, :b][idle[3, :b] < 0] = 0
     api.memcpy(m._state, api.from_host(idle)).async_on(s)
     step_op(m, b).sync_on(s)
-    m._graphs[b] = step_op(m, b).graph_on(s)
+    m._graphs[b] = graph_on_model(m, step_op(m, b))
     m._dirty = True  # the warm-up advanced the idle rows' counters
 
 
@@ -129,7 +133,7 @@ def capture_graphs(m: CausalLM, graph: bool | None) -> int:
     for key in keys:
         if key not in m._pf_graphs:
             try:
-                m._pf_graphs[key] = prefill_graph_op(m, *key).graph_on(s)
+                m._pf_graphs[key] = graph_on_model(m, prefill_graph_op(m, *key))
                 n += 1
             except deviceops.DeviceError as exc:
                 m._pf_graphs[key] = None

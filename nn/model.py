@@ -49,8 +49,19 @@ methods enqueue on :attr:`CausalLM.device_stream` and return without waiting):
   reserve is only needed to claim memory up front (the serving engine does, at admission).
 * ``release(slot)``: forget the row (it becomes inactive at the next decode step) and give
   its blocks back to the pool.
-* ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view (``await`` it or
-  ``sync_on(model.device_stream)``).
+* ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view (run it on the
+  model's stream: ``sync_on(model.device_stream)`` or ``await op.schedule(model.policy)``).
+
+Devices: a model lives on one device (``device=``: ``"cpu"``, ``"cpu:N"``, ``"cuda"``,
+``"cuda:N"``, an int N or a :class:`~deviceops.Device`; default: the default device when
+it is built), and every op it enqueues — weight upload, arena, KV pools, block table, per-row state, graph
+captures and replays, eager steps, host copies — runs on :attr:`CausalLM.device_stream`, a
+stream of that device, never on a stream of the default policy (which lives on the
+*default* device, possibly another one). The ops it hands out (:meth:`CausalLM.logits`,
+:meth:`CausalLM.read`) must run there too: ``op.sync_on(model.device_stream)``,
+``await op.schedule(model.policy)`` or inside ``with deviceops.using(model.policy):``;
+run on a stream of another device they raise :class:`~deviceops.DeviceError` naming the
+fix.
 
 Rows are independent: a row's tokens do not depend on what the other rows hold (up to
 the floating-point differences of different GEMM shapes on the GPU).
@@ -72,6 +83,7 @@ import numpy as np
 
 import deviceops
 from deviceops import DeviceOp, Tensor, api
+from deviceops.scheduling import SingleStream
 
 from . import _decode, _prefill
 from ._forward import Arena, Thunk, buckets, chain
@@ -90,12 +102,24 @@ class KVCacheFull(RuntimeError):
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _resolve_device(device: Any) -> deviceops.Device:
+def resolve_device(device: Any, what: str = "CausalLM") -> deviceops.Device:
+    """The :class:`~deviceops.Device` a model is built on.
+
+    Args:
+        device: a Device, ``"cpu"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:N"``, an int N (CUDA
+            ordinal), or ``None``: the default device at this moment.
+        what: the caller, named in errors.
+
+    Raises:
+        TypeError, ValueError: ``device`` names no device.
+        DeviceError: a CUDA device that does not exist (or no GPU at all).
+    """
     if device is None:
         return deviceops.default_device()
-    if isinstance(device, deviceops.Device):
-        return device
-    return deviceops.device(device)
+    try:
+        return deviceops.device(device)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from exc
 
 
 class CausalLM:
@@ -111,7 +135,10 @@ class CausalLM:
         chat_template: the jinja2 chat template text, if any.
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``; ``None``: float16 on CUDA,
             float32 on the cpu backend.
-        device: a :class:`~deviceops.Device`, ``"cpu"``, a CUDA index, or ``None`` (default).
+        device: where the model lives and runs: a :class:`~deviceops.Device`, ``"cpu"``,
+            ``"cpu:N"`` (an emulated cpu device), ``"cuda"``, ``"cuda:N"``, a CUDA index, or
+            ``None`` (the default device now). Every op of the model runs on a stream of it,
+            whatever the default device and policy are later.
         max_batch: cache rows (concurrent sequences); ``None``: 32 on CUDA, 4 on cpu.
         max_seq: positions per row; ``None``: ``min(context, 2048)`` on CUDA, 1024 on cpu.
         prefill_chunk: prompt tokens per prefill launch (longer prompts go in chunks).
@@ -122,9 +149,11 @@ class CausalLM:
             length needs; see ``reserve``).
 
     Attributes:
-        config, tokenizer, device, dtype, device_stream (the stream every step is enqueued
-        on), max_batch, max_seq, cache (the block pools), blocks (the
-        :class:`~.kv_cache.BlockAllocator`), block_size, max_blocks (block-table columns).
+        config, tokenizer, device, dtype, device_stream (the stream of :attr:`device` every
+        op of the model is enqueued on), policy (``SingleStream(device_stream)``: schedule or
+        await the ops the model hands out with it), max_batch, max_seq, cache (the block
+        pools), blocks (the :class:`~.kv_cache.BlockAllocator`), block_size, max_blocks
+        (block-table columns).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], *, tokenizer: Any,
@@ -132,7 +161,7 @@ class CausalLM:
                  max_batch: int | None = None, max_seq: int | None = None,
                  prefill_chunk: int = 512, kv_block_size: int = 16,
                  kv_blocks: int | None = None) -> None:
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         if dtype is None:
             dtype = "float32" if dev.is_cpu else "float16"
         dtype = str(np.dtype(dtype)) if dtype not in _DTYPES else dtype
@@ -160,6 +189,7 @@ class CausalLM:
         self.max_seq = max_seq
         self.prefill_chunk = min(prefill_chunk, max_seq)
         self.device_stream = dev.new_stream()
+        self.policy = SingleStream(self.device_stream)
         self._template = None
         if chat_template:
             bos = self._token_text(config.bos_token_id)
@@ -278,20 +308,43 @@ class CausalLM:
 
         It writes the prompt's keys and values into cache row ``slot`` (default 0), which
         gets the blocks it needs and keeps them (:meth:`release` gives them back).
+
+        Run the op on the model's stream: ``op.sync_on(model.device_stream)``, ``await
+        op.schedule(model.policy)`` or inside ``with deviceops.using(model.policy):`` (a
+        policy that places ops by their data, such as ``MultiDeviceRoundRobin``, also
+        finds the model's device). The output lives on :attr:`device`.
+
+        Raises:
+            ValueError: bad ids or slot, or more than ``max_seq`` tokens (at the call).
+            KVCacheFull: the pool has too few free blocks (at the call).
+            DeviceError: the op was executed on a stream of another device than the
+                model's (when it is enqueued; nothing of the model runs).
         """
         ids_l = self._check_ids(list(ids), "logits")
         slot = self._check_slot(slot, "logits")
         if len(ids_l) > self.max_seq:
             raise ValueError(f"logits: {len(ids_l)} tokens exceed max_seq={self.max_seq}")
         self._grow(slot, len(ids_l), "logits")
-        n, ch = len(ids_l), self.prefill_chunk
+        n, ch, dev = len(ids_l), self.prefill_chunk, self.device
 
         def body(out: Tensor) -> DeviceOp[Any]:
+            if out.device is not dev:  # executed on a stream of another device
+                raise deviceops.DeviceError(
+                    f"CausalLM.logits: the op is executing on a stream of {out.device}, but the "
+                    f"model lives on {dev}; run it on the model's stream: "
+                    "op.sync_on(model.device_stream), await op.schedule(model.policy), or "
+                    "inside `with deviceops.using(model.policy):`",
+                    op="CausalLM.logits", device=str(out.device))
             parts = [(a, ids_l[a:a + ch]) for a in range(0, n, ch)]
             thunks = [_prefill.bind_chunk(self, slot, p, a, out) for a, p in parts]
             return chain(thunks).map(lambda _: out)
 
-        return api.empty((n, self.config.vocab_size), self.dtype).then(body)
+        vocab, dtype = self.config.vocab_size, self.dtype
+        # rooted at one of the model's tensors: a policy that places ops by their data
+        # (MultiDeviceRoundRobin) runs the op on the model's device
+        return (deviceops.value(self._table)
+                .then(lambda _: api.empty((n, vocab), dtype))
+                .then(body))
 
     # -- step API (see the module docstring) -------------------------------------------------
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -418,7 +471,12 @@ class CausalLM:
             self._row_blocks[slot] = []
 
     def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
-        """The host copy of a token view returned by :meth:`prefill` / :meth:`decode_step`."""
+        """The host copy of a token view returned by :meth:`prefill` / :meth:`decode_step`.
+
+        Run it on the model's stream (``sync_on(model.device_stream)`` or ``await
+        op.schedule(model.policy)``): it is ordered after the step that wrote the view, and
+        a stream of another device refuses the view (``DeviceError``).
+        """
         return api.to_host(view)
 
     # -- generation --------------------------------------------------------------------------
