@@ -76,7 +76,7 @@ def _sm90_kernel(
             arch_suffix="a",
         )
         raw = mod.get_function("attn_fwd_sm90")
-        set_max_dynamic_smem(raw, sm90_smem_bytes(dp, bn, nwg, nstage))
+        set_max_dynamic_smem(raw, sm90_smem_bytes(dp, bn, nwg, nstage), device_id)
         fn = _kernels[key] = fast_kernel(raw, "attn_fwd_sm90", device_id)
     return fn
 
@@ -139,7 +139,7 @@ def _splitkv_kernels(
         mod = load_module(expanded_source("attn_splitkv.cu"), options=opts, device_id=device_id)
         raw = (mod.get_function("attn_splitkv"), mod.get_function("attn_splitkv_combine"))
         if smem:
-            set_max_dynamic_smem(raw[0], smem)
+            set_max_dynamic_smem(raw[0], smem, device_id)
         fns = (
             Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
             Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),

@@ -33,6 +33,8 @@ from typing import Any
 
 from deviceops.extend import DriverError
 
+from ._module import function_ptr
+
 __all__ = ["KernelFn", "Launcher", "driver_launch", "fast_kernel", "launch_packed", "launch_packed_pdl",
            "launch_pdl", "launch_plain", "launcher_for", "libcuda", "max_active_clusters", "pdl_enabled",
            "replay_calls", "retry_or_raise"]
@@ -85,7 +87,7 @@ class Launcher:
     def __init__(self, kernel: Any, codes: str, name: str, device_index: int) -> None:
         if any(c not in _CTYPES for c in codes):
             raise ValueError(f"Launcher({name}): unknown argument code in {codes!r}; use p, f, d, i, q")
-        self._fptr = int(kernel.kernel.ptr)
+        self._fptr = function_ptr(kernel, device_index)
         self._types = tuple(_CTYPES[c] for c in codes)
         self._cache: dict[tuple[Any, ...], Any] = {}
         self._launch = driver_launch()

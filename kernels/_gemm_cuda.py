@@ -30,7 +30,7 @@ from . import _gemm_check as GC
 from . import _gemm_plan as G
 from ._experiment import KernelOverrides
 from ._fastlaunch import Launcher, launcher_for, max_active_clusters
-from ._module import expanded_source, load_module, set_max_dynamic_smem
+from ._module import expanded_source, function_ptr, load_module, set_max_dynamic_smem
 from ._tma import TmaLaunch
 
 __all__ = ["expanded_source", "gemm_cuda"]
@@ -78,7 +78,7 @@ def _launcher(device_id: int, file: str, func: str, defines: tuple[str, ...], co
     ln = _lcache.get(key)
     fn = _kernel(device_id, file, func, defines)
     if smem > 48 * 1024:
-        set_max_dynamic_smem(fn, smem)
+        set_max_dynamic_smem(fn, smem, device_id)
     if ln is None:
         ln = _lcache[key] = Launcher(fn, codes, func, device_id)
     return ln
@@ -127,7 +127,7 @@ def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int, int, int, int], b
             f"SW_MC={mc}", f"GEMM_BF16={bf16}", "GEMM_TRANS_B=1")
     fn = _kernel(dev, "gemm_skinny_tma.cu", "gemm_skinny_tma", defs, arch_suffix="a")
     smem = G.skinny_tma_smem(bn, stages, ncw)
-    set_max_dynamic_smem(fn, smem)
+    set_max_dynamic_smem(fn, smem, dev)
     bb = batch if b_batched else 1
     geo_x = ((k, m, batch), (k * 2, m * k * 2), (64, bn // mc, 1))  # a block's share of the tile
     geo_w = ((k, n, bb), (k * 2, n * k * 2), (64, bm, 1))
@@ -246,7 +246,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
                   *ov.gemm_sm90_defines)  # fmt: skip
         fn = _kernel(dev, "gemm_sm90.cu", "gemm_sm90", defs90, arch_suffix="a")
         smem = _sm90_smem(bn, ncw, stages, epi_tma)
-        set_max_dynamic_smem(fn, smem)
+        set_max_dynamic_smem(fn, smem, dev)
         block90 = (128 * (ncw + 1), 1, 1)
         bb = batch if b_batched else 1
         geo_a = ((k, m, batch), (k * 2, m * k * 2), (64, bm, 1))
@@ -255,7 +255,7 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         # tiles of CL * BM rows (a cluster's); the grid is CL blocks per cluster, persistent
         tiles_m, tiles_n = G._cdiv(m, bm * cl), G._cdiv(n, bn)
         total = batch * splits * tiles_m * tiles_n
-        slots = n_sm if cl == 1 else max_active_clusters(int(fn.kernel.ptr), cl * (n_sm // cl), block90, smem,
+        slots = n_sm if cl == 1 else max_active_clusters(function_ptr(fn, dev), cl * (n_sm // cl), block90, smem,
                                                          "gemm", dev)  # fmt: skip
         i32, f32 = ctypes.c_int32, ctypes.c_float
         tail90 = tuple(zip((i32,) * 10 + (f32, f32, i32, i32, i32),

@@ -117,7 +117,29 @@ def load_module(
         return mod
 
 
-def set_max_dynamic_smem(kernel: Any, nbytes: int) -> None:
-    """Allow ``kernel`` (a :class:`cupy.RawKernel`) ``nbytes`` of dynamic shared memory."""
-    if kernel.max_dynamic_shared_size_bytes < nbytes:
-        kernel.max_dynamic_shared_size_bytes = nbytes
+def set_max_dynamic_smem(kernel: Any, nbytes: int, device_id: int) -> None:
+    """Allow ``kernel`` (a :class:`cupy.RawKernel`) ``nbytes`` of dynamic shared memory on
+    CUDA device ``device_id`` (a CuPy kernel loads one function per device: the attribute is
+    the function's of the device current when it is set)."""
+    key = (id(kernel), device_id)  # (kernels are cached for the process's lifetime)
+    if _smem_set.get(key, -1) >= nbytes:
+        return
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        if kernel.max_dynamic_shared_size_bytes < nbytes:
+            kernel.max_dynamic_shared_size_bytes = nbytes
+    _smem_set[key] = nbytes
+
+
+_smem_set: dict[tuple[int, int], int] = {}
+
+
+def function_ptr(kernel: Any, device_id: int) -> int:
+    """The ``CUfunction`` of ``kernel`` (a :class:`cupy.RawKernel`) loaded on CUDA device
+    ``device_id`` (CuPy loads a module once per device, on the device current when the
+    function is first asked for: a handle of another device fails to launch there)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return int(kernel.kernel.ptr)

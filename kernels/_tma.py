@@ -19,6 +19,7 @@ from typing import Any
 from deviceops.extend import ShapeError
 
 from ._fastlaunch import launch_packed, launch_packed_pdl, libcuda, pdl_enabled
+from ._module import function_ptr
 
 __all__ = ["TmaLaunch", "TmaMap", "encode_tiled"]
 
@@ -102,7 +103,7 @@ class TmaLaunch:
     def __init__(self, fn: Any, dev: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                  maps: tuple[tuple[int, tuple[Any, ...]], ...], tail: tuple[Any, ...], name: str = "gemm_sm90"
                  ) -> None:
-        self._fptr = int(fn.kernel.ptr)
+        self._fptr = function_ptr(fn, dev)
         self.device_index, self.grid, self.block, self.smem, self.name = dev, grid, block, smem, name
         self.pdl = pdl_enabled(dev)  # the kernels wait for their predecessor (griddepcontrol.wait)
         self.maps = maps

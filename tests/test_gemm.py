@@ -307,6 +307,7 @@ def test_tma_launch_packs_maps_pointers_and_scalars(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_tma, "_encoder", lambda: enc)
     monkeypatch.setattr(_tma, "_tma_cache", type(_tma._tma_cache)())
     monkeypatch.setattr(_tma, "pdl_enabled", lambda dev: False)
+    monkeypatch.setattr(_tma, "function_ptr", lambda fn, dev: int(fn.kernel.ptr))  # (no CuPy)
     launched: list[tuple[int, ...]] = []
     monkeypatch.setattr(_tma, "launch_packed", lambda ln, g, b, smem, sp, entry: launched.append((g, smem, entry[0])))
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=42))
