@@ -245,9 +245,14 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
         if len(ops) <= 1:
             return tuple(op._exec(ctx) for op in ops)
         if _multi(ctx):  # each branch on its data's device (else the next in turn)
-            policy = ctx.policy
-            streams = [home if placement(ops[0]) in (None, home.device) else policy.stream_for(ops[0])]
-            streams += [policy.stream_for(op) for op in ops[1:]]
+            policy: Any = ctx.policy
+            on = getattr(policy, "stream_on", None)
+            if on is None:
+                streams = [home, *(policy.stream_for(op) for op in ops[1:])]
+            else:  # one placement walk a branch
+                places = [placement(op) for op in ops]
+                streams = [home if places[0] in (None, home.device) else on(places[0], ops[0]._describe())]
+                streams += [on(d, op._describe()) for d, op in _bzip(places[1:], ops[1:])]
         else:
             streams = [home]
             for _ in ops[1:]:

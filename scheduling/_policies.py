@@ -135,15 +135,23 @@ class MultiDeviceRoundRobin(SchedulingPolicy):
             DeviceError: the inputs live on two devices, or on a device this policy does
                 not cover.
         """
-        dev = placement(op)
+        return self.stream_on(placement(op), op._describe())
+
+    def stream_on(self, dev: Device | None, what: str = "an op") -> Stream:
+        """The next stream of ``dev`` (``None``: :meth:`next_stream`); ``what`` names the op
+        in the error.
+
+        Raises:
+            DeviceError: this policy does not cover ``dev``.
+        """
         if dev is None:
             return self.next_stream()
         nxt = self._per_device.get(dev)
         if nxt is None:
             raise DeviceError(
-                f"{op._describe()}: its inputs live on {dev}, which {self!r} does not cover; "
+                f"{what}: its inputs live on {dev}, which {self!r} does not cover; "
                 f"add {str(dev)!r} to its devices or copy the data with api.to_device",
-                op=op._describe(), device=str(dev))
+                op=what, device=str(dev))
         with self._lock:
             return nxt()
 
