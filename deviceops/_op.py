@@ -155,7 +155,7 @@ def _drive(root: DeviceOp[T], ctx: ExecutionContext) -> T:
         while True:
             next(walk)
     except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+        return done.value
 
 
 def _walk(root: DeviceOp[T], deps: tuple[DeviceOp[Any], ...], ctx: ExecutionContext
@@ -168,7 +168,7 @@ def _walk(root: DeviceOp[T], deps: tuple[DeviceOp[Any], ...], ctx: ExecutionCont
     """
     if not deps:
         out0: Any = root._finish(ctx, [])
-        return out0._exec(ctx) if root._tail else out0  # type: ignore[no-any-return]
+        return out0._exec(ctx) if root._tail else out0
     sid = ctx.stream.id
     stack: list[list[Any]] = [[root, deps, []]]  # frames: [op, its deps, their values so far]
     try:
@@ -203,7 +203,7 @@ def _walk(root: DeviceOp[T], deps: tuple[DeviceOp[Any], ...], ctx: ExecutionCont
                 else:
                     out = nxt._exec(ctx)
             if not stack:
-                return out  # type: ignore[no-any-return]
+                return out
             stack[-1][2].append(out)
     except GeneratorExit:  # closed by a zip whose other branch failed: not this walk's failure
         raise

@@ -19,6 +19,7 @@ Modules: :mod:`.config` (LlamaConfig), :mod:`.loader` (GGUF / safetensors readin
 from __future__ import annotations
 
 from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
+from ._requests import EngineFailed
 from .config import LlamaConfig
 from .generation import generate, stream
 from .kv_cache import BlockAllocator, KVCache
@@ -30,6 +31,7 @@ __all__ = [
     "CausalLM",
     "Engine",
     "EngineClosed",
+    "EngineFailed",
     "EngineOverloaded",
     "KVCache",
     "KVCacheFull",

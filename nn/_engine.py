@@ -33,6 +33,14 @@ cancellation (its KV writes and sampled tokens must be accounted for); the GPU w
 awaited, so the event loop keeps running while a step is on the device, and the cpu
 backend executes it on its stream worker threads.
 
+**Failure.** By default a step that raises ends the requests it touched with that error
+(``finish_reason == "error"``) and the engine goes on. With ``fail_stop=True`` (each
+per-device engine of ``serve --devices``) a step that raises, or a prompt chunk that fails
+with a device error (:class:`~deviceops.LaunchError` / :class:`~deviceops.DriverError`),
+takes the engine out of service: every queued and running request ends with
+:class:`EngineFailed` (its ``__cause__`` the step's error), :attr:`Engine.failure` holds it
+and new requests are refused with it, so a router sends them to another device.
+
 The model side is the :class:`~._requests.StepModel` protocol (prefill a prompt chunk into a slot,
 decode a set of slots, release a slot); :func:`~._engine_model.step_model` adapts a
 ``CausalLM`` to it. Cancellation (``aclose()``, a cancelled consumer task, a dropped
@@ -42,6 +50,7 @@ stream) frees the request's slot at once, or at the end of the step in flight.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 from collections import deque
@@ -57,6 +66,7 @@ from ._requests import (
     _DONE,
     _QUEUED,
     EngineClosed,
+    EngineFailed,
     EngineOverloaded,
     EngineStats,
     RequestStream,
@@ -68,11 +78,14 @@ from ._requests import (
 __all__ = [
     "Engine",
     "EngineClosed",
+    "EngineFailed",
     "EngineOverloaded",
     "RequestStream",
     "SamplingParams",
     "StepModel",
 ]
+
+log = logging.getLogger("deviceops.nn.engine")
 
 
 def _lazy(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Callable[[], Awaitable[Any]]]:
@@ -102,6 +115,9 @@ class Engine(_Stepping):
             :class:`EngineOverloaded` (or waits, with :meth:`submit` ``wait=True``).
             Default ``4 * max_batch``.
         prefill_chunk: prompt tokens prefilled per step (long prompts take several steps).
+        fail_stop: a step that raises (a device error) takes the engine out of service
+            instead of failing only that step's requests (module docstring, *Failure*);
+            for engines behind a router that can send new requests elsewhere.
 
     Example:
         >>> engine = Engine(deviceops.nn.smollm2(), max_batch=8)
@@ -117,6 +133,7 @@ class Engine(_Stepping):
         max_seq: int = 2048,
         max_queue: int | None = None,
         prefill_chunk: int = 512,
+        fail_stop: bool = False,
     ) -> None:
         if isinstance(model, StepModel):
             steps: StepModel = model
@@ -138,6 +155,8 @@ class Engine(_Stepping):
         self.max_seq = int(max_seq)
         self.max_queue = int(max_queue) if max_queue is not None else 4 * self.max_batch
         self.prefill_chunk = int(prefill_chunk)
+        self.fail_stop = bool(fail_stop)
+        self._failure: EngineFailed | None = None
         self._reserve = getattr(steps, "reserve", None)  # paged KV: blocks at admission
         self._submit_decode: Callable[..., Callable[[], Awaitable[Any]]] = getattr(
             steps, "submit_decode", None) or _lazy(steps.decode_step)
@@ -254,7 +273,27 @@ class Engine(_Stepping):
             finished=self._finished,
             cancelled=self._cancelled,
             kv_blocks_total=total,
+            pending_tokens=self.pending_tokens,
         )
+
+    @property
+    def pending_tokens(self) -> int:
+        """Work held, in tokens: for every queued or running request, the prompt tokens not
+        yet prefilled plus the new tokens it may still generate (``max_new_tokens`` minus
+        those generated; an upper bound, as a request may stop early at EOS or a stop id).
+
+        The data-parallel router sends a request to the engine where this is smallest.
+        """
+        n = 0
+        for req in itertools.chain(self._queue, self._active):
+            if not req.cancelled:
+                n += len(req.prompt) - req.prefilled + max(0, req.max_new - len(req.out))
+        return n
+
+    @property
+    def failure(self) -> EngineFailed | None:
+        """The error that took a ``fail_stop`` engine out of service, else ``None``."""
+        return self._failure
 
     def close(self) -> None:
         """Refuse new requests and cancel every queued and running one (slots freed)."""
@@ -266,14 +305,47 @@ class Engine(_Stepping):
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close`."""
+        """True after :meth:`close`, or once a ``fail_stop`` engine has failed."""
         return self._closed
+
+    def _fail(self, exc: BaseException) -> None:
+        """Take the engine out of service after a failed step (``fail_stop``): every queued
+        and running request ends with :class:`EngineFailed`, new ones are refused with it."""
+        if self._failure is not None:
+            return
+        err = EngineFailed(
+            f"Engine: a step failed ({type(exc).__name__}: {exc}); the engine is out of "
+            "service and ended its queued and running requests (retry them on another device)"
+        )
+        err.__cause__ = exc
+        self._failure = err
+        self._closed = True
+        log.error("engine on %s failed, out of service: %r",
+                  getattr(self.model, "device", "its device"), exc)
+        reqs = list(self._active) + list(self._queue)
+        self._queue.clear()
+        for req in reqs:
+            err = EngineFailed(str(self._failure))  # one per request: each is raised once
+            err.__cause__ = exc
+            try:
+                self._finish(req, "error", err)
+            except Exception:  # releasing the slot failed too: the request still ends
+                log.exception("releasing request %d's slot after the engine failed", req.id)
+                if req in self._active:
+                    self._active.remove(req)
+                req.state, req.finish_reason, req.error = _DONE, "error", err
+                self._finished += 1
+                self._notify(req)
+        for ev in self._space:
+            ev.set()
 
     # -- requests -----------------------------------------------------------------------
     def _make(
         self, prompt: Any, max_new_tokens: int, temperature: float, top_k: int | None,
         top_p: float | None, stop: Sequence[int] | None, seed: int | None,
     ) -> _Request:
+        if self._failure is not None:
+            raise EngineFailed(str(self._failure)) from self._failure.__cause__
         if self._closed:
             raise EngineClosed("Engine: closed; it accepts no new requests")
         if isinstance(prompt, str):

@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from deviceops import DriverError, LaunchError
+
 from ._kvpool import SlotPool
 from ._requests import _DECODE, _PREFILL, StepModel, _Request
 
@@ -23,6 +25,7 @@ class _Stepping:
     """The engine's step (a base of ``Engine``, which sets these attributes in ``__init__``)."""
 
     steps: StepModel
+    fail_stop: bool
     max_seq: int
     prefill_chunk: int
     pool: SlotPool
@@ -41,6 +44,7 @@ class _Stepping:
         def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None: ...
         def _space_freed(self) -> None: ...
         def _notify(self, req: _Request) -> None: ...
+        def _fail(self, exc: BaseException) -> None: ...
 
     async def _step(self) -> None:
         """Admit, decode one token for the running batch, prefill one chunk budget."""
@@ -55,8 +59,11 @@ class _Stepping:
             try:
                 await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
-                for req in list(self._active):
-                    self._finish(req, "error", exc)
+                if self.fail_stop:  # ... and takes a fail-stop engine out of service
+                    self._fail(exc)
+                else:
+                    for req in list(self._active):
+                        self._finish(req, "error", exc)
         finally:
             self._stepping = False
         for req in [r for r in self._active if r.cancelled]:
@@ -115,6 +122,8 @@ class _Stepping:
             try:
                 tok = await wait()
             except Exception as exc:  # this request's prefill failed: only it ends
+                if self._device_failed(exc):
+                    raise  # ... unless the device did: the whole step fails
                 self._finish(req, "error", exc)
                 continue
             req.prefilled += n
@@ -144,11 +153,17 @@ class _Stepping:
                     req.slot, req.prompt[start : start + n], start, req.params, last=last
                 )
             except Exception as exc:  # refused before anything was enqueued: only it ends
+                if self._device_failed(exc):
+                    raise
                 self._finish(req, "error", exc)
                 continue
             budget -= n
             out.append((req, n, last, wait))
         return out
+
+    def _device_failed(self, exc: BaseException) -> bool:
+        """A fail-stop engine treats a launch or driver error of one request as the device's."""
+        return self.fail_stop and isinstance(exc, (LaunchError, DriverError))
 
     def _deliver(self, req: _Request, tok: int) -> None:
         if req.cancelled:

@@ -11,6 +11,17 @@ admission queue gets 429 and a loading or draining server 503, both with
 ``Retry-After``. A client that disconnects (streaming or not) cancels its generation,
 which frees its KV slot. The model is loaded in a worker thread after start-up, so
 ``/health`` answers 503 until it is ready.
+
+**One engine per device** (``serve --devices``, :mod:`._router`): ``load()`` returns a
+:class:`~._router.Router`; each request goes to the engine with the least pending
+tokens. ``/health`` then lists every engine (``{"status": "ok" | "degraded", "model",
+"engines": [{"device", "state", "load", "running", "queued", "error"}]}``) and is 200 while
+at least one serves (503, status ``"failed"``, when none does). When a device's engine
+fails, its in-flight and queued requests get 503 (``"type": "server_unavailable"``,
+``"code": "device_failed"``, ``Retry-After``; a stream already under way gets that error
+as an SSE event, then ``data: [DONE]``) and new requests go to the other devices.
+Without ``--devices`` the single engine is served exactly as before (a step failure is a
+500 for the requests in that step, and the engine goes on).
 """
 
 from __future__ import annotations
@@ -31,8 +42,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
+from ._engine import Engine, EngineClosed, EngineFailed, EngineOverloaded, RequestStream
 from ._metrics import CONTENT_TYPE, ServeMetrics
+from ._router import Replica, Router
 
 __all__ = ["AppState", "BadRequest", "create_app"]
 
@@ -51,21 +63,39 @@ class BadRequest(Exception):
 
 
 def _error(status: int, message: str, param: str | None = None, *,
-           kind: str = "invalid_request_error", retry_after: int | None = None) -> JSONResponse:
+           kind: str = "invalid_request_error", retry_after: int | None = None,
+           code: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _device_failed_message(replica: Replica, exc: EngineFailed, serving: int) -> str:
+    cause = exc.__cause__
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+    return (f"device {replica.device} failed while handling this request ({what}); it was "
+            f"taken out of service and the request was not completed. Retry it: "
+            f"{serving} other device(s) are serving")
 
 
 @dataclass
 class AppState:
-    """What the app knows about its engine: loaded, failed to load, draining."""
+    """What the app knows about its engines: loaded, failed to load, draining.
+
+    ``router`` holds the engine(s) once loaded (:class:`~._router.Router`; one replica
+    without ``--devices``).
+    """
 
     model_name: str
-    engine: Engine | None = None
+    router: Router | None = None
     load_error: str | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine(self) -> Engine | None:
+        """The first device's engine (the only one without ``--devices``), or ``None``."""
+        return None if self.router is None else self.router.replicas[0].engine
 
 
 @dataclass
@@ -256,13 +286,14 @@ class _Detok:
         return out
 
 
-def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
+def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
                retry_after: int = 1) -> Starlette:
     """The Starlette app; ``load()`` runs in a worker thread at start-up.
 
     Args:
         load: builds the :class:`Engine` (its ``model`` provides ``encode``, ``decode``
-            and ``apply_chat_template``).
+            and ``apply_chat_template``), or a :class:`~._router.Router` over one engine
+            per device (``serve --devices``; module docstring).
         model_name: the id clients pass as ``"model"`` and ``/v1/models`` lists.
         retry_after: seconds sent in ``Retry-After`` with 429/503.
 
@@ -271,12 +302,27 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
         ``app.state.metrics`` its :class:`~._metrics.ServeMetrics`.
     """
     state = AppState(model_name)
-    metrics = ServeMetrics(lambda: state.engine.stats() if state.engine is not None else None)
+
+    def engine_stats() -> Any:
+        router = state.router
+        if router is None:
+            return None
+        if router.per_device:
+            return router.device_stats()
+        eng = router.replicas[0].engine
+        return None if eng is None else eng.stats()
+
+    metrics = ServeMetrics(engine_stats)
 
     async def _load() -> None:
         try:
-            state.engine = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
-            log.info("model %s loaded; serving", model_name)
+            got = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            state.router = got if isinstance(got, Router) else Router.single(got)
+            if state.router.per_device:
+                log.info("model %s loaded; serving on %s", model_name, ", ".join(
+                    f"{r.device} ({r.state})" for r in state.router.replicas))
+            else:
+                log.info("model %s loaded; serving", model_name)
         except Exception as exc:  # reported by /health; the server stays up
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("loading the model failed")
@@ -289,21 +335,38 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
                 yield
             finally:
                 state.draining = True
-                if state.engine is not None:
-                    state.engine.close()  # whatever is still running is cancelled
+                if state.router is not None:
+                    state.router.close()  # whatever is still running is cancelled
                 tg.cancel_scope.cancel()
 
     def unavailable() -> JSONResponse | None:
         if state.draining:
             return _error(503, "the server is shutting down", kind="server_unavailable",
                           retry_after=retry_after)
-        if state.engine is None:
+        if state.router is None:
             msg = (f"the model failed to load: {state.load_error}" if state.load_error
                    else "the model is loading")
             return _error(503, msg, kind="server_unavailable", retry_after=retry_after)
+        if state.router.per_device and not state.router.serving:
+            return _error(503, state.router.unavailable_reason(), kind="server_unavailable",
+                          retry_after=retry_after, code="device_failed")
         return None
 
     async def health(request: Request) -> Response:
+        router = state.router
+        if router is not None and router.per_device:  # one entry per device's engine
+            serving = len(router.serving)
+            if state.draining:
+                status = "draining"
+            elif serving == 0:
+                status = "failed"
+            else:
+                status = "ok" if serving == len(router.replicas) else "degraded"
+            ok = status in ("ok", "degraded")
+            return JSONResponse(
+                {"status": status, "model": model_name, "engines": router.describe()},
+                status_code=200 if ok else 503,
+                headers=None if ok else {"Retry-After": str(retry_after)})
         bad = unavailable()
         if bad is not None:
             status = "draining" if state.draining else ("failed" if state.load_error else "loading")
@@ -340,33 +403,56 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
         bad = unavailable()
         if bad is not None:
             return bad
-        engine = state.engine
-        assert engine is not None
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"malformed JSON body: {exc}")
+        # from here to queueing nothing awaits: the load each engine reports is current
+        router = state.router
+        assert router is not None
+        bad = unavailable()  # an engine may have failed while the body was read
+        if bad is not None:
+            return bad
+        ranked = router.ranked() if router.per_device else router.replicas[:1]
+        assert ranked and ranked[0].engine is not None
         try:
-            job = _parse(body, chat, state, engine)
+            job = _parse(body, chat, state, ranked[0].engine)
         except BadRequest as exc:
             return _error(400, exc.message, exc.param)
-        try:
-            s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
-                              top_k=job.top_k, top_p=job.top_p, seed=job.seed,
-                              ignore_eos=job.ignore_eos)
-        except EngineOverloaded as exc:
-            return _error(429, str(exc), kind="rate_limit_exceeded", retry_after=retry_after)
-        except EngineClosed:
-            return _error(503, "the server is shutting down", kind="server_unavailable",
-                          retry_after=retry_after)
-        except (ValueError, TypeError) as exc:
-            return _error(400, str(exc), "messages" if chat else "prompt")
+        full: list[EngineOverloaded] = []
+        for replica in ranked:  # least loaded first; the next one when its queue is full
+            engine = replica.engine
+            assert engine is not None
+            try:
+                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
+                                  top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                                  ignore_eos=job.ignore_eos)
+                break
+            except EngineOverloaded as exc:
+                full.append(exc)
+            except EngineFailed:
+                continue  # taken out of service: the next device
+            except EngineClosed:
+                return _error(503, "the server is shutting down", kind="server_unavailable",
+                              retry_after=retry_after)
+            except (ValueError, TypeError) as exc:
+                return _error(400, str(exc), "messages" if chat else "prompt")
+        else:
+            if full and len(ranked) == 1:
+                return _error(429, str(full[0]), kind="rate_limit_exceeded",
+                              retry_after=retry_after)
+            if full:
+                return _error(429, f"every device's admission queue is full ({len(full)} "
+                                   f"devices); retry later. {full[0]}",
+                              kind="rate_limit_exceeded", retry_after=retry_after)
+            return _error(503, router.unavailable_reason(), kind="server_unavailable",
+                          retry_after=retry_after, code="device_failed")
         metrics.prompt_tokens.inc(len(job.ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         detok = _Detok(engine.model, engine.steps.eos_ids, job.stop)
         if job.stream:
             return StreamingResponse(
-                _sse(s, detok, job, chat, rid, t0), media_type="text/event-stream",
+                _sse(s, detok, job, chat, rid, t0, replica), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, failed = "", None
         async with anyio.create_task_group() as tg:
@@ -385,6 +471,12 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
             finally:
                 s.cancel()
                 tg.cancel_scope.cancel()
+        if isinstance(failed, EngineFailed):  # its device failed: retry elsewhere
+            log.error("generation %s failed with device %s: %r", rid, replica.device,
+                      failed.__cause__)
+            return _error(503, _device_failed_message(replica, failed, len(router.serving)),
+                          kind="server_unavailable", retry_after=retry_after,
+                          code="device_failed")
         if failed is not None:
             log.error("generation %s failed: %r", rid, failed)
             return _error(500, f"generation failed: {failed}", kind="server_error")
@@ -432,7 +524,7 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
                 metrics.duration.observe(time.perf_counter() - t0)
 
     async def _sse(s: RequestStream, detok: _Detok, job: _Job, chat: bool, rid: str,
-                   t0: float) -> AsyncIterator[bytes]:
+                   t0: float, replica: Replica) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -458,6 +550,14 @@ def create_app(load: Callable[[], Engine], *, model_name: str = "smollm2",
             try:
                 async for piece in _tokens(s, detok, t0):
                     yield chunk(piece, None)
+            except EngineFailed as exc:  # its device failed: a 503 error event, then [DONE]
+                log.error("generation %s failed with device %s: %r", rid, replica.device,
+                          exc.__cause__)
+                n = len(state.router.serving) if state.router is not None else 0
+                err = {"error": {"message": _device_failed_message(replica, exc, n),
+                                 "type": "server_unavailable", "param": None,
+                                 "code": "device_failed"}}
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
             except Exception as exc:  # the step failed: an error event, then [DONE]
                 log.error("generation %s failed: %r", rid, exc)
                 err = {"error": {"message": f"generation failed: {exc}", "type": "server_error"}}

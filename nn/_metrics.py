@@ -5,18 +5,26 @@ and status, prompt and generated tokens, time to first token, inter-token latenc
 request duration); the engine's occupancy (running requests, queue depth, batch
 occupancy, KV slots / blocks / tokens in use, steps) is read from
 :meth:`~deviceops.nn.Engine.stats` at every scrape.
+
+With one engine per device (``serve --devices``) every engine series carries a
+``device`` label (``deviceops_kv_slots_in_use{device="cuda:1"}``; same metric names), and
+two more per-device gauges say whether the engine serves
+(``deviceops_engine_up``, 0 once it failed) and the work the router compares
+(``deviceops_engine_pending_tokens``). The HTTP series (requests, tokens, latencies) are
+for the whole server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["CONTENT_TYPE", "ServeMetrics"]
+__all__ = ["CONTENT_TYPE", "DeviceStats", "ServeMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -26,42 +34,97 @@ _LATENCY_BUCKETS = (
 )
 
 
+@dataclass(frozen=True)
+class DeviceStats:
+    """One per-device engine at scrape time (``serve --devices``).
+
+    Attributes:
+        device: the device's name, the ``device`` label (``"cuda:0"``, ``"cpu:1"``).
+        stats: the engine's :class:`~._requests.EngineStats`, or ``None`` when it never
+            loaded.
+        up: the engine serves (not failed, not closed).
+        pending_tokens: the engine's queued and running work in tokens (routing load).
+    """
+
+    device: str
+    stats: Any
+    up: bool
+    pending_tokens: int
+
+
+def _gauges(st: Any) -> dict[str, tuple[str, float]]:
+    return {
+        "deviceops_engine_running_requests": ("requests holding a KV slot", st.running),
+        "deviceops_engine_queued_requests": ("requests waiting for a slot", st.queued),
+        "deviceops_engine_batch_occupancy": (
+            "running requests / max_batch", st.running / max(1, st.max_batch)),
+        "deviceops_engine_max_batch": ("KV slots (max concurrent requests)", st.max_batch),
+        "deviceops_kv_slots_in_use": ("KV-cache slots (batch rows) held", st.slots_in_use),
+        "deviceops_kv_blocks_in_use": (
+            "KV blocks held by running requests (paged cache; reserved at admission)",
+            st.kv_blocks_in_use),
+        "deviceops_kv_blocks_total": (
+            "KV blocks of the pool (0: a step model without paged memory)",
+            getattr(st, "kv_blocks_total", 0)),
+        "deviceops_kv_tokens_in_use": (
+            "KV positions written by the sequences holding slots", st.kv_tokens_in_use),
+    }
+
+
+def _counters(st: Any) -> dict[str, tuple[str, float]]:
+    return {
+        "deviceops_engine_steps": ("engine steps run", st.steps),
+        "deviceops_engine_decode_rows": ("decode rows computed (sum of batch sizes)",
+                                         st.decode_rows),
+        "deviceops_engine_prefill_tokens": ("prompt tokens prefilled", st.prefill_tokens),
+    }
+
+
 class _EngineCollector(Collector):
-    """Gauges read from the engine's stats at scrape time (none before it is loaded)."""
+    """Engine series read from the engines' stats at scrape time (none before loading).
+
+    ``stats()`` returns ``None`` (loading), one engine's stats (unlabelled series), or a
+    sequence of :class:`DeviceStats` (series labelled by ``device``).
+    """
 
     def __init__(self, stats: Callable[[], Any]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Any]:
-        st = self._stats()
-        if st is None:
+        got = self._stats()
+        if got is None:
             return
-        gauges = {
-            "deviceops_engine_running_requests": ("requests holding a KV slot", st.running),
-            "deviceops_engine_queued_requests": ("requests waiting for a slot", st.queued),
-            "deviceops_engine_batch_occupancy": (
-                "running requests / max_batch", st.running / max(1, st.max_batch)),
-            "deviceops_engine_max_batch": ("KV slots (max concurrent requests)", st.max_batch),
-            "deviceops_kv_slots_in_use": ("KV-cache slots (batch rows) held", st.slots_in_use),
-            "deviceops_kv_blocks_in_use": (
-                "KV blocks held by running requests (paged cache; reserved at admission)",
-                st.kv_blocks_in_use),
-            "deviceops_kv_blocks_total": (
-                "KV blocks of the pool (0: a step model without paged memory)",
-                getattr(st, "kv_blocks_total", 0)),
-            "deviceops_kv_tokens_in_use": (
-                "KV positions written by the sequences holding slots", st.kv_tokens_in_use),
-        }
-        for name, (doc, v) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(v))
-        counters = {
-            "deviceops_engine_steps": ("engine steps run", st.steps),
-            "deviceops_engine_decode_rows": ("decode rows computed (sum of batch sizes)",
-                                             st.decode_rows),
-            "deviceops_engine_prefill_tokens": ("prompt tokens prefilled", st.prefill_tokens),
-        }
-        for name, (doc, v) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(v))
+        if not isinstance(got, Sequence):
+            for name, (doc, v) in _gauges(got).items():
+                yield GaugeMetricFamily(name, doc, value=float(v))
+            for name, (doc, v) in _counters(got).items():
+                yield CounterMetricFamily(name, doc, value=float(v))
+            return
+        rows: list[DeviceStats] = list(got)
+        up = GaugeMetricFamily("deviceops_engine_up",
+                               "1 while the device's engine serves, 0 once it failed or closed",
+                               labels=["device"])
+        pending = GaugeMetricFamily(
+            "deviceops_engine_pending_tokens",
+            "queued and running work in tokens (prompt left to prefill + max tokens left to "
+            "generate); requests go to the device where it is smallest", labels=["device"])
+        for row in rows:
+            up.add_metric([row.device], 1.0 if row.up else 0.0)
+            pending.add_metric([row.device], float(row.pending_tokens))
+        yield up
+        yield pending
+        loaded = [r for r in rows if r.stats is not None]
+        if not loaded:
+            return
+        for kind, table in ((GaugeMetricFamily, _gauges), (CounterMetricFamily, _counters)):
+            fams: dict[str, Any] = {}
+            for row in loaded:
+                for name, (doc, v) in table(row.stats).items():
+                    fam = fams.get(name)
+                    if fam is None:
+                        fam = fams[name] = kind(name, doc, labels=["device"])
+                    fam.add_metric([row.device], float(v))
+            yield from fams.values()
 
 
 class ServeMetrics:
@@ -69,7 +132,8 @@ class ServeMetrics:
 
     Args:
         stats: returns the engine's :class:`~._requests.EngineStats`, or ``None`` while
-            the model is loading.
+            the model is loading, or (one engine per device) a sequence of
+            :class:`DeviceStats`, whose series get a ``device`` label.
     """
 
     def __init__(self, stats: Callable[[], Any]) -> None:

@@ -18,8 +18,8 @@ import anyio
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["EngineClosed", "EngineOverloaded", "EngineStats", "RequestStream", "SamplingParams",
-           "StepModel"]
+__all__ = ["EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats", "RequestStream",
+           "SamplingParams", "StepModel"]
 
 
 class EngineOverloaded(RuntimeError):
@@ -28,6 +28,16 @@ class EngineOverloaded(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine was closed; it accepts no new requests."""
+
+
+class EngineFailed(EngineClosed):
+    """A step of a fail-stop engine raised (a device error): the engine is out of service.
+
+    Raised to every request it held, queued or running (``__cause__`` is the step's
+    error), and by :meth:`~deviceops.nn.Engine.stream` afterwards. Only engines built with
+    ``fail_stop=True`` (one per device behind :class:`~deviceops.nn._router.Router`) fail
+    this way; a default engine ends the step's requests with the error and goes on.
+    """
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,11 @@ class _Request:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot: queue, running batch, KV slots and cumulative counters."""
+    """A snapshot: queue, running batch, KV slots and cumulative counters.
+
+    ``pending_tokens`` is the work the engine still holds, in tokens
+    (:attr:`~deviceops.nn.Engine.pending_tokens`): what the data-parallel router compares.
+    """
 
     queued: int
     running: int
@@ -124,6 +138,7 @@ class EngineStats:
     finished: int
     cancelled: int
     kv_blocks_total: int = 0
+    pending_tokens: int = 0
 
 
 class RequestStream:
