@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +83,7 @@ from deviceops.scheduling import MultiDeviceRoundRobin
 
 ZIP_BAR = 0.55
 COPY_BAR = 0.8
+SERVE_BAR = 1.8  # tokens/s of --devices d0,d1 over one device, same clients
 CHAIN_TOL = 1e-2  # fp16 outputs rounded at each of the chain's steps: ~sqrt(steps) * 3e-4
 
 
@@ -499,6 +501,49 @@ def host_section(b: Bench, dev: deviceops.Device, nbytes: int, reps: int, checks
 
 
 # -- main ----------------------------------------------------------------------------------
+# -- data-parallel serving ------------------------------------------------------------------
+def serve_section(path: str, devs: Sequence[deviceops.Device], clients: int, requests: int,
+                  new_tokens: int, max_batch: int, checks: Checks) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """HTTP serving through ``python -m deviceops.nn.serve`` (``benchmarks/serve.py``'s
+    client): one device at ``clients // 2`` and ``clients`` clients, one device with twice
+    the batch rows, and ``--devices d0,d1`` (one engine of ``max_batch`` rows each) at
+    ``clients`` clients; the same random-token prompts (128-512 tokens), exactly
+    ``new_tokens`` new tokens each (EOS ignored), greedy."""
+    import random
+
+    import gguf
+    from serve import bench_http, workload
+
+    vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    if devs[0].is_cpu:  # the server subprocess: the cpu backend too
+        os.environ["DEVICEOPS_DEVICE"] = "cpu"
+    plen = (16, 48) if devs[0].is_cpu else (128, 512)
+    reqs = workload(random.Random(29), requests, vocab, plen, (new_tokens, new_tokens))
+    both = f"{devs[0]},{devs[1]}"
+    one = str(devs[0])
+    runs = [(f"1 device ({one}), {clients // 2} clients", one, clients // 2, max_batch),
+            (f"1 device ({one}), {clients} clients", one, clients, max_batch),
+            (f"1 device ({one}), {clients} clients, {2 * max_batch} rows", one, clients, 2 * max_batch),
+            (f"2 devices ({both}), {clients} clients", both, clients, max_batch)]
+    rows: list[dict[str, Any]] = []
+    for i, (label, where, c, mb) in enumerate(runs):
+        r = bench_http(path, reqs, c, mb, 1024, port=18400 + i, devices=where if "," in where else None)
+        want = len(reqs) * new_tokens
+        ok = checks.add(f"serve {label}: every token arrived", r.get("tokens") == want,
+                        tokens=r.get("tokens"), expected=want, error=r.get("error"))
+        rows.append({"variant": label, "clients": c, "rows_per_engine": mb, "ok": ok,
+                     **{k: r.get(k, float("nan")) for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                                                             "itl_p50_ms", "itl_p99_ms", "wall_s")}})
+        print(f"# {label}: {r.get('tokens_per_s', float('nan')):.0f} tokens/s, p99 inter-token "
+              f"{r.get('itl_p99_ms', float('nan')):.1f} ms" + (f"; error {r['error']}" if "error" in r else ""),
+              flush=True)
+    best_one = max(rows[1]["tokens_per_s"], rows[2]["tokens_per_s"])
+    summary = {"variant": "serve", "tokens_per_s_two": rows[3]["tokens_per_s"],
+               "tokens_per_s_one_best": best_one, "ratio": rows[3]["tokens_per_s"] / best_one,
+               "itl_p99_two_ms": rows[3]["itl_p99_ms"], "itl_p99_one_half_clients_ms": rows[0]["itl_p99_ms"]}
+    return rows, summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p)
@@ -510,6 +555,11 @@ def main() -> int:
     p.add_argument("--copy-mib", type=float, default=None, help="copy size in MiB (1024; smoke 1)")
     p.add_argument("--copy-reps", type=int, default=None, help="timed runs per copy variant (20; smoke 10)")
     p.add_argument("--no-host", action="store_true", help="skip the staged host copies")
+    p.add_argument("--serve", default=None, metavar="GGUF",
+                   help="also measure HTTP serving of this model: --devices d0,d1 against one device")
+    p.add_argument("--serve-only", action="store_true", help="only the serving section (needs --serve)")
+    p.add_argument("--serve-clients", type=int, default=None, help="concurrent clients (128; smoke 4)")
+    p.add_argument("--serve-requests", type=int, default=None, help="requests per run (512; smoke 8)")
     p.add_argument("--inject-error", action="store_true",
                    help="corrupt the references: the checks must fail (exit 1)")
     args = p.parse_args()
@@ -578,32 +628,59 @@ def main() -> int:
 
     checks = Checks()
     t_start = time.perf_counter()
-    zip_rows, zip_summary = zip_section(b, devs, n, steps, reps, checks, args.inject_error)
+    bars: list[Bar] = []
+    zip_rows: list[dict[str, Any]] = []
+    zip_summary: dict[str, Any] = {}
+    copy_rows: list[dict[str, Any]] = []
+    host_rows: list[dict[str, Any]] = []
+    if args.serve_only and not args.serve:
+        print("multi_gpu: --serve-only needs --serve GGUF", file=sys.stderr)
+        return 2
+    if not args.serve_only:
+        zip_rows, zip_summary = zip_section(b, devs, n, steps, reps, checks, args.inject_error)
+        copy_rows = [copy_section(b, devs[0], devs[1], nbytes, copy_reps, checks, torch, args.inject_error),
+                     copy_section(b, devs[1], devs[0], nbytes, copy_reps, checks, torch, args.inject_error)]
+        host_rows = ([] if args.no_host else
+                     host_section(b, devs[0], nbytes, copy_reps, checks, torch, args.inject_error))
+        wall = time.perf_counter() - t_start
 
-    copy_rows = [copy_section(b, devs[0], devs[1], nbytes, copy_reps, checks, torch, args.inject_error),
-                 copy_section(b, devs[1], devs[0], nbytes, copy_reps, checks, torch, args.inject_error)]
-    host_rows = ([] if args.no_host else
-                 host_section(b, devs[0], nbytes, copy_reps, checks, torch, args.inject_error))
-    wall = time.perf_counter() - t_start
-
-    print()
-    print(f"copies: {nbytes / 2**20:g} MiB float32, GB/s = 1e9 B/s of the tensor's size; median of "
-          f"{copy_reps} interleaved runs (wall: host clock around .sync(); events: CUDA events on "
-          "the copying stream)")
-    print(table(copy_rows + host_rows,
-                [("variant", "copy", 0), ("ours_GBps", "ours GB/s", 1), ("ours_ev_GBps", "ours ev", 1),
-                 ("ref_GBps", "torch GB/s", 1), ("ref_ev_GBps", "torch ev", 1), ("ratio", "ours/torch", 2),
-                 ("ev_ratio", "ev ratio", 2), ("ours_ms", "ours ms", 3), ("ref_ms", "torch ms", 3)]))
-    if torch is None:
-        print(f"# torch reference: {torch_note}")
-    print(f"# {wall:.1f} s of set-up and timed runs")
-
-    bars = [Bar(f"zip 2 chains on {devs[0]}+{devs[1]}: multi / single wall time",
-                zip_summary["ratio"], "<=", ZIP_BAR),
-            Bar(f"peer copy {devs[0]}->{devs[1]}: ours / torch GB/s (wall)",
-                copy_rows[0]["ratio"], ">=", COPY_BAR),
-            Bar(f"peer copy {devs[1]}->{devs[0]}: ours / torch GB/s (wall)",
-                copy_rows[1]["ratio"], ">=", COPY_BAR)]
+        print()
+        print(f"copies: {nbytes / 2**20:g} MiB float32, GB/s = 1e9 B/s of the tensor's size; median of "
+              f"{copy_reps} interleaved runs (wall: host clock around .sync(); events: CUDA events on "
+              "the copying stream)")
+        print(table(copy_rows + host_rows,
+                    [("variant", "copy", 0), ("ours_GBps", "ours GB/s", 1), ("ours_ev_GBps", "ours ev", 1),
+                     ("ref_GBps", "torch GB/s", 1), ("ref_ev_GBps", "torch ev", 1), ("ratio", "ours/torch", 2),
+                     ("ev_ratio", "ev ratio", 2), ("ours_ms", "ours ms", 3), ("ref_ms", "torch ms", 3)]))
+        if torch is None:
+            print(f"# torch reference: {torch_note}")
+        print(f"# {wall:.1f} s of set-up and timed runs")
+        bars += [Bar(f"zip 2 chains on {devs[0]}+{devs[1]}: multi / single wall time",
+                     zip_summary["ratio"], "<=", ZIP_BAR),
+                 Bar(f"peer copy {devs[0]}->{devs[1]}: ours / torch GB/s (wall)",
+                     copy_rows[0]["ratio"], ">=", COPY_BAR),
+                 Bar(f"peer copy {devs[1]}->{devs[0]}: ours / torch GB/s (wall)",
+                     copy_rows[1]["ratio"], ">=", COPY_BAR)]
+    serve_rows: list[dict[str, Any]] = []
+    serve_summary: dict[str, Any] = {}
+    if args.serve:
+        clients = args.serve_clients or (4 if smoke else 128)
+        nreq = args.serve_requests or (8 if smoke else 512)
+        new_tok = 4 if smoke else 128
+        serve_rows, serve_summary = serve_section(args.serve, devs, clients, nreq, new_tok,
+                                                  max(1, clients // 2), checks)
+        print()
+        print(f"serving over HTTP: {nreq} requests, {new_tok} new tokens each (EOS ignored), "
+              "streaming clients; one engine of the given rows per device")
+        print(table(serve_rows, [("variant", "server", 0), ("tokens_per_s", "tokens/s", 0),
+                                 ("ttft_p50_ms", "TTFT p50 ms", 1), ("ttft_p99_ms", "TTFT p99 ms", 1),
+                                 ("itl_p50_ms", "ITL p50 ms", 2), ("itl_p99_ms", "ITL p99 ms", 2),
+                                 ("wall_s", "wall s", 1)]))
+        bars += [Bar(f"serve --devices {devs[0]},{devs[1]} / best one device, {clients} clients: "
+                     "tokens/s", serve_summary["ratio"], ">=", SERVE_BAR),
+                 Bar(f"serve --devices, {clients} clients: p99 inter-token ms vs one device at "
+                     f"{clients // 2}", serve_summary["itl_p99_two_ms"], "<=",
+                     serve_summary["itl_p99_one_half_clients_ms"])]
     print_bars(bars, b)
 
     summary = checks.summary()
@@ -612,12 +689,13 @@ def main() -> int:
                 "alpha": 1.0 / math.sqrt(n), "reps": reps, "copy_bytes": nbytes,
                 "copy_reps": copy_reps, "host_copies": not args.no_host,
                 "inject_error": bool(args.inject_error), "chain_tol": CHAIN_TOL},
-               [zip_summary, *copy_rows, *host_rows], bars,
+               [r for r in (zip_summary, *copy_rows, *host_rows, *serve_rows) if r], bars,
                {"devices": [str(d) for d in devs], "device_names": names, "peer_access": peer,
-                "torch": torch_note, "zip_rows": zip_rows,
-                "ratios": {"zip_multi_over_single": zip_summary["ratio"],
-                           "copy_0to1_ours_over_torch": copy_rows[0]["ratio"],
-                           "copy_1to0_ours_over_torch": copy_rows[1]["ratio"]},
+                "torch": torch_note, "zip_rows": zip_rows, "serve": serve_summary,
+                "ratios": {"zip_multi_over_single": zip_summary.get("ratio"),
+                           "copy_0to1_ours_over_torch": copy_rows[0]["ratio"] if copy_rows else None,
+                           "copy_1to0_ours_over_torch": copy_rows[1]["ratio"] if copy_rows else None,
+                           "serve_two_over_one": serve_summary.get("ratio")},
                 "checks": summary, "correctness": checks.records[-200:]})
     if not summary["passed"]:
         first = summary["failed"][0] if summary["failed"] else {"what": "no checks ran"}

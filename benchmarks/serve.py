@@ -266,14 +266,17 @@ def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
 
 # -- HTTP ------------------------------------------------------------------------------------
 def bench_http(path: str, reqs: list[Req], clients: int, max_batch: int, max_seq: int,
-               port: int = 18321) -> dict[str, Any]:
+               port: int = 18321, devices: str | None = None) -> dict[str, Any]:
+    """``clients`` streaming clients through ``python -m deviceops.nn.serve`` (a subprocess;
+    ``devices``: its ``--devices`` value, one engine of ``max_batch`` rows per device)."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
+    where = ["--devices", devices] if devices else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "deviceops.nn.serve", "--model", path, "--port", str(port),
          "--max-batch", str(max_batch), "--max-seq", str(max_seq), "--log-level", "warning",
-         "--max-queue", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         "--max-queue", "4096", *where], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
         while True:

@@ -102,7 +102,8 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
     assert rec["rows"][0]["ratio"] > 0 and rec["rows"][0]["ref_ms"] > 0  # the zip: single-device reference
     assert {r["key"] for r in rec["zip_rows"]} == {"alone", "single", "multi"}
     assert rec["ratios"].keys() == {"zip_multi_over_single", "copy_0to1_ours_over_torch",
-                                    "copy_1to0_ours_over_torch"}
+                                    "copy_1to0_ours_over_torch", "serve_two_over_one"}
+    assert rec["ratios"]["serve_two_over_one"] is None  # (no --serve)
     assert len(rec["bars"]) == 3
     for bar in rec["bars"]:
         assert ("PASS " if bar["passed"] else "FAIL " if bar["passed"] is False else "SKIP ") + bar["name"] in proc.stdout
@@ -120,3 +121,22 @@ def test_multi_gpu_checks_can_fail(tmp_path: Path) -> None:
     failed = " ".join(c["what"] for c in rec["checks"]["failed"])
     assert "zip/multi: chain 1 output vs float64 reference" in failed
     assert "copy cpu->cpu:1/ours: bytes equal" in failed
+
+
+def test_multi_gpu_serve_smoke(tmp_path: Path) -> None:
+    """The serving section on two emulated cpu devices: four servers (one device at half and
+    full clients, twice the rows, --devices cpu,cpu:1), every requested token received."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import nn_tiny
+
+    gguf = tmp_path / "tiny.gguf"
+    nn_tiny.write_gguf(gguf, nn_tiny.hf_weights(1, tied=False), "F32")
+    proc, out, log = _run_multi_gpu(tmp_path, "--serve", str(gguf), "--serve-only")
+    assert proc.returncode == 0, log
+    rec = json.loads(out.read_text())
+    assert rec["checks"]["passed"] is True and rec["checks"]["count"] == 4, rec["checks"]
+    assert [r["clients"] for r in rec["rows"]] == [2, 4, 4, 4]
+    assert rec["rows"][-1]["variant"].startswith("2 devices (cpu,cpu:1)")
+    assert all(r["tokens_per_s"] > 0 for r in rec["rows"])
+    assert rec["ratios"]["serve_two_over_one"] == rec["serve"]["ratio"]
+    assert len(rec["bars"]) == 2
