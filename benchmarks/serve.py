@@ -331,8 +331,18 @@ def bench_http(path: str, reqs: list[Req], clients: int, max_batch: int, max_seq
                 rec["wall"] = time.perf_counter() - t0
             return rec
 
-        anyio.run(main, [([100 + i, 200, 300], 4) for i in range(clients)])  # warm-up
-        rec = anyio.run(main, reqs)
+        try:
+            anyio.run(main, [([100 + i, 200, 300], 4) for i in range(clients)])  # warm-up
+            rec = anyio.run(main, reqs)
+        except Exception as exc:  # the server went away: say why (its stderr), not only the client's error
+            proc.terminate()
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            return {"error": f"client: {type(exc).__name__}: {exc}; server rc {proc.returncode}, stderr: "
+                             + err.decode(errors="replace")[-1500:]}
         return {"clients": clients, "requests": len(reqs), "tokens": rec["tokens"],
                 "wall_s": rec["wall"], "tokens_per_s": rec["tokens"] / rec["wall"],
                 "ttft_p50_ms": pct(rec["ttft"], 50) * 1e3, "ttft_p99_ms": pct(rec["ttft"], 99) * 1e3,

@@ -232,12 +232,20 @@ class SharedOp(DeviceOp[T]):
 
 
 class _Zip(DeviceOp[tuple[Any, ...]]):
-    __slots__ = ("_ops", "_streams")
+    __slots__ = ("_ops", "_places", "_streams")
 
     def __init__(self, ops: tuple[DeviceOp[Any], ...]) -> None:
         super().__init__()
         self._ops = ops
         self._streams: list[int] = []
+        self._places: list[Device | None] | None = None  # each branch's placement, once asked
+
+    def _placements(self) -> list[Device | None]:
+        """Each branch's device (:func:`placement`; walked once, the branches' DAGs are fixed)."""
+        places = self._places
+        if places is None:
+            places = self._places = [placement(op) for op in self._ops]
+        return places
 
     def _execute(self, ctx: ExecutionContext) -> tuple[Any, ...]:
         ops = self._ops
@@ -250,7 +258,7 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
             if on is None:
                 streams = [home, *(policy.stream_for(op) for op in ops[1:])]
             else:  # one placement walk a branch
-                places = [placement(op) for op in ops]
+                places = self._placements()
                 streams = [home if places[0] in (None, home.device) else on(places[0], ops[0]._describe())]
                 streams += [on(d, op._describe()) for d, op in _bzip(places[1:], ops[1:])]
         else:
@@ -293,12 +301,10 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
     def _pin(self) -> tuple[Device | None, bool]:
         # branches on one device place the zip there; branches on several devices place
         # nothing (each branch is placed on its own when the zip runs)
-        devs = set()
-        for op in self._ops:
-            try:
-                devs.add(placement(op))
-            except DeviceError:
-                return (None, True)  # the branch is refused when it runs, naming itself
+        try:
+            devs = set(self._placements())
+        except DeviceError:
+            return (None, True)  # the branch is refused when it runs, naming itself
         devs.discard(None)
         return (devs.pop() if len(devs) == 1 else None, True)
 

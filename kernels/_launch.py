@@ -72,7 +72,7 @@ class KernelOp(DeviceOp[Any]):
         args: the launcher's arguments as given (DeviceOps are executed first).
     """
 
-    __slots__ = ("_args", "_dpos", "_name", "_run")
+    __slots__ = ("_args", "_dpos", "_name", "_run", "_tin")
     _iterative = True
 
     def __init__(self, name: str, run: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -100,7 +100,7 @@ class KernelOp(DeviceOp[Any]):
                 raise
         self._args = args
         self._dpos = dpos
-
+        self._tin: tuple[Tensor, ...] | None = None  # the tensor arguments, on first ask
     def _execute(self, ctx: ExecutionContext) -> Any:
         if not self._dpos:
             return self._run(ctx, *self._args)
@@ -125,8 +125,11 @@ class KernelOp(DeviceOp[Any]):
         return tuple(a for a in self._args if isinstance(a, DeviceOp))
 
     def _inputs(self) -> tuple[Tensor, ...]:
-        return tuple(a.tensor if isinstance(a, Partition) else a for a in self._args
-                     if isinstance(a, Tensor | Partition))
+        tin = getattr(self, "_tin", None)  # (subclasses made without _set_args have none)
+        if tin is None:
+            tin = self._tin = tuple(a.tensor if isinstance(a, Partition) else a for a in self._args
+                                    if isinstance(a, Tensor | Partition))
+        return tin
 
     def _describe(self) -> str:
         return self._name
