@@ -6,8 +6,11 @@
   of them alike) and returns per-sample seconds, timed with ``perf_counter``
   around code that ends by synchronizing; :class:`EventTimer` times device spans
   with CUDA events; :func:`median`, :func:`pct`;
-* correctness: :func:`check` raises :class:`CheckFailed`; :func:`main_guard`
-  turns it into a clear message and exit status 1;
+* correctness: :func:`check_equal` / :func:`check_close` compare with a reference
+  (:func:`check` takes a comparison the script made), record every comparison, passed
+  or not, and raise :class:`CheckFailed` on a failure; :func:`main_guard` turns it into a
+  clear message, exit status 1 and a JSON record saying ``checks.passed: false``;
+  ``DEVICEOPS_BENCH_INJECT_ERROR=1`` corrupts every reference to show the checks fail;
 * output: :func:`table`, :class:`Bar` (PASS/FAIL lines; a missed bar is a
   measurement, not a failure: exit status stays 0), :func:`write_json` (device
   name, date, versions, config, rows, bars, checks).
@@ -45,7 +48,9 @@ __all__ = [
     "EventTimer",
     "add_common_args",
     "check",
+    "check_close",
     "check_equal",
+    "checks_summary",
     "download",
     "env_info",
     "fmt",
@@ -70,47 +75,107 @@ class CheckFailed(Exception):
     """A correctness check failed: the benchmark's numbers are not to be trusted."""
 
 
-_checks: list[str] = []
+# every comparison made in this process, passed or not: {"what", "passed"[, "detail"]}
+_checks: list[dict[str, Any]] = []
+_json_path: str | None = None  # where main_guard writes the record of a failed run
+
+INJECT_ENV = "DEVICEOPS_BENCH_INJECT_ERROR"
+
+
+def _inject() -> bool:
+    """``DEVICEOPS_BENCH_INJECT_ERROR=1``: every reference is corrupted before the comparison
+    (:func:`check_equal`, :func:`check_close`), to show the checks can fail."""
+    return os.environ.get(INJECT_ENV, "") not in ("", "0")
+
+
+def _corrupt(want: np.ndarray) -> np.ndarray:
+    bad = np.array(want, dtype=np.float64 if want.dtype.kind in "biu" else want.dtype, copy=True)
+    if bad.size:
+        bad.flat[0] = bad.flat[0] + 1 + abs(bad.flat[0])
+    return bad
+
+
+def _record(ok: bool, what: str, detail: str | None = None) -> None:
+    rec: dict[str, Any] = {"what": what, "passed": bool(ok)}
+    if detail:
+        rec["detail"] = detail
+    _checks.append(rec)
+    if not ok:
+        raise CheckFailed(f"{what}: {detail}" if detail else what)
 
 
 def check(cond: bool, what: str) -> None:
-    """Record a correctness check; raise :class:`CheckFailed` if ``cond`` is false."""
-    if not cond:
-        raise CheckFailed(what)
-    _checks.append(what)
+    """Record a correctness check; raise :class:`CheckFailed` if ``cond`` is false.
+
+    ``cond`` must come from a comparison with a reference the script computed
+    independently (prefer :func:`check_equal` / :func:`check_close`, which do the
+    comparison and can be shown to fail with ``DEVICEOPS_BENCH_INJECT_ERROR=1``).
+    """
+    _record(bool(cond), what)
 
 
 def check_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
     """Exact elementwise equality (the benchmarks use integer-valued floats), NaN fails."""
     got = np.asarray(got)
+    want = np.asarray(want)
+    if _inject():
+        want = _corrupt(want)
     ok = got.shape == want.shape and bool(np.array_equal(got, want))
+    detail = None
     if not ok:
         bad = int(np.count_nonzero(got != want)) if got.shape == want.shape else -1
         idx = int(np.argmax(got != want)) if bad > 0 else 0
         detail = (f"shape {got.shape} != {want.shape}" if bad < 0 else
                   f"{bad}/{want.size} elements differ, first at flat index {idx}: "
                   f"got {got.ravel()[idx]!r}, want {want.ravel()[idx]!r}")
-        raise CheckFailed(f"{what}: {detail}")
-    _checks.append(what)
+    _record(ok, what, detail)
 
 
-def checks_summary(checks: Sequence[str], keep: int = 50) -> dict[str, Any]:
-    """All passed checks, counted: the first ``keep`` distinct descriptions and a total.
+def check_close(got: np.ndarray, want: np.ndarray, what: str, *, rtol: float) -> float:
+    """``max|got - want| <= rtol * max|want|`` (float64 math; NaN or a shape mismatch fails).
+
+    Returns the relative error.
+    """
+    g = np.asarray(got, dtype=np.float64)
+    w = np.asarray(want, dtype=np.float64)
+    if _inject():
+        w = _corrupt(w)
+    if g.shape != w.shape:
+        _record(False, what, f"shape {g.shape} != {w.shape}")
+        return float("inf")
+    scale = float(np.max(np.abs(w))) if w.size else 0.0
+    err = float(np.max(np.abs(g - w))) / (scale or 1.0) if w.size else 0.0
+    ok = bool(np.isfinite(g).all()) and err <= rtol
+    _record(ok, what, None if ok else f"relative error {err:.3e} > {rtol:g}")
+    return err
+
+
+def checks_summary(checks: Sequence[dict[str, Any]] | None = None, keep: int = 50) -> dict[str, Any]:
+    """The comparisons made (default: this process's), counted: ``passed`` is true only when
+    at least one ran and none failed; the first ``keep`` distinct descriptions and the
+    failures are listed.
 
     A load benchmark records thousands of per-op checks; the JSON keeps their count, not
     the whole list.
     """
-    distinct = list(dict.fromkeys(checks))
-    return {"passed": True, "count": len(checks), "distinct": len(distinct),
-            "first": distinct[:keep]}
+    recs = list(_checks if checks is None else checks)
+    failed = [r for r in recs if not r["passed"]]
+    distinct = list(dict.fromkeys(r["what"] for r in recs))
+    return {"passed": bool(recs) and not failed, "count": len(recs), "distinct": len(distinct),
+            "first": distinct[:keep], "failed": failed[:keep], "failed_count": len(failed)}
 
 
 def main_guard(main: Callable[[], int | None]) -> None:
-    """Run ``main``; exit 1 with a clear message if a correctness check failed."""
+    """Run ``main``; exit 1 with a clear message if a correctness check failed (the JSON
+    record, when ``--json`` was given, then says ``checks.passed: false``)."""
     try:
         rc = main()
     except CheckFailed as exc:
         print(f"\nCORRECTNESS FAIL: {exc}", file=sys.stderr, flush=True)
+        if _json_path:
+            Path(_json_path).write_text(json.dumps({
+                "benchmark": Path(sys.argv[0]).stem, "error": f"CORRECTNESS FAIL: {exc}",
+                "checks": checks_summary()}, indent=1, default=_jsonable))
         sys.exit(1)
     except Exception:
         traceback.print_exc()
@@ -146,6 +211,8 @@ def setup(args: Any) -> Bench:
 
         cp = cupy
         cupy.cuda.Device(dev.index).use()
+    global _json_path
+    _json_path = getattr(args, "json", None)
     b = Bench(dev, cp, bool(getattr(args, "smoke", False)))
     info = env_info(b)
     mode = "smoke" if b.smoke else "full"

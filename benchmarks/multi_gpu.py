@@ -503,7 +503,8 @@ def host_section(b: Bench, dev: deviceops.Device, nbytes: int, reps: int, checks
 # -- main ----------------------------------------------------------------------------------
 # -- data-parallel serving ------------------------------------------------------------------
 def serve_section(path: str, devs: Sequence[deviceops.Device], clients: int, requests: int,
-                  new_tokens: int, max_batch: int, checks: Checks) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                  new_tokens: int, max_batch: int, checks: Checks, client_procs: int
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """HTTP serving through ``python -m deviceops.nn.serve`` (``benchmarks/serve.py``'s
     client): one device at ``clients // 2`` and ``clients`` clients, one device with twice
     the batch rows, and ``--devices d0,d1`` (one engine of ``max_batch`` rows each) at
@@ -527,7 +528,8 @@ def serve_section(path: str, devs: Sequence[deviceops.Device], clients: int, req
             (f"2 devices ({both}), {clients} clients", both, clients, max_batch)]
     rows: list[dict[str, Any]] = []
     for i, (label, where, c, mb) in enumerate(runs):
-        r = bench_http(path, reqs, c, mb, 1024, port=18400 + i, devices=where if "," in where else None)
+        r = bench_http(path, reqs, c, mb, 1024, port=18400 + i, devices=where if "," in where else None,
+                       client_procs=min(client_procs, c), warm_prompts=True)
         want = len(reqs) * new_tokens
         ok = checks.add(f"serve {label}: every token arrived", r.get("tokens") == want,
                         tokens=r.get("tokens"), expected=want, error=r.get("error"))
@@ -560,6 +562,9 @@ def main() -> int:
     p.add_argument("--serve-only", action="store_true", help="only the serving section (needs --serve)")
     p.add_argument("--serve-clients", type=int, default=None, help="concurrent clients (128; smoke 4)")
     p.add_argument("--serve-requests", type=int, default=None, help="requests per run (512; smoke 8)")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes sharing the clients (4; smoke 2): the load generator "
+                        "must not be the bottleneck")
     p.add_argument("--inject-error", action="store_true",
                    help="corrupt the references: the checks must fail (exit 1)")
     args = p.parse_args()
@@ -668,10 +673,12 @@ def main() -> int:
         nreq = args.serve_requests or (8 if smoke else 512)
         new_tok = 4 if smoke else 128
         serve_rows, serve_summary = serve_section(args.serve, devs, clients, nreq, new_tok,
-                                                  max(1, clients // 2), checks)
+                                                  max(1, clients // 2), checks,
+                                                  args.client_procs or (1 if smoke else 4))
         print()
         print(f"serving over HTTP: {nreq} requests, {new_tok} new tokens each (EOS ignored), "
-              "streaming clients; one engine of the given rows per device")
+              f"streaming clients in {args.client_procs or (1 if smoke else 4)} client processes; "
+              "one engine of the given rows per device")
         print(table(serve_rows, [("variant", "server", 0), ("tokens_per_s", "tokens/s", 0),
                                  ("ttft_p50_ms", "TTFT p50 ms", 1), ("ttft_p99_ms", "TTFT p99 ms", 1),
                                  ("itl_p50_ms", "ITL p50 ms", 2), ("itl_p99_ms", "ITL p99 ms", 2),
