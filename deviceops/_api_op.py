@@ -15,7 +15,7 @@ import numpy as np
 from ._context import ExecutionContext
 from ._launch import launch
 from ._op import DeviceOp, _drive
-from ._tensor import Tensor, allocate
+from ._tensor import Tensor, allocate, host_data_hint
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -88,7 +88,7 @@ def _tensor_arg(x: Any, op: str, name: str = "t") -> Tensor:
         return x
     raise TypeError(f"{op}: argument {name!r} must be a Tensor, got {type(x).__name__}"
                     + ("; pass the tensor (execute the op producing it first)"
-                       if isinstance(x, DeviceOp) else ""))
+                       if isinstance(x, DeviceOp) else host_data_hint(x, op)))
 
 
 def _tensor_or_op(x: Any, op: str, name: str = "t") -> Tensor | DeviceOp[Tensor]:
@@ -98,7 +98,7 @@ def _tensor_or_op(x: Any, op: str, name: str = "t") -> Tensor | DeviceOp[Tensor]
     if isinstance(x, DeviceOp):
         return x._adopt(op)
     raise TypeError(f"{op}: argument {name!r} must be a Tensor or a DeviceOp producing one, "
-                    f"got {type(x).__name__}")
+                    f"got {type(x).__name__}{host_data_hint(x, op)}")
 
 
 def _with_arg(op: str, arg: Tensor | DeviceOp[Tensor], run: Callable[[ExecutionContext, Tensor], Any]

@@ -44,6 +44,10 @@ where the library does the enqueueing; ``op.schedule()`` enqueues at once in
 the caller, so ``await op.schedule(...)`` in a loop of thousands is the
 caller's to pace.)
 
+**Compiles.** An op whose kernels may still compile (one ``await`` has not yet seen it
+complete without a compile, on a process with a CUDA backend) is enqueued in a worker
+thread, so an NVRTC compile never runs on the loop's thread; see :mod:`deviceops._offload`.
+
 **Cancellation.** Cancelling an awaiting task (``task.cancel()``, anyio/trio
 cancel scopes, ``anyio.fail_after``) returns at once. The work already
 enqueued still runs to completion; the tensors it uses stay referenced by the
@@ -67,8 +71,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _async_pacing as _pacing
-from . import _hooks
+from . import _hooks, _offload
 from ._async_pacing import _WINDOW_S, _admission, _park, _Slice, _weak, configure_await
+from ._backend import program_loads as _loads
 from ._context import guard, refuse_nested
 
 if TYPE_CHECKING:
@@ -173,7 +178,15 @@ async def await_op(op: DeviceOp[T]) -> T:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
         t0 = _perf()
-    fut = op.schedule()
+    key = _offload.cold(op)
+    if key is None:
+        before = _loads[0]
+        fut = op.schedule()
+        if _loads[0] != before:  # a warm key compiled after all: cold again
+            _offload.note_inline(op, before)
+    else:  # an op not yet seen complete without a compile: enqueued off the loop's thread
+        fut = await _offload.schedule_off_loop(op, key)
+        t0 = _perf()
     _stats[0] += 1
     ev = fut._event
     parked = None

@@ -41,7 +41,18 @@ if TYPE_CHECKING:
     from ._stream import Event, Stream
     from ._tensor import Storage
 
-__all__ = ["Backend", "oom_error"]
+__all__ = ["Backend", "count_program_load", "oom_error", "program_loads", "too_big_error"]
+
+# ``[programs compiled or loaded, 1 once a backend that compiles exists]``, process-wide:
+# :meth:`Backend.load_program` counts (cuda: NVRTC), so that ``await`` can keep the
+# compiles of ops it has not seen complete one off the event loop's thread
+# (:mod:`deviceops._offload`).
+program_loads = [0, 0]
+
+
+def count_program_load() -> None:
+    """Count one program compile/load (``program_loads[0]``; see :mod:`deviceops._offload`)."""
+    program_loads[0] += 1
 
 
 class Backend(ABC):
@@ -232,3 +243,16 @@ def oom_error(op: str, shape: tuple[int, ...], dt: np.dtype[Any], dev: Device | 
         f"{op}: out of memory on {dev}: asked for {asked:,} bytes ({asked / 2**30:.2f} GiB) for a "
         f"tensor of shape {shape} {dt}, {have} free. Use a smaller shape or free tensors first.",
         op=op, device=str(dev))
+
+
+def too_big_error(op: str, shape: tuple[int, ...], dt: np.dtype[Any], dev: Device | str,
+                  free: int | None, total: int, what: str) -> OutOfMemoryError:
+    """The error of an allocation larger than ``dev`` could ever hold (``total`` bytes of
+    ``what``): :func:`oom_error`'s message, raised before anything is allocated."""
+    err = oom_error(op, shape, dt, dev, free)
+    msg = str(err).replace(
+        " Use a smaller shape or free tensors first.",
+        f" That is more than {dev} has in all ({what}: {total:,} bytes), so it was refused "
+        "before allocating: use a smaller shape (a dimension given in bytes, or swapped "
+        "arguments?).")
+    return OutOfMemoryError(msg, op=op, device=str(dev))

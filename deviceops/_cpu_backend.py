@@ -33,6 +33,7 @@ arrays, copies as NumPy copies, no compiled programs.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._backend import Backend, oom_error
+from ._backend import Backend, oom_error, too_big_error
 from ._errors import DeviceError, LaunchError, NestedExecutionError
 from ._stream import Event, Stream
 
@@ -159,6 +160,19 @@ class _Worker:
             self.execute(*item)
 
     def execute(self, fn: Callable[[], None], name: str) -> None:
+        self.run_one(fn, name)
+        with self.cond:
+            self.completed += 1
+            self.cond.notify_all()
+
+    def run_many(self, tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
+        """Run ``tasks`` in order as one queue item (a graph replay), each as :meth:`execute`
+        runs one: a failing task keeps its error and the rest still run."""
+        for fn, name in tasks:
+            self.run_one(fn, name)
+
+    def run_one(self, fn: Callable[[], None], name: str) -> None:
+        """Run one task; keep the first error (sticky) as :meth:`execute` documents."""
         try:
             fn()
         except _Forward as fwd:
@@ -175,9 +189,6 @@ class _Worker:
                 err.__cause__ = exc
                 self.error = err
                 self.error_seq = getattr(exc, "_deviceops_seq", 0)
-        with self.cond:
-            self.completed += 1
-            self.cond.notify_all()
 
     def put(self, fn: Callable[[], None], name: str) -> None:
         with self.cond:
@@ -358,6 +369,7 @@ def guarded(fn: Callable[[], None], name: str, rs: Sequence[Storage],
     """
     rcells = [st.fail for st in rs]
     wcells = [st.fail for st in ws]
+    vcells = [st.ver for st in ws]
 
     def task() -> None:
         for c in rcells:
@@ -373,13 +385,38 @@ def guarded(fn: Callable[[], None], name: str, rs: Sequence[Storage],
         except BaseException as exc:
             for w in wcells:
                 w[0] = (name, exc)
+            for v in vcells:
+                v[0] += 1
             exc._deviceops_seq = seq  # type: ignore[attr-defined]  # (see CpuStream.absorb_after)
             raise
+        for v in vcells:  # the memory changed (Storage.ver)
+            v[0] += 1
         for w in wcells:
             if w[0] is not None:
                 w[0] = None
 
     return task
+
+
+def _host_total() -> int:
+    """Bytes of host memory plus swap (``MemTotal + SwapTotal``); 2**62 if unknown."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        total = 0
+    if total <= 0:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 0
+    return total if total > 0 else 2**62
+
+
+_HOST_LIMIT = _host_total()
 
 
 def _host_free() -> int | None:
@@ -423,6 +460,12 @@ class CpuBackend(Backend):
         synchronize_all(str(device))
 
     def empty(self, stream: Stream, shape: tuple[int, ...], dtype: np.dtype[Any], op: str) -> Any:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if n > _HOST_LIMIT:  # (numpy would raise ValueError, or overcommit and be killed later)
+            raise too_big_error(op, shape, dtype, stream.device, _host_free(), _HOST_LIMIT,
+                                "host memory and swap")
         try:
             return np.empty(shape, dtype)
         except MemoryError as exc:
@@ -469,8 +512,14 @@ class CpuBackend(Backend):
 
     def replay(self, stream: Stream, native: Any,
                tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
-        for fn, name in tasks:
-            stream.enqueue(fn, name)
+        if stream.capture is not None or not isinstance(stream, CpuStream):
+            for fn, name in tasks:
+                stream.enqueue(fn, name)
+            return
+        # one queue item for the whole graph (one hand-off to the worker, as one driver call
+        # launches a CUDA graph); the tasks keep their one-by-one error semantics
+        worker, batch = stream._worker, tuple(tasks)
+        stream.enqueue(lambda: worker.run_many(batch), "graph_replay")
 
     def graph_size(self, native: Any, tasks: Sequence[Any]) -> int | None:
         return len(tasks)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._backend import Backend, oom_error
+from ._backend import Backend, count_program_load, oom_error, program_loads, too_big_error
 from ._errors import DeviceError, DriverError, ShapeError
 from ._stream import Event, Stream
 
@@ -293,6 +293,20 @@ def probe() -> tuple[bool, str]:
 _cupy: Any = None
 
 
+# device ordinal -> total device memory in bytes (asked once; the bound for one allocation)
+_DEVICE_LIMIT: dict[int, int] = {}
+
+
+def _device_total(rt: Any, index: int) -> int:
+    """Total memory of device ``index`` (the current device), remembered; 2**62 if unknown."""
+    try:
+        total = int(rt.memGetInfo()[1])
+    except Exception:
+        total = 0
+    _DEVICE_LIMIT[index] = total if total > 0 else 2**62
+    return _DEVICE_LIMIT[index]
+
+
 def _cp() -> Any:
     """The :mod:`cupy` module, imported on first use."""
     global _cupy
@@ -331,9 +345,11 @@ class CudaBackend(Backend):
         return f"cuda:{index}"
 
     def new_stream(self, device: Device) -> Stream:
+        program_loads[1] = 1  # a GPU is in use: programs may compile (see deviceops._offload)
         return CudaStream(device)
 
     def wrap_stream(self, device: Device, native: Any) -> Stream:
+        program_loads[1] = 1
         return CudaStream(device, native)
 
     def synchronize(self, device: Device) -> None:
@@ -356,6 +372,16 @@ class CudaBackend(Backend):
             n = dtype.itemsize
             for d in shape:
                 n *= d
+            limit = _DEVICE_LIMIT.get(index)
+            if limit is None:
+                limit = _device_total(rt, index)
+            if n > limit:  # refused before the pool tries (and before it frees its cache)
+                try:
+                    have: int | None = int(rt.memGetInfo()[0])
+                except Exception:
+                    have = None
+                raise too_big_error(op, shape, dtype, stream.device, have, limit,
+                                    "device memory")
             with stream.native:
                 mem = cupy.cuda.memory.alloc(n)
             return cupy.ndarray(shape, dtype, mem)
@@ -461,6 +487,8 @@ class CudaBackend(Backend):
             raise DeviceError(f"load_program: {device} is not a CUDA device", op="load_program",
                               device=str(device))
         cupy = _cp()
+        program_loads[1] = 1
+        count_program_load()  # (an await that sees the count move keeps the op cold)
         with cupy.cuda.Device(device.index):
             arch = str(cupy.cuda.Device(device.index).compute_capability) + arch_suffix
             opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)

@@ -251,6 +251,12 @@ class DeviceOp(Generic[T]):
     def _describe(self) -> str:
         return type(self).__name__
 
+    def _compile_key(self) -> Any:
+        """What identifies the programs executing this op may compile: ``await`` runs an
+        op whose key it has not seen complete without a compile off the event loop's thread
+        (:mod:`deviceops._offload`). Kernel launchers with a plan refine it per signature."""
+        return (type(self), self._describe())
+
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
         """(iterative ops) the ops to execute first, in order, on ``ctx``."""
         return ()

@@ -36,7 +36,7 @@ class Storage:
     """The memory behind one or more tensor views, and its hazard record."""
 
     __slots__ = ("__weakref__", "alloc_stream", "base", "device", "fail", "reads", "spare_key",
-                 "write")
+                 "ver", "write")
 
     def __init__(self, base: Any, device: Device, alloc_stream: Stream | None,
                  spare_key: tuple[tuple[int, ...], int] | None = None) -> None:
@@ -52,6 +52,11 @@ class Storage:
         # failed (cpu backend), else [None]: ops reading it fail too, naming that
         # op. A cell, so that queued tasks hold it without keeping the storage alive.
         self.fail: list[tuple[str, BaseException] | None] = [None]
+        # [writes of this memory that have run] (cpu backend: counted by the worker as each
+        # writing task finishes; a task reading it sees the count of the writes before it).
+        # A cell for the same reason as ``fail``. The cpu GEMM keys its float32 weight
+        # copies by it (deviceops.kernels._cpu_fast).
+        self.ver: list[int] = [0]
 
     @property
     def failed(self) -> tuple[str, BaseException] | None:

@@ -211,6 +211,20 @@ class Tensor:
         return op
 
     # -- interop ----------------------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Refused: a Tensor is not converted to NumPy implicitly (as CuPy refuses it).
+
+        An implicit conversion would block on the device and copy, silently; and without
+        this method ``numpy.asarray(t)`` built an object array of 0-d Tensors.
+
+        Raises:
+            TypeError: always; the message names ``api.to_host``.
+        """
+        raise TypeError(
+            f"a deviceops Tensor ({self.shape} {self.dtype} on {self.device}) is not converted "
+            "to a NumPy array implicitly: copy it to the host explicitly with "
+            "api.to_host(t).sync() (or `await api.to_host(t)`, or t.to_host().sync())")
+
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         return self._array.__dlpack__(*args, **kwargs)
 
@@ -338,6 +352,18 @@ def _shape_arg(shape: tuple[Any, ...]) -> tuple[int, ...]:
                              op="reshape")
         shape = tuple(shape[0])
     return tuple(_dim(s, "reshape", shape) for s in shape)
+
+
+def host_data_hint(x: Any, op: str = "") -> str:
+    """``"; ..."`` naming ``api.from_host`` when ``x`` looks like host data (a NumPy array,
+    a list, a number), else ``""``: the tail of a "must be a Tensor" error of ``op``."""
+    if isinstance(x, np.ndarray | np.generic | list | tuple | int | float | complex) or (
+            hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
+        if op == "to_host":
+            return "; it is host data already (to_host copies a device Tensor to the host)"
+        return ("; host data goes to the device with deviceops.api.from_host(x) (a DeviceOp "
+                "that runs first), e.g. kernels.add(api.from_host(a), api.from_host(b))")
+    return ""
 
 
 def normalize_shape(shape: int | Sequence[int], op: str) -> tuple[int, ...]:

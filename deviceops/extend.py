@@ -55,6 +55,7 @@ from ._tensor import (
     Tensor,
     allocate,
     check_device,
+    host_data_hint,
     take_spare,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "enqueue_lock",
     "float16",
     "float32",
+    "host_data_hint",
     "int32",
     "int64",
     "is_floating",

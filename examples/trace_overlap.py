@@ -5,7 +5,8 @@ device (``slow_copy``: a timed spin, then a copy), are combined with
 ``deviceops.zip`` and run under ``StreamPoolRoundRobin`` (branches on separate
 streams, joined with events) and then under ``SingleStream`` (in order). The
 example checks the results, asserts that the first run overlapped (elapsed
-well under 4T) and the second did not, and writes into ``--out``:
+well under 4T) and the second did not, and writes into ``--out`` (default: a new temporary
+folder, whose path it prints):
 
 * ``trace.json``: open in https://ui.perfetto.dev or chrome://tracing;
 * ``zip.dot``: the DAG with each op's stream (``dot -Tpng zip.dot``);
@@ -18,6 +19,7 @@ Run: ``python examples/trace_overlap.py [--out DIR] [--device cpu|cuda]``.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,7 +75,8 @@ def plot(tr: deviceops.Trace, path: Path, title: str) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("trace_out"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write (default: a new temporary folder, printed)")
     p.add_argument("--branches", type=int, default=4)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     args = p.parse_args()
@@ -82,6 +85,8 @@ def main() -> None:
     dev = deviceops.default_device()
     t = 0.05 if dev.is_cpu else 0.005
     n = args.branches
+    if args.out is None:  # never into the working tree unless asked
+        args.out = Path(tempfile.mkdtemp(prefix="deviceops-trace-"))
     args.out.mkdir(parents=True, exist_ok=True)
 
     run_zip(dev, StreamPoolRoundRobin(dev, n), n, t / 10)  # warm-up: compile, start streams

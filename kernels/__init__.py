@@ -1,7 +1,9 @@
 """deviceops kernels: raw-PTX/CUDA kernels launched as DeviceOps.
 
-Every kernel has a NumPy reference that the ``cpu`` backend runs, so results
-are testable without a GPU. Launchers accept Tensors, Partitions, scalars and
+Every kernel has a float64 NumPy reference, the tests' oracle; the ``cpu`` backend runs
+float32 NumPy/BLAS paths checked against it (:mod:`._cpu_fast`;
+``DEVICEOPS_CPU_KERNELS=reference`` runs the references), so results are testable without
+a GPU. Launchers accept Tensors, Partitions, scalars and
 DeviceOps producing tensors interchangeably (see :mod:`._launch`).
 """
 

@@ -1,6 +1,7 @@
 """Activation kernels as DeviceOps: softmax, GELU, SiLU, SwiGLU.
 
-The ``cpu`` backend runs the float64 NumPy references of :mod:`._activation_reference`; on
+The ``cpu`` backend runs the float32 paths of :mod:`._cpu_fast` (the float64 references of
+:mod:`._activation_reference` in the reference mode; tests compare with them); on
 CUDA, ``softmax``, ``gelu`` and ``silu`` run the kernels of :mod:`._nn_cuda`
 (``src/nn_ops.cu``), ``swiglu`` the one of ``src/transformer.cu`` (:mod:`._norms`).
 Argument checks: :mod:`._nn_check`.
@@ -34,6 +35,7 @@ from ._activation_reference import (
     swiglu_reference,
 )
 from ._builder import Body, Check, check_out, noop
+from ._cpu_fast import activation_cpu, reference_mode, swiglu_cpu
 from ._launch import KernelOp
 from ._multi_op import MultiCheck, Outputs, distinct, floating
 from ._nn_check import _float_input, _same_as_x
@@ -67,8 +69,12 @@ def _softmax_parts() -> tuple[Check, Body]:
         x, o = ts["x"], ts["out"]
         xa, oa = x.array, o.array
 
-        def cpu() -> None:
-            oa[...] = softmax_reference(xa)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = softmax_reference(xa)
+        else:
+            def cpu() -> None:
+                activation_cpu("softmax", xa, oa)
 
         cuda = _row_launch(ctx, name, o, x, (), ()) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x,), (o,), cpu, cuda)
@@ -91,8 +97,12 @@ def _elementwise_parts(name: str, ref: Any) -> tuple[Check, Body]:
         xt, o = ts["x"], ts["out"]
         xa, oa = xt.array, o.array
 
-        def cpu() -> None:
-            oa[...] = ref(xa)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = ref(xa)
+        else:
+            def cpu() -> None:
+                activation_cpu(name, xa, oa)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:
@@ -183,8 +193,12 @@ def _swiglu_parts() -> tuple[MultiCheck, Body]:
         gt, o = ts["gate_up"], ts["out"]
         ga, oa = gt.array, o.array
 
-        def cpu() -> None:
-            oa[...] = swiglu_reference(ga)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = swiglu_reference(ga)
+        else:
+            def cpu() -> None:
+                swiglu_cpu(ga, oa)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:

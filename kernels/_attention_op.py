@@ -6,8 +6,9 @@ Semantics are those of :mod:`._attention`: ``q`` ``(B, Hq, Lq, D)``, ``k``/``v``
 multiple of 8 up to 256; optional device-side valid lengths ``kv_len`` and a paged cache
 (``block_table``); ``out = softmax(scale q k^T) v`` with float32 statistics; the
 queries are the last ``Lq`` positions of the key sequence (bottom-right causal mask, as
-in decode with a KV cache). The ``cpu`` backend runs
-:func:`._attention.attention_reference`, the ``cuda`` backend
+in decode with a KV cache). The ``cpu`` backend runs :func:`._cpu_fast.attention_cpu` (float32,
+one batched product per row; :func:`._attention.attention_reference`, the float64 oracle, in
+the reference mode), the ``cuda`` backend
 :func:`._attention.flash_attention_cuda` on the executing stream.
 
 The decode path (``Lq <= 8``) splits the keys across blocks using the stream's kernel
@@ -33,6 +34,7 @@ from ._attention import (
     flash_attention_cuda,
 )
 from ._builder import Body, Check
+from ._cpu_fast import attention_cpu, reference_mode
 from ._launch import KernelOp
 from ._spec import KernelSpec
 from ._workspace import workspace_for
@@ -141,10 +143,15 @@ def _flash_attention_parts(causal: bool, scale: float | None) -> tuple[Check, Bo
         ba = None if bt is None else bt.array
         reads = [qt, kt, vt] + [t for t in (lt, bt) if t is not None]
 
-        def cpu() -> None:
-            oa[...] = attention_reference(
-                qa, ka, va, causal=causal, scale=scale, kv_len=la, block_table=ba
-            )
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = attention_reference(
+                    qa, ka, va, causal=causal, scale=scale, kv_len=la, block_table=ba
+                )
+        else:
+            def cpu() -> None:
+                attention_cpu(qa, ka, va, oa, causal=causal, scale=scale, kv_len=la,
+                              block_table=ba)
 
         def cuda(native: Any) -> None:
             flash_attention_cuda(

@@ -56,7 +56,8 @@ def attention_reference(
 ) -> np.ndarray:
     """NumPy flash-attention forward (float64 math), returned in ``q.dtype``.
 
-    The ``cpu`` backend runs exactly this. Semantics are in the module docstring
+    The tests' oracle (the ``cpu`` backend runs it in the reference mode; its float32 path
+    is :func:`._cpu_fast.attention_cpu`). Semantics are in the module docstring
     (GQA, bottom-right causal mask, fully masked rows give zeros, ``kv_len``, paged KV).
 
     Args:

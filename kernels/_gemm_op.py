@@ -7,7 +7,9 @@
 
 Shapes, dtypes and the epilogue follow :mod:`._gemm` (``a`` ``(*batch, M, K)``, ``b``
 ``(K, N)`` or ``(*batch, K, N)``, float32/float16/bfloat16, float32 accumulation). The
-``cpu`` backend runs :func:`._gemm_reference.gemm_reference`; the ``cuda`` backend runs
+``cpu`` backend runs :func:`._cpu_fast.gemm_cpu` (float32 BLAS; float16/bfloat16 weights widened
+once and cached, see :mod:`._cpu_fast`; :func:`._gemm_reference.gemm_reference`, the float64
+oracle, in the reference mode and for ``tf32``); the ``cuda`` backend runs
 :func:`._gemm_cuda.gemm_cuda` (raw PTX, no cuBLAS) on the executing stream. Split-K shapes use
 the stream's workspace (:mod:`._workspace`).
 """
@@ -15,6 +17,7 @@ the stream's workspace (:mod:`._workspace`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +26,7 @@ import numpy as np
 from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
 from ._builder import Body, Check
+from ._cpu_fast import gemm_cpu, reference_mode, weight_cache
 from ._gemm_check import ACTIVATIONS, gemm_check
 from ._gemm_cuda import gemm_cuda
 from ._gemm_plan import gemm_workspace_nbytes
@@ -77,10 +81,21 @@ def _gemm_parts(name: str, activation: str | None, alpha: float, beta: float, tf
         aa, ba, oa = at.array, bt.array, ot.array
         biasa = None if bias_t is None else bias_t.array
 
-        def cpu() -> None:
-            oa[...] = gemm_reference(aa, ba, bias=biasa, activation=activation, alpha=alpha,
-                                     beta=beta, c=oa if beta != 0.0 else None, tf32=tf32,
-                                     trans_b=trans_b)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = gemm_reference(aa, ba, bias=biasa, activation=activation, alpha=alpha,
+                                         beta=beta, c=oa if beta != 0.0 else None, tf32=tf32,
+                                         trans_b=trans_b)
+        elif ba.dtype == np.float32 or not stream.device.is_cpu:
+            def cpu() -> None:
+                gemm_cpu(aa, ba, oa, bias=biasa, activation=activation, alpha=alpha, beta=beta,
+                         tf32=tf32, trans_b=trans_b)
+        else:  # a float16/bfloat16 weight: its float32 copy is cached until it is written
+            bref, ver = weakref.ref(bt._storage), bt._storage.ver
+
+            def cpu() -> None:  # (the write count read when the task runs: replays too)
+                gemm_cpu(aa, ba, oa, bias=biasa, activation=activation, alpha=alpha, beta=beta,
+                         tf32=tf32, trans_b=trans_b, b32=weight_cache.get(bref(), ver[0], ba))
 
         def cuda(native: Any) -> None:
             gemm_cuda(aa, ba, oa, bias=biasa, activation=activation, alpha=alpha, beta=beta,

@@ -1,6 +1,8 @@
 """The GEMM's NumPy reference (float64 math, one rounding to the input dtype).
 
-The ``cpu`` backend runs :func:`gemm_reference`; tests compare every CUDA path with it.
+Tests compare every CUDA path and the ``cpu`` backend's float32 path (:mod:`._cpu_fast`) with
+:func:`gemm_reference`; the ``cpu`` backend runs it in the reference mode
+(``DEVICEOPS_CPU_KERNELS=reference``) and for ``tf32``.
 :func:`_act_np` (the epilogue activations) is shared with the ``gelu``/``silu`` references.
 """
 

@@ -20,7 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from deviceops.extend import DeviceOp, ExecutionContext, Partition, ShapeError, Tensor
+from deviceops.extend import (
+    DeviceOp,
+    ExecutionContext,
+    Partition,
+    ShapeError,
+    Tensor,
+    host_data_hint,
+)
 from deviceops.extend import drive as _drive
 
 __all__ = ["KernelOp", "TensorArg", "as_tensor", "is_deferred", "resolve"]
@@ -43,7 +50,7 @@ def as_tensor(arg: Tensor | Partition, op: str, name: str) -> Tensor:
         raise TypeError(f"{op}: argument {name!r} is required: pass a Tensor, Partition or "
                         "DeviceOp producing one, got None")
     raise TypeError(f"{op}: argument {name!r} must be a Tensor, Partition or DeviceOp "
-                    f"producing one, got {type(arg).__name__}")
+                    f"producing one, got {type(arg).__name__}{host_data_hint(arg, op)}")
 
 
 def resolve(arg: Any, ctx: ExecutionContext) -> Any:

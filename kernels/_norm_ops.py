@@ -1,6 +1,7 @@
 """Norm kernels as DeviceOps: RMS norm, layer norm, residual add fused with RMS norm.
 
-The ``cpu`` backend runs the float64 NumPy references of :mod:`._norm_reference`; on CUDA,
+The ``cpu`` backend runs the float32 paths of :mod:`._cpu_fast` (the float64 references of
+:mod:`._norm_reference` in the reference mode; tests compare with them); on CUDA,
 ``rms_norm`` and ``add_rms_norm`` run the one-block-per-row kernel of :mod:`._norms`
 (``src/transformer.cu``), ``layer_norm`` the row kernel of :mod:`._nn_cuda`
 (``src/nn_ops.cu``). Argument checks: :mod:`._nn_check`.
@@ -30,6 +31,7 @@ import numpy as np
 from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
 from ._builder import Body, Check, check_out, noop
+from ._cpu_fast import add_rms_norm_cpu, layer_norm_cpu, reference_mode, rms_norm_cpu
 from ._launch import KernelOp
 from ._multi_op import MultiCheck, Outputs, distinct, floating, same
 from ._nn_check import _eps, _same_as_x, _vector
@@ -83,8 +85,12 @@ def _rms_norm_parts(e: float) -> tuple[Check, Body]:
         x, w, o = ts["x"], ts["weight"], ts["out"]
         xa, wa, oa = x.array, w.array, o.array
 
-        def cpu() -> None:
-            oa[...] = rms_norm_reference(xa, wa, e)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = rms_norm_reference(xa, wa, e)
+        else:
+            def cpu() -> None:
+                rms_norm_cpu(xa, wa, e, oa)
 
         # cuda: the one-block-per-row kernel shared with add_rms_norm (kernels/_norms.py)
         cuda = norm_cuda(ctx.device.index, oa, xa, wa, e) if not ctx.device.is_cpu else noop
@@ -128,8 +134,12 @@ def _layer_norm_parts(e: float) -> tuple[Check, Body]:
         xa, wa, oa = x.array, w.array, o.array
         ba = None if b is None else b.array
 
-        def cpu() -> None:
-            oa[...] = layer_norm_reference(xa, wa, ba, e)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = layer_norm_reference(xa, wa, ba, e)
+        else:
+            def cpu() -> None:
+                layer_norm_cpu(xa, wa, ba, e, oa)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:
@@ -202,10 +212,14 @@ def _add_rms_norm_parts(e: float) -> tuple[MultiCheck, Body]:
         xt, rt, wt, o, ro = ts["x"], ts["residual"], ts["weight"], ts["out"], ts["residual_out"]
         xa, ra, wa, oa, roa = xt.array, rt.array, wt.array, o.array, ro.array
 
-        def cpu() -> None:
-            y, s = add_rms_norm_reference(xa, ra, wa, e)
-            roa[...] = s
-            oa[...] = y
+        if reference_mode():
+            def cpu() -> None:
+                y, s = add_rms_norm_reference(xa, ra, wa, e)
+                roa[...] = s
+                oa[...] = y
+        else:
+            def cpu() -> None:
+                add_rms_norm_cpu(xa, ra, wa, e, oa, roa)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:

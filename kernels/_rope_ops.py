@@ -2,7 +2,8 @@
 
 CUDA source: ``src/transformer.cu`` (loaded by :mod:`._norms`; float32 math, one rounding on
 store, 16-byte accesses where the row length and the pointers allow); the ``cpu`` backend
-runs the float64 NumPy references of :mod:`._rope_reference`. Argument checks:
+runs the float32 paths of :mod:`._cpu_fast` (the float64 references of :mod:`._rope_reference`
+in the reference mode; tests compare with them). Argument checks:
 :mod:`._nn_check`.
 
 | launcher                                                     | computes                                        |
@@ -28,6 +29,7 @@ import numpy as np
 from deviceops.extend import DTypeError, ExecutionContext, ShapeError, Tensor, launch
 
 from ._builder import Body, check_out, noop
+from ._cpu_fast import reference_mode, rope_cpu, rope_kv_write_cpu
 from ._launch import KernelOp
 from ._multi_op import MultiCheck, Outputs, distinct, floating, same
 from ._nn_check import _block_table, _start, _theta
@@ -80,8 +82,12 @@ def _rope_parts(th: float) -> tuple[MultiCheck, Body]:
         xt, st, o = ts["x"], ts["start"], ts["out"]
         xa, sa, oa = xt.array, st.array, o.array
 
-        def cpu() -> None:
-            oa[...] = rope_reference(xa, sa, th)
+        if reference_mode():
+            def cpu() -> None:
+                oa[...] = rope_reference(xa, sa, th)
+        else:
+            def cpu() -> None:
+                rope_cpu(xa, sa, th, oa)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:
@@ -190,8 +196,12 @@ def _rope_kv_write_parts(th: float, hq: int, hkv: int) -> tuple[MultiCheck, Body
         bt = ts.get("block_table")
         ba = None if bt is None else bt.array
 
-        def cpu() -> None:
-            rope_kv_write_reference(qa, sa, ka, va, oa, hq, hkv, th, ba)
+        if reference_mode():
+            def cpu() -> None:
+                rope_kv_write_reference(qa, sa, ka, va, oa, hq, hkv, th, ba)
+        else:
+            def cpu() -> None:
+                rope_kv_write_cpu(qa, sa, ka, va, oa, hq, hkv, th, ba)
 
         cuda: Any = noop
         if not ctx.device.is_cpu:

@@ -278,5 +278,8 @@ class _PlannedOp(KernelOp):
     def _deps(self, ctx: ExecutionContext) -> tuple[DeviceOp[Any], ...]:
         return ()  # (its arguments are Tensors or None: nothing to execute first)
 
+    def _compile_key(self) -> Any:
+        return self._plan  # one per (launcher, statics, signatures): what it may compile
+
 
 _new_op = object.__new__

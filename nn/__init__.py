@@ -19,6 +19,8 @@ Modules: :mod:`.config` (LlamaConfig), :mod:`.loader` (GGUF / safetensors readin
 from __future__ import annotations
 
 from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
+from ._ray import RayMissing, RayReplicas, ReplicaSpec
+from ._ray_batch import batch_generate
 from ._requests import EngineFailed
 from .config import LlamaConfig
 from .generation import generate, stream
@@ -36,7 +38,11 @@ __all__ = [
     "KVCache",
     "KVCacheFull",
     "LlamaConfig",
+    "RayMissing",
+    "RayReplicas",
+    "ReplicaSpec",
     "RequestStream",
+    "batch_generate",
     "generate",
     "load_gguf",
     "load_safetensors",

@@ -49,7 +49,9 @@ def decode_step(m: CausalLM, slots: Sequence[int], tokens: Sequence[int],
         if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
             m._grow(x, int(p) + 1, "decode_step")
     b = next(x for x in m._bucket_list if x > max(sl))
-    use_graph = (not m.device.is_cpu) if graph is None else bool(graph)
+    # default: the bucket's graph on both backends (on cpu a replay is one hand-off of the
+    # recorded step to the stream's worker, instead of ~280 op constructions and hand-offs)
+    use_graph = True if graph is None else bool(graph)
     if use_graph and b not in m._graphs:
         capture(m, b)
     want = m._h_state.copy()

@@ -60,6 +60,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from ._args import check_sampling, check_stop
 from ._engine_step import _Stepping
 from ._kvpool import SlotPool
 from ._requests import (
@@ -373,24 +374,15 @@ class Engine(_Stepping):
             raise TypeError(f"Engine: max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"Engine: max_new_tokens must be >= 0, got {max_new_tokens}")
-        t = float(temperature)
-        if not t >= 0.0 or t == float("inf"):
-            raise ValueError(f"Engine: temperature must be a finite number >= 0, got {temperature}")
-        k = 0 if top_k is None else int(top_k)
-        if k < 0:
-            raise ValueError(f"Engine: top_k must be >= 0 or None, got {top_k}")
+        # every sampling argument checked, each error naming it (nn/_args.py)
+        t, k, p, sd = check_sampling(temperature, top_k, top_p, seed, "Engine")
         if k >= vocab:
             k = 0  # the whole vocabulary: off (and no int32 overflow on the device)
-        p = 1.0 if top_p is None else float(top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"Engine: top_p must be in (0, 1], got {top_p}")
-        if seed is not None and not 0 <= int(seed) < 2**63:
-            raise ValueError(f"Engine: seed must be None or an int in [0, 2**63), got {seed}")
         # seed None: a fresh one, as CausalLM.generate does
-        params = SamplingParams(t, k, p, secrets.randbits(62) if seed is None else int(seed))
+        params = SamplingParams(t, k, p, secrets.randbits(62) if seed is None else sd)
         return _Request(
             id=next(self._ids), prompt=ids, max_new=max_new_tokens,
-            params=params, stop=frozenset(int(s) for s in (stop or ())),
+            params=params, stop=check_stop(stop, "Engine"),
             t_submit=time.perf_counter(),
         )
 

@@ -73,9 +73,10 @@ def _error(status: int, message: str, param: str | None = None, *,
 def _device_failed_message(replica: Replica, exc: EngineFailed, serving: int) -> str:
     cause = exc.__cause__
     what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-    return (f"device {replica.device} failed while handling this request ({what}); it was "
+    kind = getattr(replica, "kind", "device")  # "replica" for Ray replicas (serve --ray)
+    return (f"{kind} {replica.device} failed while handling this request ({what}); it was "
             f"taken out of service and the request was not completed. Retry it: "
-            f"{serving} other device(s) are serving")
+            f"{serving} other {kind}(s) are serving")
 
 
 @dataclass
@@ -319,10 +320,10 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             got = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
             state.router = got if isinstance(got, Router) else Router.single(got)
             if state.router.per_device:
-                log.info("model %s loaded; serving on %s", model_name, ", ".join(
+                log.info("ready: model %s loaded; serving on %s", model_name, ", ".join(
                     f"{r.device} ({r.state})" for r in state.router.replicas))
             else:
-                log.info("model %s loaded; serving", model_name)
+                log.info("ready: model %s loaded; serving", model_name)
         except Exception as exc:  # reported by /health; the server stays up
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("loading the model failed")
@@ -448,6 +449,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return _error(503, router.unavailable_reason(), kind="server_unavailable",
                           retry_after=retry_after, code="device_failed")
         metrics.prompt_tokens.inc(len(job.ids))
+        request.scope["deviceops.request"] = s  # the access log counts its tokens (serve)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         detok = _Detok(engine.model, engine.steps.eos_ids, job.stop)
         if job.stream:

@@ -10,8 +10,9 @@ With one engine per device (``serve --devices``) every engine series carries a
 ``device`` label (``deviceops_kv_slots_in_use{device="cuda:1"}``; same metric names), and
 two more per-device gauges say whether the engine serves
 (``deviceops_engine_up``, 0 once it failed) and the work the router compares
-(``deviceops_engine_pending_tokens``). The HTTP series (requests, tokens, latencies) are
-for the whole server.
+(``deviceops_engine_pending_tokens``). With Ray replicas (``serve --ray``) the label is
+``replica`` instead (``deviceops_kv_slots_in_use{replica="r1"}``). The HTTP series
+(requests, tokens, latencies) are for the whole server.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ class DeviceStats:
             loaded.
         up: the engine serves (not failed, not closed).
         pending_tokens: the engine's queued and running work in tokens (routing load).
+        label: the label's name: ``"device"``, or ``"replica"`` for Ray replicas
+            (``serve --ray``, :mod:`._ray_front`).
     """
 
     device: str
     stats: Any
     up: bool
     pending_tokens: int
+    label: str = "device"
 
 
 def _gauges(st: Any) -> dict[str, tuple[str, float]]:
@@ -101,13 +105,14 @@ class _EngineCollector(Collector):
                 yield CounterMetricFamily(name, doc, value=float(v))
             return
         rows: list[DeviceStats] = list(got)
+        label = rows[0].label if rows else "device"
         up = GaugeMetricFamily("deviceops_engine_up",
                                "1 while the device's engine serves, 0 once it failed or closed",
-                               labels=["device"])
+                               labels=[label])
         pending = GaugeMetricFamily(
             "deviceops_engine_pending_tokens",
             "queued and running work in tokens (prompt left to prefill + max tokens left to "
-            "generate); requests go to the device where it is smallest", labels=["device"])
+            "generate); requests go to the device where it is smallest", labels=[label])
         for row in rows:
             up.add_metric([row.device], 1.0 if row.up else 0.0)
             pending.add_metric([row.device], float(row.pending_tokens))
@@ -122,7 +127,7 @@ class _EngineCollector(Collector):
                 for name, (doc, v) in table(row.stats).items():
                     fam = fams.get(name)
                     if fam is None:
-                        fam = fams[name] = kind(name, doc, labels=["device"])
+                        fam = fams[name] = kind(name, doc, labels=[label])
                     fam.add_metric([row.device], float(v))
             yield from fams.values()
 

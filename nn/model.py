@@ -74,7 +74,6 @@ functions of the model in :mod:`._forward` (arena, layer chain, head), :mod:`._w
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -85,7 +84,7 @@ import deviceops
 from deviceops import DeviceOp, Tensor, api
 from deviceops.scheduling import SingleStream
 
-from . import _decode, _prefill
+from . import _args, _decode, _prefill
 from ._forward import Arena, Thunk, buckets, chain
 from ._weights import bind_weights
 from .config import LlamaConfig
@@ -270,9 +269,11 @@ class CausalLM:
             ids = [self.config.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` (special tokens kept, as the model's own tokenizer decodes)."""
-        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``: special tokens kept, as the model's own tokenizer decodes, or with
+        ``skip_special_tokens=True`` left out (``<|im_end|>``, EOS: the text a user reads)."""
+        return str(self.tokenizer.decode([int(i) for i in ids],
+                                         skip_special_tokens=bool(skip_special_tokens)))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
         """The prompt text of a conversation (the model's template, ``add_generation_prompt=True``).
@@ -437,7 +438,8 @@ class CausalLM:
             slots: distinct cache rows.
             tokens: the token each row feeds (the one it sampled last).
             positions: each row's position (its current length).
-            graph: replay the bucket's CUDA graph (default: on CUDA) or run eagerly.
+            graph: replay the bucket's graph (default; on the cpu backend a recorded step
+                replayed by the stream's worker) or run eagerly (``False``).
 
         Returns:
             The ``(bucket,)`` int32 token view; ``view[slots[i]]`` is row i's new token.
@@ -507,17 +509,8 @@ class CausalLM:
 
 
 def check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> tuple[float, int, float, int]:
-    """Validate sampling arguments; ``None`` means off (top_k 0, top_p 1.0, seed 0)."""
-    t = 0.0 if temperature is None else temperature
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-    k = 0 if top_k is None else top_k
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
-        raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
-    p = 1.0 if top_p is None else top_p
-    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be None or in (0, 1] (1 = off)")
-    sd = 0 if seed is None else seed
-    if isinstance(sd, bool) or not isinstance(sd, int | np.integer) or not 0 <= sd < 2**63:
-        raise ValueError(f"seed={seed!r} must be None or an int in [0, 2**63)")
-    return float(t), int(k), float(p), int(sd)
+    """Validate sampling arguments; ``None`` means off (top_k 0, top_p 1.0, seed 0).
+
+    See :func:`deviceops.nn._args.check_sampling` (a ``top_k`` beyond any vocabulary is off).
+    """
+    return _args.check_sampling(temperature, top_k, top_p, seed)

@@ -24,6 +24,16 @@ engine series with ``device``. If a device's engine fails (a step raises), its i
 and queued requests end with 503 (``"code": "device_failed"``; an SSE error event for
 streams) and the other devices keep serving. A device whose model fails to load is listed
 as failed; the server serves on the rest.
+
+**On a Ray cluster** (``--ray [ADDRESS] --replicas N``, the ``ray`` extra: ``pip install
+'deviceops[ray]'``): each replica is a Ray actor owning one engine on one GPU
+(``num_gpus=1``; ``--device cpu``: cpu-backend replicas), this process keeps the HTTP
+front and routes each request to the replica with the fewest pending tokens. ADDRESS is
+``ray.init``'s (none: a local cluster; ``auto``: the one running here). ``/metrics`` labels
+the engine series ``replica="r0"``; a dead replica leaves routing (503 / an SSE error
+event for its requests), Ray restarts it (``--max-restarts``) and it rejoins;
+``POST /admin/replicas`` (with ``--admin-token``) adds or removes replicas while serving.
+See :mod:`deviceops.nn._ray_front`.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 
 import uvicorn
 
+from ._access_log import AccessLog, ListeningFilter
 from ._engine import Engine
 from ._http import create_app
 from ._router import Replica, Router
@@ -246,31 +257,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m deviceops.nn.serve",
         description="OpenAI-compatible server for deviceops.nn models (one device, or one "
-                    "engine per device with --devices and least-loaded routing)")
+                    "engine per device with --devices and least-loaded routing)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a path to a .gguf file")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                       help="backend (default: CUDA 0 if a GPU answers, else cpu)")
+                       help="backend; None: CUDA 0 if a GPU answers, else cpu")
     where.add_argument(
         "--devices", default=None, metavar="LIST",
         help="data-parallel: one model copy and engine per device, each request to the "
              "engine with the fewest pending tokens; '0,1' or 'cuda:0,cuda:1' (GPUs), 'all' "
              "(every GPU), 'cpu:0,cpu:1' (cpu backend). A device that fails is taken out "
              "of routing (its requests get 503) and the others keep serving")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype; None: float16 on CUDA, float32 on cpu")
     p.add_argument("--max-batch", type=int, default=32,
                    help="concurrent generations (KV slots), per engine")
     p.add_argument("--max-seq", type=int, default=2048, help="context per request")
     p.add_argument("--max-queue", type=int, default=None,
-                   help="requests waiting for a slot before 429, per engine "
-                        "(default 4 * max-batch)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+                   help="requests waiting for a slot before 429, per engine; None: 4 * "
+                        "max-batch")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens prefilled per step")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGTERM")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="info logs 'ready' once the model is loaded and one line per request")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="serve replicas that are Ray actors (pip install 'deviceops[ray]'); "
+                        "ADDRESS as ray.init takes it: none starts a local cluster, 'auto' "
+                        "joins the one running here, or the head's host:port")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="with --ray: replicas (one GPU each); None: every GPU of the "
+                        "cluster, or 1 with --device cpu")
+    p.add_argument("--max-restarts", type=int, default=4,
+                   help="with --ray: times Ray restarts a replica that died (-1: always)")
+    p.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="with --ray: CPUs Ray reserves per replica")
+    p.add_argument("--admin-token", default=None,
+                   help="with --ray: bearer token of POST /admin/replicas (add or remove "
+                        "replicas while serving); None: $DEVICEOPS_ADMIN_TOKEN, and without "
+                        "it that route answers 403")
     args = p.parse_args(argv)
+    if args.ray is not None:
+        from ._ray import RayMissing, import_ray
+
+        if args.devices is not None:
+            p.error("--ray and --devices: give one (--ray spreads replicas over the Ray "
+                    "cluster's GPUs; --device cpu gives cpu-backend replicas)")
+        try:
+            import_ray()
+        except RayMissing as exc:
+            p.error(str(exc))
+    if args.replicas is not None and (args.ray is None or args.replicas < 1):
+        p.error("--replicas needs --ray and a count >= 1")
     devices: list[str] | None = None
     if args.devices is not None:
         try:
@@ -282,6 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu" if args.device == "cpu" else 0)
 
     def load() -> Engine | Router:
+        if args.ray is not None:
+            from ._ray_front import load_ray_router
+
+            return load_ray_router(args.model, address=args.ray or None, replicas=args.replicas,
+                                   device=args.device, dtype=args.dtype,
+                                   max_batch=args.max_batch, max_seq=args.max_seq,
+                                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                                   num_cpus=args.replica_cpus, max_restarts=args.max_restarts)
         if devices is not None:
             return load_engines(args.model, devices=devices, dtype=args.dtype,
                                 max_batch=args.max_batch, max_seq=args.max_seq,
@@ -292,8 +342,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     name = "smollm2" if args.model == "smollm2" else os.path.basename(args.model)
     app = create_app(load, model_name=name)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    if args.ray is not None:
+        from ._ray import init_ray
+        from ._ray_front import add_admin_routes
+
+        add_admin_routes(app, args.admin_token or os.environ.get("DEVICEOPS_ADMIN_TOKEN"))
+        # connect here, in the main thread, before uvicorn installs its SIGTERM/SIGINT
+        # handlers: Ray's driver installs its own (which abort) and must not stay in charge
+        try:
+            init_ray(args.ray or None)
+        except Exception as exc:
+            log.error("connecting to Ray (%s) failed: %s", args.ray or "a new local cluster", exc)
+            return 1
+    # one log line per request (method, path, status, tokens, time), instead of uvicorn's
+    config = uvicorn.Config(AccessLog(app), host=args.host, port=args.port,
+                            log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    # (uvicorn configured its loggers just now) "running on" would read as "ready"
+    logging.getLogger("uvicorn.error").addFilter(ListeningFilter())
     server = _Server(config, app)
     server.run()
     log.info("server stopped")

