@@ -191,6 +191,13 @@ def clear_weight_cache() -> None:
 # ----------------------------------------------------------------------------- BLAS threads
 
 
+def adaptive_blas() -> bool:
+    """Whether ``DEVICEOPS_CPU_BLAS_ADAPT=1`` asks for the measured, revised thread count
+    (:class:`BlasThreads`; only safe while one thread at a time runs GEMMs). Default: the
+    count is chosen once, at import, from the load average."""
+    return os.environ.get("DEVICEOPS_CPU_BLAS_ADAPT", "0") == "1"
+
+
 def _openblas() -> tuple[Any, Any] | None:
     """``(set_num_threads, get_num_threads)`` of the OpenBLAS NumPy runs, or ``None``."""
     import ctypes
@@ -245,8 +252,10 @@ class BlasThreads:
     whose windows get slower than the other's last measurement is dropped at once. GEMMs below
     :attr:`MIN_MACS` always run on one thread (not counted).
 
-    ``DEVICEOPS_CPU_BLAS_THREADS``: ``auto`` (default), or a fixed count (``1``, ``2``,
-    ...; ``0``: leave the BLAS alone). Without a controllable OpenBLAS (another BLAS) the
+    ``DEVICEOPS_CPU_BLAS_THREADS``: ``auto`` (default: every thread if the load average
+    leaves the cores free at import, else one, then fixed; the revising scheme above only
+    with ``DEVICEOPS_CPU_BLAS_ADAPT=1``), or a fixed count (``1``, ``2``, ...; ``0``: leave
+    the BLAS alone). Without a controllable OpenBLAS (another BLAS) the
     BLAS is left as configured. The setting is OpenBLAS's, process-wide: NumPy code of the
     application runs with the count last set.
     """
@@ -286,6 +295,12 @@ class BlasThreads:
         self.interval = float(self.EXPLORE)
         self._lock = threading.Lock()
         if self.ctl is not None and self.fixed:
+            self._set(self.fixed)
+        elif self.ctl is not None and self.fixed is None and not adaptive_blas():
+            # auto, decided once here, before any stream thread runs a GEMM: OpenBLAS's
+            # set_num_threads while another thread is inside a BLAS call is not safe (it
+            # crashed a GPU-machine test run with two cpu devices multiplying at once)
+            self.fixed = self.max if self._spare_cores() else 1
             self._set(self.fixed)
 
     @property

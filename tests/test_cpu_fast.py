@@ -210,6 +210,15 @@ def test_blas_thread_choice_follows_measurements(monkeypatch: pytest.MonkeyPatch
     assert not cf.BlasThreads("1").adaptive and not cf.BlasThreads("0").adaptive
 
 
+def test_blas_threads_fixed_once_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DEVICEOPS_CPU_BLAS_ADAPT=1 the count is chosen once (never changed while a
+    stream thread may be inside a BLAS call: OpenBLAS is not safe for that)."""
+    monkeypatch.delenv("DEVICEOPS_CPU_BLAS_ADAPT", raising=False)
+    b = cf.BlasThreads("auto")
+    assert not b.adaptive
+    assert b.ctl is None or b.fixed in (1, b.max)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
