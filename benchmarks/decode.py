@@ -87,11 +87,13 @@ def bench_decode(m: Any, batch: int, steps: int, graph: bool, rng: np.random.Gen
                  prompt_len: int = 32) -> dict[str, Any]:
     s = m.device_stream
     slots = list(range(batch))
+    prompts = [rng.integers(100, m.config.vocab_size, prompt_len).tolist() for _ in slots]
     for i in slots:
         m.set_sampling(i)
-        m.prefill(i, rng.integers(100, m.config.vocab_size, prompt_len).tolist())
+        m.prefill(i, prompts[i])
     toks = m.read(m._tokens[:batch]).sync_on(s)
     last = [int(toks[i]) for i in slots]
+    tokens = [[t] for t in last]  # every row's greedy tokens, checked against generate()
     pos = prompt_len
     times = []
     for k in range(steps + 3):
@@ -101,15 +103,32 @@ def bench_decode(m: Any, batch: int, steps: int, graph: bool, rng: np.random.Gen
         if k >= 3:  # the first steps capture / warm up
             times.append(time.perf_counter() - t0)
         last = [int(host[i]) for i in slots]
+        for i in slots:
+            tokens[i].append(last[i])
         pos += 1
     for i in slots:
         m.release(i)
     ms = _median_ms(times)
     row = {"batch": batch, "graph": graph, "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3,
-           "kv_positions": pos}
+           "kv_positions": pos, "prompts": prompts, "tokens": tokens}
     print(f"decode batch {batch:3d} {'graph' if graph else 'eager'}: {ms:8.3f} ms/step, "
           f"{batch / ms * 1e3:10.0f} tokens/s", flush=True)
     return row
+
+
+def check_decode_tokens(m: Any, row: dict[str, Any], n: int) -> dict[str, Any]:
+    """The timed loop's greedy tokens against ``CausalLM.generate`` on the same prompts (the
+    reference: the library's own generation loop, one row at a time stopping at EOS): each
+    row's first ``n`` tokens, up to where generate stopped. Can be false (a wrong KV write,
+    a stale graph input, a row mixed up with another)."""
+    want = m.generate(row["prompts"], n, graph=row["graph"])
+    bad = [i for i, (got, w) in enumerate(zip(row["tokens"], want, strict=True))
+           if got[:len(w)] != w]
+    ok = not bad
+    what = (f"decode batch {row['batch']} {'graph' if row['graph'] else 'eager'}: tokens == "
+            f"generate() for every row ({n} tokens)")
+    print(f"check {what}: {'ok' if ok else f'FAILED rows {bad[:8]}'}", flush=True)
+    return {"what": what, "passed": ok, "bad_rows": bad[:8]}
 
 
 def copy_bandwidth() -> float:
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, Any] = {"smoke": True,
                                "prefill": bench_prefill(m, [16], 1, rng),
                                "decode": [bench_decode(m, 2, 2, g, rng, prompt_len=8) for g in (True, False)]}
-        checks = [all(r["ms_per_step"] > 0 for r in res["decode"])]
+        checks = [check_decode_tokens(m, r, 5) for r in res["decode"]]
     else:
         if not deviceops.cuda_available():
             print("decode benchmark: needs a CUDA GPU (use --smoke on the cpu backend)")
@@ -240,12 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         res["bars"] = bars
         for k, v in bars.items():
             print(f"bar {k}: {'MET' if v else 'NOT MET'}")
-        checks = [True]
-    res["checks_passed"] = sum(checks)
+        checks = [check_decode_tokens(m, r, 16) for r in res["decode"]]
+    for r in res["decode"]:  # the JSON keeps the counts, not every token
+        r["prompts"], r["tokens"] = len(r.pop("prompts")), len(r.pop("tokens")[0])
+    res["checks"] = {"passed": bool(checks) and all(c["passed"] for c in checks),
+                     "count": len(checks), "records": checks}
+    res["checks_passed"] = sum(c["passed"] for c in checks)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1, default=float)
-    return 0 if all(checks) else 1
+    if not res["checks"]["passed"]:
+        print("CORRECTNESS FAIL: decode tokens differ from generate()", file=sys.stderr)
+    return 0 if res["checks"]["passed"] else 1
 
 
 if __name__ == "__main__":

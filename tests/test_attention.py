@@ -346,15 +346,60 @@ SHAPES_DEC = [
 ]
 
 
+class SplitSpy:
+    """Records the grid of every split-KV launch (grid ``(blocks, n_split, batch)``): the
+    plan a test meant to exercise is asserted on what was launched."""
+
+    def __init__(self) -> None:
+        self.grids: list[tuple[int, ...]] = []
+
+    def wrap(self, orig: Any) -> Any:
+        def launcher_for(device_id: int) -> Any:
+            real = orig(device_id)
+
+            def go(fn: Any, grid: Any, *rest: Any, **kw: Any) -> Any:
+                self.grids.append(tuple(int(x) for x in grid))
+                return real(fn, grid, *rest, **kw)
+
+            return go
+
+        return launcher_for
+
+    def take_n_split(self) -> int:
+        """``n_split`` of the last call's split kernel (its first launch), then forget."""
+        assert self.grids, "no split-KV launch was recorded"
+        n = self.grids[0][1]
+        self.grids.clear()
+        return n
+
+
+@pytest.fixture
+def split_spy(monkeypatch: pytest.MonkeyPatch) -> SplitSpy:
+    from deviceops.kernels import _attention_cuda
+
+    spy = SplitSpy()
+    monkeypatch.setattr(_attention_cuda, "launcher_for", spy.wrap(_attention_cuda.launcher_for))
+    monkeypatch.setattr(_attention_cuda, "_plans", {})  # plans built now, with the spy
+    return spy
+
+
+def force_split(b: int, hq: int, hkv: int, lq: int, lk: int, d: int, f32: bool = False) -> Any:
+    """The overrides that make the planner split whenever it can: no minimum cache length
+    (``attention_split_min_steps=0``, what ``plan_splitkv`` reads) and, where the warp
+    planner would keep a short cache whole (``splitkv_warps`` says no split), 4-warp blocks,
+    which may split."""
+    _, may = attn.splitkv_warps(b, hq, hkv, lq, lk, d, f32=f32, n_sm=132)
+    kw: dict[str, Any] = {"attention_split_min_steps": 0}
+    if not may:
+        kw["attention_split_warps"] = 4
+    return _experiment.overrides(**kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES_DEC, ids=str)
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("ws", [True, False], ids=["split", "nosplit"])
-def test_gpu_decode(
-    shape: tuple[int, ...], dtype: np.dtype, ws: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if ws:  # split whenever possible (short caches are not split by default)
-        monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)
+def test_gpu_decode(shape: tuple[int, ...], dtype: np.dtype, ws: bool, split_spy: SplitSpy) -> None:
     b, hq, hkv, lq, lk, d, c = shape
     causal = bool(c)
     rng = np.random.default_rng()
@@ -363,7 +408,14 @@ def test_gpu_decode(
         rand(rng, (b, hkv, lk, d), dtype),
         rand(rng, (b, hkv, lk, d), dtype),
     )
-    out = _run_gpu(q, k, v, causal, workspace=ws)
+    if ws:  # split whenever possible (short caches are not split by default)
+        with force_split(b, hq, hkv, lq, lk, d):
+            out = _run_gpu(q, k, v, causal, workspace=True)
+        n_split = split_spy.take_n_split()
+        assert n_split > 1 if lk > 1 else n_split == 1, (shape, n_split)  # one key: one split
+    else:
+        out = _run_gpu(q, k, v, causal, workspace=False)
+        assert split_spy.take_n_split() == 1
     assert np.isfinite(out.astype(np.float32)).all()
     ref = attn.attention_reference(q, k, v, causal=causal).astype(np.float64)
     assert rel_err(out, ref) < TOL[dtype]
@@ -984,18 +1036,20 @@ def test_gpu_float32_and_head_dims_without_kv_len(dtype: np.dtype, d: int, lq: i
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 7])
 @pytest.mark.parametrize("lq", [1, 4, 20])
-def test_gpu_paged(
-    dtype: np.dtype, d: int, bs: int, lq: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(attn, "SPLIT_MIN_STEPS", 0)  # split whenever a workspace is given
+def test_gpu_paged(dtype: np.dtype, d: int, bs: int, lq: int, split_spy: SplitSpy) -> None:
     rng = np.random.default_rng()
     b, hq, hkv, s = 4, 32, 8, 300
     kv_len = np.array([lq, s, int(rng.integers(lq, s)), int(rng.integers(lq, s))], np.int32)
     q = rand(rng, (b, hq, lq, d), dtype)
     k, v = rand(rng, (b, hkv, s, d), dtype), rand(rng, (b, hkv, s, d), dtype)
     kp, vp, table = _paged(rng, k, v, kv_len, bs)
-    for causal in (True, False):
-        want = ref64(q, k, v, causal, kv_len=kv_len)
-        for ws in (True, False):
-            out = _run_gpu_kv(q, kp, vp, causal, kv_len, table, workspace=ws)
-            assert rel_err(out, want) < TOL[dtype], (causal, ws)
+    # split whenever a workspace is given (decode); Lq > 8 is never split
+    with force_split(b, hq, hkv, lq, s, d, f32=dtype == F32):
+        for causal in (True, False):
+            want = ref64(q, k, v, causal, kv_len=kv_len)
+            for ws in (True, False):
+                out = _run_gpu_kv(q, kp, vp, causal, kv_len, table, workspace=ws)
+                assert rel_err(out, want) < TOL[dtype], (causal, ws)
+                n_split = split_spy.take_n_split()
+                split = ws and lq <= attn.DECODE_MAX_LQ
+                assert n_split > 1 if split else n_split == 1, (causal, ws, n_split)

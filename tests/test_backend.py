@@ -209,11 +209,16 @@ def test_cpu_load_program_is_refused_clearly(cpu: CpuBackend) -> None:
 
 
 def test_cpu_trace_mark_gives_the_worker_time(cpu: CpuBackend, cs: Stream) -> None:
-    t0 = time.perf_counter()
-    cs.enqueue(lambda: time.sleep(0.02), "slow")
+    """The mark is taken by the worker when it reaches it: after the task before it ended,
+    before the host saw it resolved (event order, no duration assumed)."""
+    ended: list[float] = []
+    gate = threading.Event()
+    cs.enqueue(lambda: (gate.wait(10), ended.append(time.perf_counter())), "slow")
     resolve = cpu.trace_mark(cs, {})
+    released = time.perf_counter()
+    gate.set()
     t = resolve()  # waits for the worker to reach the mark
-    assert t is not None and t0 + 0.02 <= t <= time.perf_counter()
+    assert t is not None and ended and released <= ended[0] <= t <= time.perf_counter()
 
 
 def test_stream_defaults_do_nothing() -> None:

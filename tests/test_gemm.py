@@ -558,9 +558,10 @@ def test_gpu_tma_store_epilogue_matches_register_store() -> None:
         [(67, 136, 200, ()), (300, 520, 72, (2,)), (129, 264, 1000, ())], ["128x256", "128x128", "64x128", "128x256c2"]
     ):
         for dt, act, bias in ((BF16, None, False), (F16, "silu", True), (BF16, "gelu", True)):
-            a = cupy.asarray(_rand(rng, (*batch, m, k), dt))
-            b = cupy.asarray(_rand(rng, (n, k), dt))
-            bv = cupy.asarray(_rand(rng, (n,), dt)) if bias else None
+            ah, bh = _rand(rng, (*batch, m, k), dt), _rand(rng, (n, k), dt)
+            bvh = _rand(rng, (n,), dt) if bias else None
+            a, b = cupy.asarray(ah), cupy.asarray(bh)
+            bv = cupy.asarray(bvh) if bvh is not None else None
             outs = []
             for tma_store in (True, False):
                 o = cupy.full((*batch, m, n), np.nan, dtype=dt)
@@ -572,6 +573,13 @@ def test_gpu_tma_store_epilogue_matches_register_store() -> None:
             assert not np.isnan(outs[0].astype(np.float32)).any(), f"unwritten outputs {force} {m},{n},{k}"
             np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16),
                                           err_msg=f"{force} m,n,k={m},{n},{k} batch={batch} act={act}")
+            # both against the float64 reference (an epilogue both paths share could be wrong)
+            cs = {"alpha": 0.5, "beta": 0.0, "act": act}
+            ref64, pre64 = _ref64(ah, np.ascontiguousarray(bh.T), bvh, cs, ah[..., :0], False)
+            err = _rel(outs[0], ref64, pre64)
+            kind = np.dtype(dt).name
+            assert err < TOL[kind], (f"{force} m,n,k={m},{n},{k} batch={batch} act={act}: "
+                                     f"relative error {err:.3g} > {TOL[kind]}")
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ with fewer than two).
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from deviceops import api, kernels
 from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import MultiDeviceRoundRobin, SingleStream, StreamPoolRoundRobin
 
-from .conftest import to_np
+from .conftest import overlapped, to_np, traced
 
 
 def _gpu_count() -> int:
@@ -133,14 +132,14 @@ def test_zip_branches_on_two_devices_overlap(pair: Any) -> None:
               0.0).sync_on(d0.new_stream())  # warm (compile) outside the timing
     slow_copy(api.zeros((4,)).sync_on(d1.new_stream()), api.zeros((4,)).sync_on(d1.new_stream()),
               0.0).sync_on(d1.new_stream())
-    with deviceops.using(pol):
-        t0 = time.perf_counter()
+    with deviceops.using(pol), deviceops.trace() as t:
         out = deviceops.zip(*ops).sync()
-        elapsed = time.perf_counter() - t0
     assert [o.device for o in out] == [d0, d1]
     for i, o in enumerate(out):
         np.testing.assert_array_equal(to_np(o), float(i + 1))
-    assert elapsed < 1.6 * delay, f"two {delay}s branches on two devices took {elapsed:.3f}s"
+    recs = traced(t, "slow_copy")  # device start/end of each branch
+    assert sorted(r.device for r in recs) == sorted([str(d0), str(d1)]), recs
+    assert overlapped(recs), f"the branches on {d0} and {d1} ran one after the other: {recs}"
 
 
 def test_to_device_orders_after_the_source_writer(pair: Any) -> None:

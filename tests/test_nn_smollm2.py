@@ -76,3 +76,30 @@ def test_greedy_batch_matches_oracle_and_alone(model: Any, oracle: dict[str, Any
     alone = model.generate(prompts[2]["text"], 6)  # a str prompt, alone
     assert alone == batch[2][:6]
     assert model.decode(batch[0]).startswith(" Paris.\n\nThe answer is: 2")
+
+
+def test_decode_step_logits_match_oracle(model: Any, oracle: dict[str, Any]) -> None:
+    """The fixture's ``step_topk``: greedy decode-step logits (paged KV cache, blocks of
+    ``model.block_size``) at steps 0, 1, 8 and 16 against transformers' KV-cached loop."""
+    s = model.device_stream
+    for p in (oracle["prompts"][0], oracle["prompts"][-1]):  # 5 tokens; the 40-token chat one
+        steps = {int(k): v for k, v in p["step_topk"].items() if int(k) <= 16}
+        assert set(steps) == {0, 1, 8, 16}
+        model.set_sampling(0)
+        tok = int(model.read(model.prefill(0, p["ids"])).sync_on(s)[0])
+        pos = len(p["ids"])
+        try:
+            for step in range(17):
+                if step:
+                    tok = int(model.read(model.decode_step([0], [tok], [pos])).sync_on(s)[0])
+                    pos += 1
+                assert tok == p["greedy"][step], f"{p['text'][:30]!r} step {step}"
+                if step not in steps:
+                    continue
+                logits = np.asarray(api.to_host(model._logits[0]).sync_on(s), np.float64)
+                ref = np.array(steps[step]["values"])
+                err = np.max(np.abs(logits[steps[step]["ids"]] - ref)) / np.max(np.abs(ref))
+                assert err <= 1e-4, f"{p['text'][:30]!r} decode step {step}: relative error {err:.2e}"
+        finally:
+            model.release(0)
+        assert pos // model.block_size > len(p["ids"]) // model.block_size  # crossed a block

@@ -34,7 +34,9 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     rec = json.loads(out.read_text())
     for c in ("1", "2"):
         row = rec["levels"][c]
-        assert row["tokens"] > 0 and row["tokens_per_s"] > 0, row
+        # smoke: c requests of 2 or 3 new tokens each, ignore_eos: every one must arrive
+        assert row["requests"] == int(c) and 2 * int(c) <= row["tokens"] <= 3 * int(c), row
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"]), row
         assert row["loop_worst_gap_ms"] > 0, row
     cancel = rec["cancel"]
     assert cancel["completed_wrong"] == 0 and cancel["slots_in_use_end"] == 0, cancel

@@ -1,3 +1,4 @@
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Sourced by the GPU-machine session scripts (tools/s11_gpu.sh, tools/s12_gpu.sh), after
 # device_prologue.sh (OUT and the timer t): the attention steps they share.
 #   var:     tools/attn_variants_gpu.py (VARS=..., ONLY=..., ALL=1, TAG=..., REPS=...)

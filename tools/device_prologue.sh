@@ -1,3 +1,4 @@
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Sourced by the GPU-machine scripts (tools/s6_*.sh): the output folder, a timer, the carried
 # wheels (trio, pytest-timeout, ...) into /tmp/site, and this checkout installed editable.
 OUT=${OUT:-/tmp/deviceops_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # The session's final GPU verification, in two device calls (the weights are 98 MB and one
 # call carries 64 MiB; see weights-on-device.md). Run from the repo root on the GPU machine.
 #   phase a (carry .w1 build/wheels_rel):  OUT=dir bash tools/final_gpu.sh a

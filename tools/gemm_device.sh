@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # One device run for the GEMM work: install, parallel precompile, GPU tests, decode tables,
 # memcheck sweep, then the remaining tables while the time budget lasts.
 # Usage (GPU machine, repo root): OUT=dir BUDGET=230 bash tools/gemm_device.sh

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Short device run used for the second (final-planner) GEMM measurement of 2026-11-23:
 # precompile the skinny variants, skinny/cached-plan/kernel-op GPU tests, the decode tables
 # (M = 1, 8, 32) with forced-KS variants, memcheck over the skinny cases.

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # GPU tests of the code changed after the session's final verification: kernels layout
 # (builder/workspace/gemm_op split, kernels.testing), ping-pong GEMM removal, nn.random_model.
 OUT=${OUT:-/tmp/lay}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Issue 16 on the GPU, in one device call (~280 s): the reliability tests (beside a warm-up
 # of the kernel cache), a 100k-op soak, a short host-overhead check, and the
 # compute-sanitizer sweep over every kernel (4 tools in parallel).

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Tenth-session GPU work (issue 13): the cp.async K/V ring in the split-KV decode kernel
 # (ATTN_STAGES) and one-consumer-warpgroup (64-row) tiles in the TMA skinny GEMM ("tma:S:ST:1").
 #   ring:  tools/s10_attn_ring_gpu.py (ring variants x split targets beside SDPA; the ring and

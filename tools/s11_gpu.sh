@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Eleventh-session GPU work (issue 13): re-test of the tenth session's review tidy, and
 # split-KV decode variants (bulk L2 prefetch, evict-first loads) beside SDPA.
 #   gemm:  tests/test_gemm.py (+ memcheck of the TMA skinny GEMM cases)

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Twelfth-session GPU work (issue 13): the bulk-copy K/V ring of the split-KV decode kernel.
 #   bulk:  tests/test_attention.py -k bulk_ring (the ring against the float64 reference)
 #   var:   tools/attn_variants_gpu.py (VARS=..., ONLY=..., ALL=1, TAG=..., REPS=...)

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Session-5 final GPU verification, two device calls (the GGUF travels in two halves).
 #   a (carry .w1 build/wheels_rel): every GPU test file, overhead.py (then-chains + per-op
 #     table, issue 12's bars), graph_replay, await_latency, a 200k-op soak, eager profile

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Sixth-session GPU verification (H100). Two device calls; the GGUF travels in two halves.
 #   tests (carry .w1 .whl build/wheels_rel): the whole suite but the real-weights file (T_PAR,
 #     default 480 s: the kernel group took 295 s on 2026-11-23 and ran past 330 s after the

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Sixth-session kernel work on the GPU machine (issue 13): the new GEMV (b as (K, N)) and the
 # 8/16-warp split-KV decode blocks — correctness first, then the timings.
 #   check: GPU tests of the changed kernels (gemm, attention), then

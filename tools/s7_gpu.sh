@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Seventh-session GPU work (issue 12's allocating add; issue 13's kernels).
 #   ab:    op_cost.py's cases named in ONLY (default: the allocating add, saxpy, argmax,
 #          embedding) on this tree and on _old_head/ (a `git archive` of the previous

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Eighth-session GPU work (issue 13). The slab GEMM experiment's mode lives on branch
 # wip/slab-gemm (benchmarks/RESULTS-gemm.md, "Eighth session").
 #   attn: the split-KV cluster rule for long splits: the attention / replay GPU tests of the

@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # Ninth-session GPU work (issue 13): two-block clusters with B multicast in the sm_90 GEMM
 # (configs 128x256c2 / 128x128c2) and programmatic dependent launch of every sm_90 GEMM kernel.
 #   c2tests: the GEMM GPU tests that cover the new code (cluster pairs, back-to-back dependent

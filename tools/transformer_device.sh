@@ -1,4 +1,5 @@
 #!/bin/bash
+export DEVICEOPS_REQUIRE_GPU=${DEVICEOPS_REQUIRE_GPU:-1}  # a GPU test that would skip fails (tests/conftest.py)
 # One device run for the transformer kernels: install, GPU tests, norms benchmark, sanitizers.
 # Usage (GPU machine, repo root): OUT=/some/dir bash tools/transformer_device.sh
 set -o pipefail

@@ -1,0 +1,617 @@
+"""Mutation testing of the modules that matter most, on the cpu backend.
+
+Usage::
+
+    python tools/mutation.py --list                      # the modules and their tests
+    python tools/mutation.py --named                     # the issue-36 mutants: each must die
+    python tools/mutation.py [MODULE ...] [--max N] [--workers W] [--seed S]
+                             [--markdown tests/MUTATION.md]
+
+A *mutant* is one small deliberate bug: an operator of cosmic-ray (``pip install
+cosmic-ray``; comparisons, arithmetic, boolean operators, ``True``/``False``, numbers, loops
+that never run, ``break``/``continue``, except clauses that catch nothing) applied at one
+place, or a statement deleted (a call or an assignment whose effect a test should see). For
+each module named (default: all of :data:`MODULES`) the tool makes every mutant, applies each
+to a private copy of the working tree (the tree itself is never touched, so other work in it
+goes on), runs that module's fast cpu tests (``-x``, ``DEVICEOPS_DEVICE=cpu``) and prints a
+table per module: mutants run, killed (a test failed or timed out), survived, equivalent
+(a survivor listed in ``tools/mutation_equivalents.json`` with the reason it cannot be
+told apart: module, the line before and after the mutation, ``"*"`` for every mutant of a
+line) and the kill rate of the non-equivalent ones. Survivors are printed with their
+line, to be killed by a stronger test or listed as equivalent. ``--max N`` runs a
+deterministic sample of N mutants per module (``--seed``); results are kept in
+``WORKDIR/results.json``: a rerun skips mutants already killed (a test added later cannot
+revive one) and, with ``--rerun-survivors``, runs the survivors again.
+
+``--named`` applies the mutants issue 36 listed (sampling parameters dropped over HTTP,
+temperature forced to 0, an engine ignoring top-k/top-p, paged-KV writes one slot early or
+V dropped at block ends, the zip error hand-over removed, ``MultiDeviceRoundRobin`` using
+its first device only) and exits 1 if any survives its fast tests.
+
+Not part of CI (minutes to hours); run it before resolving an issue that touches these
+modules. Imports resolve to the copy: the test process maps ``deviceops`` and its
+sub-packages (``nn/``, ``kernels/`` ...) to the copy's folders ahead of the editable install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures as cf
+import difflib
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.json"
+PACKAGES = {"deviceops": "deviceops", "deviceops.scheduling": "scheduling",
+            "deviceops.graphs": "graphs", "deviceops.kernels": "kernels", "deviceops.nn": "nn"}
+
+# module -> the fast cpu tests that must kill its mutants
+_ENGINE_TESTS = ["tests/test_engine.py", "tests/test_sampling_effects.py",
+                 "tests/test_small_contracts.py", "tests/test_engine_edges.py"]
+_PAGED_TESTS = ["tests/test_paged_kv.py", "tests/test_nn_paged.py"]
+_ERROR_TESTS = ["tests/test_error_delivery.py", "tests/test_reliability_errors.py"]
+MODULES: dict[str, list[str]] = {
+    "nn/_requests.py": _ENGINE_TESTS,
+    "nn/_http.py": ["tests/test_sampling_effects.py", "tests/test_serve_http.py",
+                    "tests/test_serve_devices.py"],
+    "nn/_engine.py": _ENGINE_TESTS,
+    "nn/_engine_step.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py"],
+    "nn/_kvpool.py": ["tests/test_engine.py", "tests/test_small_contracts.py"],
+    "nn/kv_cache.py": [*_PAGED_TESTS, "tests/test_small_contracts.py"],
+    "kernels/_rope_reference.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
+                                   "tests/test_transformer_kernels.py"],
+    "kernels/_attention_reference.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
+                                        "tests/test_attention.py"],
+    "kernels/_sampling.py": ["tests/test_sampling_effects.py", "tests/test_nn_tiny.py",
+                             "tests/test_transformer_kernels.py"],
+    "deviceops/_combinators.py": [*_ERROR_TESTS, "tests/test_ops.py", "tests/test_scheduling.py",
+                                  "tests/test_multi_device.py", "tests/test_properties.py",
+                                  "tests/test_reliability_deep.py"],
+    "deviceops/_placement.py": ["tests/test_multi_device.py", "tests/test_scheduling.py",
+                                "tests/test_small_contracts.py"],
+    "scheduling/_policies.py": ["tests/test_multi_device.py", "tests/test_scheduling.py",
+                                "tests/test_small_contracts.py"],
+    "deviceops/_copies.py": ["tests/test_multi_device.py", "tests/test_api.py",
+                             "tests/test_hazards.py", "tests/test_small_contracts.py"],
+    # the cpu backend's float32 kernel paths (its paged KV writes and reads among them)
+    "kernels/_cpu_fast.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
+                             "tests/test_transformer_kernels.py", "tests/test_attention.py",
+                             "tests/test_nn_tiny.py"],
+}
+
+# cosmic-ray operators used (its full set also swaps every arithmetic operator for every
+# other one: ten mutants per '+', nearly all killed by the same tests as these)
+_CMP = ["Eq_NotEq", "NotEq_Eq", "Lt_LtE", "Lt_GtE", "LtE_Lt", "LtE_Gt", "Gt_GtE", "Gt_LtE",
+        "GtE_Gt", "GtE_Lt", "Is_IsNot", "IsNot_Is"]
+_BIN = ["Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Mul", "Mod_FloorDiv",
+        "BitAnd_BitOr", "BitOr_BitAnd", "LShift_RShift", "RShift_LShift"]
+OPERATORS = ([f"core/ReplaceComparisonOperator_{x}" for x in _CMP]
+             + [f"core/ReplaceBinaryOperator_{x}" for x in _BIN]
+             + ["core/ReplaceUnaryOperator_USub_UAdd", "core/ReplaceUnaryOperator_Delete_Not",
+                "core/AddNot", "core/ReplaceTrueWithFalse", "core/ReplaceFalseWithTrue",
+                "core/ReplaceAndWithOr", "core/ReplaceOrWithAnd", "core/ReplaceBreakWithContinue",
+                "core/ReplaceContinueWithBreak", "core/NumberReplacer",
+                "core/ZeroIterationForLoop", "core/ExceptionReplacer"])
+DELETE = "deviceops/DeleteStatement"
+
+
+@dataclass(frozen=True)
+class Named:
+    """One of the mutants issue 36 named: ``old`` replaced by ``new`` (exactly once) in
+    ``module``; ``tests`` are the fast tests that must kill it."""
+
+    name: str
+    module: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+_HTTP_STREAM = ("                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,\n"
+                "                                  top_k=job.top_k, top_p=job.top_p, seed=job.seed,\n"
+                "                                  ignore_eos=job.ignore_eos)")
+_KV_WRITE = ("                k_cache[blk, :, p % s_len] = k[b, i]\n"
+             "                v_cache[blk, :, p % s_len] = v[b, i]")
+_FAST_WRITE = ("    k_cache[blk, :, p % s_len] = k[bi, ii]\n"
+               "    v_cache[blk, :, p % s_len] = v[bi, ii]")
+_SAMPLING = ("tests/test_sampling_effects.py",)
+_PAGED = ("tests/test_paged_kv.py",)
+_REFERENCE = (("DEVICEOPS_CPU_KERNELS", "reference"),)  # the cpu backend runs the references
+NAMED: list[Named] = [
+    Named("HTTP: top_k dropped", "nn/_http.py", "top_k=job.top_k, ", "", _SAMPLING),
+    Named("HTTP: top_p dropped", "nn/_http.py", "top_p=job.top_p, ", "", _SAMPLING),
+    Named("HTTP: seed dropped", "nn/_http.py", "seed=job.seed,\n", "\n", _SAMPLING),
+    Named("HTTP: ignore_eos dropped", "nn/_http.py", "ignore_eos=job.ignore_eos)", ")", _SAMPLING),
+    Named("HTTP: top_k, top_p, seed, ignore_eos all dropped", "nn/_http.py", _HTTP_STREAM,
+          "                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature)",
+          _SAMPLING),
+    Named("HTTP: temperature forced to 0", "nn/_http.py", "temperature=job.temperature,",
+          "temperature=0.0,", _SAMPLING),
+    Named("HTTP: include_usage ignored", "nn/_http.py", "                if job.include_usage:",
+          "                if False:", _SAMPLING),
+    Named("HTTP: max_completion_tokens ignored", "nn/_http.py",
+          'key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"',
+          'key = "max_tokens"', _SAMPLING),
+    Named("Engine: ignores top_k/top_p", "nn/_engine.py",
+          "params = SamplingParams(t, k, p, ", "params = SamplingParams(t, 0, 1.0, ", _SAMPLING),
+    Named("paged KV (references): decode K/V one slot early at a block's last slot",
+          "kernels/_rope_reference.py", _KV_WRITE,
+          "                o = p % s_len - (1 if l_ == 1 and p % s_len == s_len - 1 else 0)\n"
+          "                k_cache[blk, :, o] = k[b, i]\n"
+          "                v_cache[blk, :, o] = v[b, i]", _PAGED, _REFERENCE),
+    Named("paged KV (references): V dropped at block ends", "kernels/_rope_reference.py",
+          _KV_WRITE,
+          "                k_cache[blk, :, p % s_len] = k[b, i]\n"
+          "                if p % s_len != s_len - 1:\n"
+          "                    v_cache[blk, :, p % s_len] = v[b, i]", _PAGED, _REFERENCE),
+    Named("paged KV (references): K dropped at block ends", "kernels/_rope_reference.py",
+          _KV_WRITE,
+          "                if p % s_len != s_len - 1:\n"
+          "                    k_cache[blk, :, p % s_len] = k[b, i]\n"
+          "                v_cache[blk, :, p % s_len] = v[b, i]", _PAGED, _REFERENCE),
+    Named("paged KV (references): attention reads the next block-table entry at block ends",
+          "kernels/_attention_reference.py",
+          "        ids = block_table[bi, :n_blk].astype(np.int64)",
+          "        ids = block_table[bi, :n_blk].astype(np.int64)\n"
+          "        if n_blk > 1 and int(lens[bi]) % bs == 0:\n"
+          "            ids = np.roll(ids, 1)", _PAGED, _REFERENCE),
+    Named("paged KV (cpu float32 path): decode K/V one slot early at a block's last slot",
+          "kernels/_cpu_fast.py", _FAST_WRITE,
+          "    o = p % s_len - ((l_ == 1) & (p % s_len == s_len - 1))\n"
+          "    k_cache[blk, :, o] = k[bi, ii]\n"
+          "    v_cache[blk, :, o] = v[bi, ii]", _PAGED),
+    Named("paged KV (cpu float32 path): V dropped at block ends", "kernels/_cpu_fast.py",
+          _FAST_WRITE,
+          "    k_cache[blk, :, p % s_len] = k[bi, ii]\n"
+          "    w = p % s_len != s_len - 1\n"
+          "    v_cache[blk[w], :, (p % s_len)[w]] = v[bi[w], ii[w]]", _PAGED),
+    Named("zip: branch error hand-over removed", "deviceops/_combinators.py",
+          "                ev.hand_over_error()  # the join takes the branch's error (cpu)\n", "",
+          ("tests/test_error_delivery.py",)),
+    Named("MultiDeviceRoundRobin: first device only", "scheduling/_policies.py",
+          "        self.devices = tuple(devs)\n", "        devs = devs[:1]\n        self.devices = tuple(devs)\n",
+          ("tests/test_multi_device.py",)),
+]
+
+
+# -- the copy and the test process ------------------------------------------------------------
+
+def snapshot(dest: Path) -> None:
+    """Copy the working tree's tracked and untracked, not ignored, files to ``dest``."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                         check=True, capture_output=True).stdout.decode()
+    if dest.exists():
+        shutil.rmtree(dest)
+    for rel in filter(None, out.split("\0")):
+        src = ROOT / rel
+        if not src.is_file() or rel.startswith(("_old", ".venv")):
+            continue
+        d = dest / rel
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, d)
+
+
+def run_pytest_in(root: Path, args: list[str]) -> int:
+    """pytest in this process, ``deviceops`` and its sub-packages imported from ``root``."""
+    import importlib.abc
+    import importlib.util
+
+    dirs = {name: root / d for name, d in PACKAGES.items()}
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+            d = dirs.get(name)
+            if d is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                name, d / "__init__.py", submodule_search_locations=[str(d)])
+
+    sys.meta_path.insert(0, Finder())
+    os.chdir(root)
+    sys.path.insert(0, str(root))
+    import pytest
+
+    return int(pytest.main(args))
+
+
+def test_command(root: Path, tests: list[str], timeout: float) -> list[str]:
+    # the copy's own tools/mutation.py runs the tests: editing this file mid-run is safe
+    return [sys.executable, str(root / "tools" / "mutation.py"), "--run-tests", str(root), "--",
+            *tests, "-x", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--timeout", str(int(timeout)), "-W", "ignore::pytest.PytestUnraisableExceptionWarning"]
+
+
+def run_tests(root: Path, tests: list[str], timeout: float,
+              extra_env: tuple[tuple[str, str], ...] = ()) -> tuple[str, float, str]:
+    """("passed" | "failed" | "timeout", seconds, output tail)."""
+    env = {**os.environ, "DEVICEOPS_DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
+           **dict(extra_env)}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(test_command(root, tests, timeout), cwd=root, env=env,
+                           capture_output=True, text=True, timeout=timeout * 2 + 30)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0, ""
+    dt = time.perf_counter() - t0
+    tail = (p.stdout + p.stderr)[-1500:]
+    if p.returncode == 0:
+        return "passed", dt, tail
+    if "Timeout" in tail and "+++++" in tail:
+        return "timeout", dt, tail
+    return "failed", dt, tail
+
+
+# -- mutants ----------------------------------------------------------------------------------
+
+@dataclass
+class Mutant:
+    module: str
+    operator: str
+    occurrence: int
+    line: int
+    before: str
+    after: str
+    code: str
+
+    @property
+    def key(self) -> str:
+        h = hashlib.sha1(self.code.encode()).hexdigest()[:12]
+        return f"{self.module}:{self.operator}:{self.occurrence}:{h}"
+
+
+def _skip_lines(code: str) -> set[int]:
+    """Lines no mutant is made on: logging, ``__all__``, ``TYPE_CHECKING`` blocks, ``__repr__``,
+    ``Protocol`` classes (stubs that never run) and the ``cuda`` closures a launch is given
+    (only a GPU runs them; the cpu suite cannot see them)."""
+    tree = ast.parse(code)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        typing_only = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        is_repr = isinstance(node, ast.FunctionDef) and node.name in ("__repr__", "cuda")
+        is_all = isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        logging = (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                   and ast.unparse(node.value.func).split(".")[0]
+                   in ("log", "_log", "logger", "warnings"))
+        protocol = isinstance(node, ast.ClassDef) and any(
+            ast.unparse(b).split(".")[-1] == "Protocol" for b in node.bases)
+        if typing_only or is_repr or is_all or logging or protocol:
+            assert isinstance(node, ast.stmt)
+            skip.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return skip
+
+
+class _NoAnnotations(ast.NodeTransformer):
+    """Drops annotations: under ``from __future__ import annotations`` they are strings never
+    evaluated, so a mutant that changes only an annotation is equivalent by construction."""
+
+    def visit_arg(self, node: ast.arg) -> ast.arg:
+        node.annotation = None
+        return node
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> ast.AST:
+        node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        node.annotation = ast.Constant(None)
+        self.generic_visit(node)
+        return node
+
+
+def _semantic(code: str) -> str:
+    return ast.dump(_NoAnnotations().visit(ast.parse(code)))
+
+
+def _changed(code: str, new: str) -> tuple[int, str, str]:
+    a, b = code.splitlines(), new.splitlines()
+    for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        if op[0] != "equal":
+            return op[1] + 1, "\n".join(a[op[1]:op[2]]).strip(), "\n".join(b[op[3]:op[4]]).strip()
+    return 0, "", ""
+
+
+def _deletions(code: str) -> list[tuple[int, str]]:
+    """(line, mutated code) for each call statement / attribute or item assignment deleted."""
+    lines = code.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(ast.parse(code)):
+        call = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+        store = isinstance(node, ast.AugAssign | ast.Assign) and all(
+            isinstance(t, ast.Attribute | ast.Subscript)
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+        if not (call or store):
+            continue
+        assert isinstance(node, ast.stmt)
+        first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+        head, tail = lines[first], lines[last]
+        indent = len(head) - len(head.lstrip())
+        if node.col_offset != indent or tail[node.end_col_offset:].strip() not in ("", "\\"):
+            continue  # shares its line with other code
+        new = [*lines[:first], " " * indent + "pass\n", *lines[last + 1:]]
+        out.append((node.lineno, "".join(new)))
+    return out
+
+
+def make_mutants(module: str) -> list[Mutant]:
+    try:
+        from cosmic_ray.ast import ast_nodes, get_ast
+        from cosmic_ray.mutating import mutate_code
+        from cosmic_ray.plugins import get_operator
+    except ImportError as exc:
+        raise SystemExit(f"tools/mutation.py needs cosmic-ray ({exc}): pip install -e '.[test]'"
+                         ) from None
+
+    code = (ROOT / module).read_text()
+    skip = _skip_lines(code)
+    seen: set[str] = {code}
+    lazy = "from __future__ import annotations" in code
+    plain = _semantic(code) if lazy else ""
+    out: list[Mutant] = []
+
+    def add(op: str, occ: int, new: str | None) -> None:
+        if new is None or new in seen:
+            return
+        line, before, after = _changed(code, new)
+        if not line or line in skip:
+            return
+        try:
+            compile(new, module, "exec")
+        except SyntaxError:
+            return
+        seen.add(new)
+        if lazy and _semantic(new) == plain:
+            return  # an annotation only
+        out.append(Mutant(module, op, occ, line, before, after, new))
+
+    tree = get_ast(code)
+    nodes = list(ast_nodes(tree))
+    for name in OPERATORS:
+        op = get_operator(name)()
+        n = sum(1 for node in nodes for _ in op.mutation_positions(node))
+        for occ in range(n):
+            add(name, occ, mutate_code(code, op, occ))
+    for occ, (_line, new) in enumerate(_deletions(code)):
+        add(DELETE, occ, new)
+    return out
+
+
+# -- running ----------------------------------------------------------------------------------
+
+def _load(path: Path) -> dict[str, Any]:
+    """Earlier results by mutant key (a killed mutant stays killed when tests are added; a
+    survivor is run again with ``--rerun-survivors``)."""
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    return {(k.rsplit(":", 1)[0] if k.count(":") == 4 else k): v for k, v in raw.items()}
+
+
+def _equivalents() -> list[dict[str, str]]:
+    return list(json.loads(EQUIVALENTS.read_text())) if EQUIVALENTS.exists() else []
+
+
+def _is_equivalent(m: dict[str, Any], eqs: list[dict[str, str]]) -> str | None:
+    for e in eqs:
+        if (e["module"] == m["module"] and e["before"] == m["before"]
+                and e["after"] in (m["after"], "*")):  # "*": every mutant of the line
+            return e["reason"]
+    return None
+
+
+class Workers:
+    """``n`` private copies of the tree; a mutant is applied to one copy at a time."""
+
+    def __init__(self, workdir: Path, n: int) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        first = workdir / "tree0"
+        snapshot(first)
+        self.roots = [first]
+        for i in range(1, n):
+            d = workdir / f"tree{i}"
+            if d.exists():
+                shutil.rmtree(d)
+            shutil.copytree(first, d)
+            self.roots.append(d)
+        self.free = list(self.roots)
+        self.lock = threading.Lock()
+
+    def take(self) -> Path:
+        with self.lock:
+            return self.free.pop()
+
+    def give(self, root: Path) -> None:
+        with self.lock:
+            self.free.append(root)
+
+
+def _apply_and_test(workers: Workers, module: str, code: str, tests: list[str],
+                    timeout: float) -> tuple[str, float, str]:
+    root = workers.take()
+    path = root / module
+    orig = path.read_text()
+    try:
+        path.write_text(code)
+        return run_tests(root, tests, timeout)
+    finally:
+        path.write_text(orig)
+        workers.give(root)
+
+
+def run_modules(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir)
+    results_path = workdir / "results.json"
+    results = _load(results_path)
+    workers = Workers(workdir, args.workers)
+    eqs = _equivalents()
+    lock = threading.Lock()
+    summary: list[dict[str, Any]] = []
+    for module in args.modules:
+        tests = MODULES[module]
+        status, base_s, tail = run_tests(workers.roots[0], tests, args.timeout)
+        if status != "passed":
+            print(f"{module}: the unmutated tests do not pass ({status}); skipped\n{tail}")
+            continue
+        timeout = max(args.timeout, 3 * base_s)
+        muts = make_mutants(module)
+        total = len(muts)
+        if args.max and len(muts) > args.max:
+            muts = sorted(random.Random(args.seed).sample(muts, args.max), key=lambda m: m.line)
+        todo = [m for m in muts if m.key not in results or (
+            args.rerun_survivors and results[m.key]["status"] == "passed")]
+        print(f"{module}: {total} mutants, {len(muts)} selected, {len(todo)} to run "
+              f"(baseline {base_s:.1f} s, tests: {' '.join(tests)})", flush=True)
+
+        def one(m: Mutant, tests: list[str] = tests, timeout: float = timeout) -> None:
+            st, dt, _out = _apply_and_test(workers, m.module, m.code, tests, timeout)
+            rec = {k: v for k, v in asdict(m).items() if k != "code"}
+            rec |= {"status": st, "seconds": round(dt, 1), "tests": tests}
+            with lock:
+                results[m.key] = rec
+                results_path.write_text(json.dumps(results, indent=1))
+            mark = "survived" if st == "passed" else "killed"
+            print(f"  {mark:8} {m.module}:{m.line} {m.operator.split('/')[-1]}: "
+                  f"{m.before[:60]!r} -> {m.after[:60]!r} ({dt:.1f} s)", flush=True)
+
+        with cf.ThreadPoolExecutor(args.workers) as ex:
+            list(ex.map(one, todo))
+        recs = [results[m.key] for m in muts]
+        survived = [r for r in recs if r["status"] == "passed"]
+        equivalent = [r for r in survived if _is_equivalent(r, eqs)]
+        killed = len(recs) - len(survived)
+        live = len(recs) - len(equivalent)
+        summary.append({"module": module, "generated": total, "run": len(recs), "killed": killed,
+                        "survived": len(survived) - len(equivalent), "equivalent": len(equivalent),
+                        "rate": killed / live if live else 1.0, "tests": tests,
+                        "survivors": [r for r in survived if not _is_equivalent(r, eqs)],
+                        "equivalents": [(r, _is_equivalent(r, eqs)) for r in equivalent]})
+    print()
+    print(table(summary))
+    for s in summary:
+        for r in s["survivors"]:
+            print(f"SURVIVED {r['module']}:{r['line']} {r['operator'].split('/')[-1]}: "
+                  f"{r['before']!r} -> {r['after']!r}")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(summary, args))
+        print(f"# wrote {args.markdown}")
+    return 0
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    rows = [("module", "generated", "run", "killed", "survived", "equivalent", "kill rate")]
+    for s in summary:
+        rows.append((s["module"], str(s["generated"]), str(s["run"]), str(s["killed"]),
+                     str(s["survived"]), str(s["equivalent"]), f"{100 * s['rate']:.1f}%"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
+                               for i, c in enumerate(r)) for r in rows)
+
+
+def markdown(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = ["| module | mutants generated | run | killed | survived | equivalent | kill rate "
+             "(non-equivalent) | tests |", "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| `{s['module']}` | {s['generated']} | {s['run']} | {s['killed']} | "
+                     f"{s['survived']} | {s['equivalent']} | {100 * s['rate']:.1f}% | "
+                     + ", ".join(f"`{t.removeprefix('tests/')}`" for t in s["tests"]) + " |")
+    out = ["<!-- written by: python tools/mutation.py "
+           + " ".join(args.modules) + f" --max {args.max} --seed {args.seed} -->", "",
+           *lines, ""]
+    eq = [(r, why) for s in summary for r, why in s["equivalents"]]
+    if eq:
+        out += ["Equivalent survivors:", ""]
+        out += [f"- `{r['module']}:{r['line']}` `{r['before']}` -> `{r['after']}`: {why}"
+                for r, why in eq]
+        out.append("")
+    sv = [r for s in summary for r in s["survivors"]]
+    if sv:
+        out += ["Survivors (not yet killed, not equivalent):", ""]
+        out += [f"- `{r['module']}:{r['line']}` {r['operator'].split('/')[-1]}: `{r['before']}` -> "
+                f"`{r['after']}`" for r in sv]
+        out.append("")
+    return "\n".join(out)
+
+
+def run_named(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir)
+    workers = Workers(workdir, 1)
+    root = workers.roots[0]
+    bad = 0
+    rows = []
+    for nm in NAMED:
+        path = root / nm.module
+        orig = path.read_text()
+        if orig.count(nm.old) != 1:
+            print(f"{nm.name}: the code to mutate is not found exactly once in {nm.module}; "
+                  "update NAMED in tools/mutation.py")
+            bad += 1
+            continue
+        try:
+            path.write_text(orig.replace(nm.old, nm.new))
+            st, dt, tail = run_tests(root, list(nm.tests), args.timeout, nm.env)
+        finally:
+            path.write_text(orig)
+        killed = st != "passed"
+        bad += not killed
+        first = next((ln for ln in tail.splitlines() if ln.startswith("FAILED")), st)
+        rows.append((nm.name, " ".join(nm.tests), "killed" if killed else "SURVIVED", first))
+        print(f"{'killed  ' if killed else 'SURVIVED'} {nm.name} ({dt:.1f} s): {first}", flush=True)
+    print()
+    for r in rows:
+        print(" | ".join(r))
+    return 1 if bad else 0
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--run-tests":
+        root = Path(sys.argv[2])
+        rest = sys.argv[3:]
+        return run_pytest_in(root, rest[1:] if rest[:1] == ["--"] else rest)
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    p.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
+    p.add_argument("--named", action="store_true", help="the issue-36 mutants; exit 1 if one survives")
+    p.add_argument("--list", action="store_true", help="print the modules and their tests")
+    p.add_argument("--max", type=int, default=0, help="mutants per module at most (a sample)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per test run at least")
+    p.add_argument("--workdir", default=os.environ.get("DEVICEOPS_MUTATION_DIR",
+                                                       "/tmp/deviceops-mutation"))
+    p.add_argument("--markdown", default=None, help="write the table as markdown here")
+    p.add_argument("--rerun-survivors", action="store_true",
+                   help="run the survivors of earlier runs again (after strengthening tests)")
+    args = p.parse_args()
+    if args.list:
+        for m, t in MODULES.items():
+            print(f"{m}: {' '.join(t)}")
+        return 0
+    if args.named:
+        return run_named(args)
+    args.modules = args.modules or list(MODULES)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        p.error(f"unknown modules {unknown}; known: {list(MODULES)}")
+    return run_modules(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
