@@ -5,7 +5,8 @@ stream; nothing runs on helper threads except completion callbacks (see
 :mod:`deviceops._completion`). Driver/runtime errors are raised as
 :class:`~deviceops.DriverError` carrying the device.
 
-This is the only core module that imports CuPy (``_device`` asks :func:`probe`
+This and :mod:`._cuda_device` (the current-device guard, peer access) are the only core
+modules that import CuPy (``_device`` asks :func:`probe`
 whether a GPU answers). :class:`CudaBackend` is the backend object
 (``device(0).backend``).
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._backend import Backend, count_program_load, oom_error, program_loads, too_big_error
+from ._cuda_device import enter_device, exit_device, on_device, peer_access
 from ._errors import DeviceError, DriverError, ShapeError
 from ._stream import Event, Stream
 
@@ -74,39 +76,6 @@ def _runtime() -> Any:
 
         _rt = cupy.cuda.runtime
     return _rt
-
-
-def enter_device(index: int) -> int:
-    """Make CUDA device ``index`` current on this thread; return the device to restore, or -1.
-
-    Every piece of work the backend enqueues runs with its stream's device current and then
-    gives the thread its previous device back (:func:`exit_device`), so nothing depends on,
-    or leaks, an ambient current device: a caller's thread, the completion thread or an
-    event loop may have any device current. Costs one ``cudaGetDevice`` when the device is
-    already current.
-    """
-    rt = _rt or _runtime()
-    prev: int = rt.getDevice()
-    if prev == index:
-        return -1
-    rt.setDevice(index)
-    return prev
-
-
-def exit_device(prev: int) -> None:
-    """Give the thread back the device :func:`enter_device` returned (nothing if -1)."""
-    if prev >= 0:
-        (_rt or _runtime()).setDevice(prev)
-
-
-@contextlib.contextmanager
-def on_device(index: int) -> Iterator[None]:
-    """The block with CUDA device ``index`` current; the previous device restored after."""
-    prev = enter_device(index)
-    try:
-        yield
-    finally:
-        exit_device(prev)
 
 
 _EVENT_BATCH = 64
@@ -245,36 +214,6 @@ def _destroy(handle: int) -> None:
     """Destroy a raw event handle (quietly at interpreter shutdown)."""
     with contextlib.suppress(Exception):  # the context may already be gone at exit
         _runtime().eventDestroy(handle)
-
-
-_peers: dict[tuple[int, int], bool] = {}
-_PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-
-
-def peer_access(a: int, b: int) -> bool:
-    """Enable peer access between CUDA devices ``a`` and ``b``, both ways, once per pair.
-
-    Returns whether the two GPUs reach each other (NVLink or PCIe peer to peer). Where they
-    do, ``cudaMemcpyPeerAsync`` copies directly between them; where they do not, the driver
-    stages the copy through host memory (correct, at host-link speed). The answer is cached
-    per pair; the calling thread's current device is left as it was.
-    """
-    key = (a, b) if a < b else (b, a)
-    ok = _peers.get(key)
-    if ok is not None:
-        return ok
-    rt = _runtime()
-    ok = bool(rt.deviceCanAccessPeer(a, b)) and bool(rt.deviceCanAccessPeer(b, a))
-    if ok:
-        for here, there in ((a, b), (b, a)):
-            with on_device(here):
-                try:
-                    rt.deviceEnablePeerAccess(there)
-                except rt.CUDARuntimeError as exc:
-                    if getattr(exc, "status", None) != _PEER_ALREADY_ENABLED:
-                        raise
-    _peers[key] = ok
-    return ok
 
 
 def probe() -> tuple[bool, str]:

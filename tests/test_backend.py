@@ -282,7 +282,7 @@ def test_cuda_backend_methods_on_a_gpu() -> None:
 
 
 # -- the guard: the core does not branch on the backend ---------------------------------
-BACKEND_MODULES = {"deviceops/_cuda_backend.py", "deviceops/_cpu_backend.py"}
+BACKEND_MODULES = {"deviceops/_cuda_backend.py", "deviceops/_cuda_device.py", "deviceops/_cpu_backend.py"}
 # explicit exceptions, each with its reason (none: deviceops/_launch.py submits through
 # ``stream.backend.submit``)
 IS_CPU_EXCEPTIONS: set[str] = set()
