@@ -139,3 +139,13 @@ async def test_request_needing_more_blocks_than_the_pool_is_refused() -> None:
         eng.stream(_prompt(1, 3), 18)  # 21 positions: 6 blocks
     with anyio.fail_after(10):
         assert len(await eng.generate(_prompt(1, 3), 17)) == 17  # 20 positions: 5 blocks fit
+
+
+async def test_submit_defaults_and_prompt_ids_below_zero() -> None:
+    toy = Toy(max_batch=2, max_seq=64)
+    eng = Engine(toy, max_batch=2, max_seq=64)
+    with pytest.raises(ValueError, match=r"prompt token ids \[-1\] outside"):
+        eng.stream([3, -1], 2)
+    with anyio.fail_after(10):
+        s = await eng.submit(_prompt(1, 3))  # max_new_tokens defaults to 32
+        assert [t async for t in s] == toy.reference(_prompt(1, 3), 32)

@@ -353,3 +353,26 @@ def test_http_response_details_stop_at_start_metrics_and_failures() -> None:
 
 def dec2(toy: SampToy) -> str:
     return toy.decode(toy.reference(PROMPT, 2))
+
+
+def test_http_engine_refusal_is_a_400() -> None:
+    """A request the engine refuses after the body checks (here: more KV blocks than the
+    pool holds) is a 400 naming the prompt, not a 500."""
+    from deviceops.nn._http import create_app
+
+    class Paged(SampToy):
+        kv_blocks_total = 2
+        kv_block_size = 4
+
+        def reserve(self, slot: int, n_tokens: int) -> bool:
+            return -(-n_tokens // 4) <= 2
+
+    app = create_app(lambda: Engine(Paged(max_batch=2, max_seq=64), max_batch=2, max_seq=64),
+                     model_name="toy")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        srv.wait_healthy()
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert "more KV blocks than the pool" in r.json()["error"]["message"]
+        assert _complete(c, temperature=0, max_tokens=2)["usage"]["completion_tokens"] == 2
