@@ -125,8 +125,9 @@ _HTTP_STREAM = ("                s = engine.stream(job.ids, job.max_tokens, temp
                 "                                  ignore_eos=job.ignore_eos)")
 _KV_WRITE = ("                k_cache[blk, :, p % s_len] = k[b, i]\n"
              "                v_cache[blk, :, p % s_len] = v[b, i]")
-_FAST_WRITE = ("    k_cache[blk, :, p % s_len] = k[bi, ii]\n"
-               "    v_cache[blk, :, p % s_len] = v[bi, ii]")
+# the cpu float32 path's decode branch (a few tokens: plain indexing), kernels/_cpu_fast.py
+_FAST_WRITE = ("                    k_cache[blk_, :, p_ % s_len] = k[bi_, i_]\n"
+               "                    v_cache[blk_, :, p_ % s_len] = v[bi_, i_]")
 _SAMPLING = ("tests/test_sampling_effects.py",)
 _PAGED = ("tests/test_paged_kv.py",)
 _REFERENCE = (("DEVICEOPS_CPU_KERNELS", "reference"),)  # the cpu backend runs the references
@@ -170,14 +171,14 @@ NAMED: list[Named] = [
           "            ids = np.roll(ids, 1)", _PAGED, _REFERENCE),
     Named("paged KV (cpu float32 path): decode K/V one slot early at a block's last slot",
           "kernels/_cpu_fast.py", _FAST_WRITE,
-          "    o = p % s_len - ((l_ == 1) & (p % s_len == s_len - 1))\n"
-          "    k_cache[blk, :, o] = k[bi, ii]\n"
-          "    v_cache[blk, :, o] = v[bi, ii]", _PAGED),
+          "                    o_ = p_ % s_len - (1 if l_ == 1 and p_ % s_len == s_len - 1 else 0)\n"
+          "                    k_cache[blk_, :, o_] = k[bi_, i_]\n"
+          "                    v_cache[blk_, :, o_] = v[bi_, i_]", _PAGED),
     Named("paged KV (cpu float32 path): V dropped at block ends", "kernels/_cpu_fast.py",
           _FAST_WRITE,
-          "    k_cache[blk, :, p % s_len] = k[bi, ii]\n"
-          "    w = p % s_len != s_len - 1\n"
-          "    v_cache[blk[w], :, (p % s_len)[w]] = v[bi[w], ii[w]]", _PAGED),
+          "                    k_cache[blk_, :, p_ % s_len] = k[bi_, i_]\n"
+          "                    if p_ % s_len != s_len - 1:\n"
+          "                        v_cache[blk_, :, p_ % s_len] = v[bi_, i_]", _PAGED),
     Named("zip: branch error hand-over removed", "deviceops/_combinators.py",
           "                ev.hand_over_error()  # the join takes the branch's error (cpu)\n", "",
           ("tests/test_error_delivery.py",)),
