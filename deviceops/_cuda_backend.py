@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._backend import Backend, count_program_load, oom_error, program_loads, too_big_error
-from ._cuda_device import enter_device, exit_device, on_device, peer_access
+from ._cuda_device import _runtime, enter_device, exit_device, on_device, peer_access
 from ._errors import DeviceError, DriverError, ShapeError
 from ._stream import Event, Stream
 
@@ -66,16 +66,6 @@ _EVENT_POOL_MAX = 4096
 _event_pools: dict[int, list[int]] = {}
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _NOT_READY = 600  # cudaErrorNotReady
-_rt: Any = None  # cupy.cuda.runtime, bound on first use
-
-
-def _runtime() -> Any:
-    global _rt
-    if _rt is None:
-        import cupy
-
-        _rt = cupy.cuda.runtime
-    return _rt
 
 
 _EVENT_BATCH = 64
@@ -127,7 +117,7 @@ class CudaEvent(Event):
     def query(self) -> bool:
         if self.done:
             return True
-        st = (_rt or _runtime()).eventQuery(self.native)
+        st = _runtime().eventQuery(self.native)
         if st == 0:
             self._completed()
             return True
