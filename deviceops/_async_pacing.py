@@ -10,7 +10,6 @@ the scheme; :func:`configure_await` sets the knobs.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import weakref
@@ -18,12 +17,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from . import _env
+
 __all__ = ["configure_await"]
 
 
-_spin_s = float(os.environ.get("DEVICEOPS_AWAIT_SPIN_US", "20")) * 1e-6
-_slice_s = float(os.environ.get("DEVICEOPS_AWAIT_SLICE_MS", "0.3")) * 1e-3
-_max_in_flight = int(os.environ.get("DEVICEOPS_AWAIT_MAX_IN_FLIGHT", "256"))
+_spin_s = float(_env.get("DEVICEOPS_AWAIT_SPIN_US")) * 1e-6
+_slice_s = float(_env.get("DEVICEOPS_AWAIT_SLICE_MS")) * 1e-3
+_max_in_flight = int(_env.get("DEVICEOPS_AWAIT_MAX_IN_FLIGHT"))
 
 
 def configure_await(

@@ -13,13 +13,13 @@ forcing ``cuda`` without a usable GPU is an error.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from . import _env
 from ._backend import Backend
 from ._errors import DeviceError
 from ._stream import Stream
@@ -166,7 +166,7 @@ def default_device() -> Device:
     global _default
     if _default is not None:
         return _default
-    forced = os.environ.get("DEVICEOPS_DEVICE", "").strip()
+    forced = _env.get("DEVICEOPS_DEVICE")
     if forced:
         dev = device(forced)
     else:

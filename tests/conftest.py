@@ -17,7 +17,6 @@ by-design skips (a device fault would poison the CUDA context) stay skips.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 import deviceops
+from deviceops import _env
 from deviceops._device import _probe_cuda
 
 _HAS_GPU, _PROBE = _probe_cuda()
@@ -35,7 +35,7 @@ _REASON = f"needs a CUDA GPU (CuPy with a usable device); the CUDA probe says: {
 def required_gpus(raw: str | None = None) -> int:
     """GPUs ``DEVICEOPS_REQUIRE_GPU`` (or ``raw``) asks for (0: skips allowed; ``1``/``true``:
     one). Raises ``ValueError`` on anything else."""
-    raw = (os.environ.get("DEVICEOPS_REQUIRE_GPU", "") if raw is None else raw).strip().lower()
+    raw = (_env.get("DEVICEOPS_REQUIRE_GPU") if raw is None else raw).strip().lower()
     if raw in ("", "0", "no", "false", "off"):
         return 0
     if raw in ("yes", "true", "on"):

