@@ -222,7 +222,7 @@ def test_skinny_config_covers_k_and_fits_registers(m: int, n: int, k: int) -> No
 
 
 def test_skinny_config_measured_rules() -> None:
-    """The H100 sweep's choices (tools/s8_gpu.sh sweep): 8 chunks in flight for one
+    """The H100 sweep's choices (benchmarks/gemm.py --variants): 8 chunks in flight for one
     m-fragment on weights >= 64 MB; 1 tile per warp, 4 warps, 4 chunks for M > 16 on large
     weights up to N = 6144; 2 tiles per warp on wider ones; small weights unchanged."""
     c = _gemm.skinny_config
