@@ -1,7 +1,7 @@
 """Streams and events: the backend-neutral interface, plus ordering bookkeeping.
 
 A :class:`Stream` is an in-order queue of device work; an :class:`Event` marks a
-point in one. Each backend subclasses both (``_cpu_backend``, ``_cuda_backend``);
+point in one. Each backend subclasses both (``_cpu_stream``, ``_cuda_backend``);
 this module holds the part they share, which is how deviceops decides when one
 stream has to wait for another:
 
@@ -56,7 +56,7 @@ class Event(ABC):
     """
 
     __slots__ = ("__weakref__", "capture", "seq", "stream")
-    # cpu backend: the stream's failure when the event fired (see _cpu_backend); an
+    # cpu backend: the stream's failure when the event fired (see _cpu_stream); an
     # event carrying one is not reused for later work (it would report it again)
     error: BaseException | None = None
 

@@ -20,7 +20,8 @@ import pytest
 import deviceops
 from deviceops import api
 from deviceops._backend import Backend
-from deviceops._cpu_backend import CpuBackend, CpuEvent, CpuStream
+from deviceops._cpu_backend import CpuBackend
+from deviceops._cpu_stream import CpuEvent, CpuStream
 from deviceops._cuda_backend import CudaBackend, CudaEvent, CudaStream
 from deviceops._device import backend
 from deviceops._errors import DeviceError, LaunchError, OutOfMemoryError
@@ -282,7 +283,7 @@ def test_cuda_backend_methods_on_a_gpu() -> None:
 
 
 # -- the guard: the core does not branch on the backend ---------------------------------
-BACKEND_MODULES = {"deviceops/_cuda_backend.py", "deviceops/_cuda_device.py", "deviceops/_cpu_backend.py"}
+BACKEND_MODULES = {"deviceops/_cuda_backend.py", "deviceops/_cuda_device.py", "deviceops/_cpu_backend.py", "deviceops/_cpu_stream.py"}
 # explicit exceptions, each with its reason (none: deviceops/_launch.py submits through
 # ``stream.backend.submit``)
 IS_CPU_EXCEPTIONS: set[str] = set()

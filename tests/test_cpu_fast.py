@@ -324,7 +324,7 @@ def test_rope_fast_paths_match_float64(dtype: str) -> None:
 def test_decode_step_is_one_hand_off_per_token(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Any) -> None:
     """On the cpu backend generate replays the bucket's recorded step: one queue item."""
-    from deviceops import _cpu_backend as cb
+    from deviceops import _cpu_stream as cb
     from deviceops import nn
 
     from . import nn_tiny

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["_backend", "_capture", "_combinators", "_completion", "_context", "_cpu_backend",
+CORE = ["_backend", "_capture", "_combinators", "_completion", "_context", "_cpu_backend", "_cpu_stream",
         "_cuda_backend", "_device", "_dot", "_dtypes", "_errors", "_future", "_hooks", "_launch",
         "_op", "_storage", "_stream", "_tensor", "_trace"]
 UPPER = ("deviceops.scheduling", "deviceops.graphs", "deviceops.kernels", "deviceops.nn",
