@@ -28,7 +28,7 @@ inputs: torch SDPA (``enable_gqa=True``) with its default backend choice and wit
 the FLASH / EFFICIENT / CUDNN backends that accept the call; "ratio" = best SDPA time /
 ours (>= 1.0 means ours is faster). "ours kv_len" is the same call with an int32 kv_len
 tensor (= Lk) as a captured decode graph uses; "floor" = KV bytes / copy bandwidth measured
-in the same run. ``--decode-sweep`` times split-KV build variants (NVRTC defines) and
+in the same run. ``--decode-sweep`` times split-KV variants (:class:`AttentionOverride` knobs) and
 split targets at a few of these points. ``--check`` runs kv_len / float32 / paged cases
 against the float64 reference (the compute-sanitizer driver: ``compute-sanitizer --tool
 memcheck python3 benchmarks/attention.py --check``).
@@ -53,8 +53,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deviceops.kernels import _attention as attn
-from deviceops.kernels._experiment import current, set_overrides
+from deviceops.kernels import attention as attn
+from deviceops.kernels.attention import AttentionOverride
+from deviceops.kernels.runtime import _override
+
+
+def current() -> AttentionOverride:
+    """The attention override this benchmark has installed (the planner's choices when none)."""
+    return _override.active(AttentionOverride) or AttentionOverride()
+
+
+def set_overrides(ov: AttentionOverride) -> AttentionOverride:
+    """Install ``ov`` process-wide (this script times one configuration at a time); return the
+    previous one."""
+    prev = current()
+    _override.installed[AttentionOverride] = ov
+    return prev
 
 POINTS = [(L, D, causal) for L in (1024, 4096, 8192) for D in (64, 128) for causal in (False, True)]
 
@@ -193,7 +207,7 @@ def _bench_point(
         def ours() -> None:
             attn.flash_attention_cuda(cq, ck, cv, co, causal=causal, stream=stream)
 
-        prev = set_overrides(replace(current(), attention_sm90_config=cfg))
+        prev = set_overrides(replace(current(), sm90_config=cfg))
         try:
             ms = _time_cupy(ours, stream, iters)
         except Exception as exc:  # a variant may not fit (shared memory)
@@ -577,7 +591,7 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
             for var in variants:
                 for tgt in targets:
                     apply_variant(var)
-                    set_overrides(replace(current(), attention_split_blocks_per_sm=tgt))
+                    set_overrides(replace(current(), split_blocks_per_sm=tgt))
                     calls = _ours_calls(sets, timer.stream, ws)
                     us = timer.median_us(calls, reps)
                     o.fill_(float("nan"))
@@ -598,24 +612,19 @@ def sweep_decode(reps: int, variants: list[str], targets: list[int]) -> list[dic
 
 
 def apply_variant(var: str) -> None:
-    """Set a split-KV variant: NVRTC ``-D`` defines plus ``min_steps=N`` / ``target=N`` /
-    ``warps=N`` / ``cluster=N`` knobs."""
-    defines = []
-    # SPLIT_MIN_STEPS and the planner's warps unless given
-    ov = replace(current(), attention_split_min_steps=None, attention_split_warps=None,
-                 attention_cluster=None)
+    """Set a split-KV variant: ``min_steps=N`` / ``target=N`` / ``warps=N`` / ``cluster=N`` /
+    ``bulk=N`` knobs (the :class:`AttentionOverride` fields)."""
+    knobs = {"min_steps": "split_min_steps", "target": "split_blocks_per_sm", "warps": "split_warps",
+             "cluster": "cluster", "bulk": "bulk_stages"}
+    # SPLIT_MIN_STEPS, the planner's warps, cluster and ring unless given
+    fields: dict[str, Any] = {"split_min_steps": None, "split_warps": None, "cluster": None,
+                              "bulk_stages": None}
     for tok in var.split():
-        if tok.startswith("min_steps="):
-            ov = replace(ov, attention_split_min_steps=int(tok.split("=")[1]))
-        elif tok.startswith("target="):
-            ov = replace(ov, attention_split_blocks_per_sm=int(tok.split("=")[1]))
-        elif tok.startswith("warps="):
-            ov = replace(ov, attention_split_warps=int(tok.split("=")[1]))
-        elif tok.startswith("cluster="):
-            ov = replace(ov, attention_cluster=int(tok.split("=")[1]))
-        else:
-            defines.append(tok)
-    set_overrides(replace(ov, attention_splitkv_defines=tuple(defines)))
+        k, _, v = tok.partition("=")
+        if k not in knobs:
+            raise SystemExit(f"unknown variant knob {tok!r}; use {sorted(knobs)}")
+        fields[knobs[k]] = int(v)
+    set_overrides(replace(current(), **fields))
 
 
 def best_variant(sweep: list[dict[str, Any]]) -> str:
@@ -661,15 +670,15 @@ def check_cases() -> int:
     ]
     # The bulk-copy K/V ring, forced (the planner takes it on high-bandwidth GPUs only).
     bulk_cases = [
-        ((4, 32, 8, 1, 1500, 128, False, "f16", True, 0), ("-DATTN_BULK=2",), 16, None),
-        ((3, 9, 3, 3, 1111, 64, True, "bf16", True, 0), ("-DATTN_BULK=2",), 8, 4),
-        ((2, 32, 8, 1, 777, 128, True, "bf16", False, 0), ("-DATTN_BULK=3", "-DATTN_UK=2"), 4, None),
+        ((4, 32, 8, 1, 1500, 128, False, "f16", True, 0), 2, 16, None),
+        ((3, 9, 3, 3, 1111, 64, True, "bf16", True, 0), 2, 8, 4),
+        ((2, 32, 8, 1, 777, 128, True, "bf16", False, 0), 3, 4, None),
     ]
     base = current()
-    for case, defines, warps, cluster in [(c, (), None, None) for c in cases] + bulk_cases:
-        set_overrides(replace(base, attention_splitkv_defines=base.attention_splitkv_defines + defines,
-                              attention_split_warps=warps or base.attention_split_warps,
-                              attention_cluster=cluster if cluster is not None else base.attention_cluster))
+    for case, bulk, warps, cluster in [(c, None, None, None) for c in cases] + bulk_cases:
+        set_overrides(replace(base, bulk_stages=bulk if bulk is not None else base.bulk_stages,
+                              split_warps=warps or base.split_warps,
+                              cluster=cluster if cluster is not None else base.cluster))
         bad += _check_case(cp, rng, stream, *case)
     set_overrides(base)
     return bad
@@ -732,7 +741,7 @@ def _check_case(cp: Any, rng: Any, stream: Any, b: int, hq: int, hkv: int, lq: i
     tol = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}[dn]
     ok = n_nan == 0 and err < tol
     print(f"check {(b, hq, hkv, lq, lk, d, causal, dn, use_ws, bs)} kv_len={kv_len.tolist()} "
-          f"{current().attention_splitkv_defines}: "
+          f"{current()}: "
           f"err={err:.2e} nan={n_nan} {'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return int(not ok)
 
@@ -751,10 +760,9 @@ def main() -> None:
     ap.add_argument(
         "--decode-defines",
         default="",
-        help="split-KV variant: defines and knobs, e.g. '-DATTN_UK=8 min_steps=0 target=4'; "
+        help="split-KV variant: knobs, e.g. 'min_steps=0 target=4 bulk=2'; "
         "'auto' = the --decode-sweep's best",
     )
-    ap.add_argument("--defines", default="", help="extra sm90 NVRTC defines, e.g. -DATTN_PIPE=0")
     ap.add_argument("--decode-tables", action="store_true", help="issue-13 decode tables only")
     ap.add_argument("--only", default="", help="decode table label filter, e.g. SmolLM2")
     ap.add_argument("--reps", type=int, default=50, help="timed calls per decode point")
@@ -801,8 +809,8 @@ def main() -> None:
         import torch
 
         dtypes = args.dtypes.split(",")
-        set_overrides(replace(current(), attention_sm90_defines=tuple(args.defines.split()),
-                              attention_splitkv_defines=tuple(args.decode_defines.split())))
+        if args.decode_defines not in ("", "auto"):
+            apply_variant(args.decode_defines)
         points = POINTS
         if args.points:
             points = [

@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/gemm.py [--models smol,8b] [--m 1,8,32,128,512,2048] [--quick] [--classic]
-                              [--host] [--variants skinny:2,skinny:8] [--json PATH] [--smoke]
+                              [--host] [--variants skinny,tma] [--json PATH] [--smoke]
 
 Tables:
 
@@ -42,10 +42,30 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deviceops.kernels import _gemm
-from deviceops.kernels._experiment import overrides
+from deviceops.kernels.gemm import (  # the family package (deviceops.kernels.gemm is the function)
+    _NOMINAL_SMS,
+    SKINNY_MAX_M,
+    GemmOverride,
+    _dims,
+    gemm_cuda,
+    gemm_reference,
+    gemm_workspace_nbytes,
+    plan_path,
+)
+from deviceops.kernels.runtime import overrides
 
 L2_BYTES = 50 << 20
+
+
+def _override(name: str) -> GemmOverride:
+    """The ``--force`` option's named configs: a path (``sm80``, ``simt``, ``skinny``, ``tma``),
+    an sm_90 tile (``128x256``, ``128x128``, ``64x128``), or ``regstore`` (the planned path with
+    the sm_90 epilogue storing from registers)."""
+    if name == "regstore":
+        return GemmOverride(sm90_tma_store=False)
+    if name in ("sm80", "simt", "skinny", "tma"):
+        return GemmOverride(path=name)
+    return GemmOverride(path="sm90", sm90_tile=name)
 M_LIST = [1, 8, 32, 128, 512, 2048]
 # (model, layer, K, N): the weight is (N, K)
 MODELS: dict[str, list[tuple[str, str, int, int]]] = {
@@ -115,7 +135,7 @@ def smoke() -> list[dict[str, Any]]:
         ref = 0.5 * ref * (1 + np.tanh(math.sqrt(2 / math.pi) * (ref + 0.044715 * ref**3)))
         for tb in (False, True):
             b = w if tb else np.ascontiguousarray(w.T)
-            out = _gemm.gemm_reference(a, b, activation="gelu", tf32=kind == "tf32", trans_b=tb)
+            out = gemm_reference(a, b, activation="gelu", tf32=kind == "tf32", trans_b=tb)
             err = float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
             assert err < 2e-2, (kind, tb, err)
             rows.append({"model": "smoke", "layer": f"trans_b={tb}", "M": m, "N": n, "K": k, "dtype": kind,
@@ -192,7 +212,7 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
     cx = [cp.from_dlpack(x) for x in xs]
     cw = [cp.from_dlpack(w) for w in ws_]
     co = [cp.from_dlpack(o) for o in os_]
-    wsn = _gemm.gemm_workspace_nbytes((m, k), wshape, dt, trans_b)
+    wsn = gemm_workspace_nbytes((m, k), wshape, dt, trans_b)
     wsp = cp.empty(max(wsn, 4) // 4, dtype=np.float32)
     cstream = cp.cuda.ExternalStream(timer.ts.cuda_stream)  # our launches go to torch's timing stream
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -200,12 +220,10 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
 
     def ours(i: int, force: str | None = None) -> None:
         if force is None:  # the default path exactly as users call it
-            _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
+            gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
             return
-        # "regstore": the planned path with the sm_90 epilogue storing from registers
-        ov: dict[str, Any] = {"gemm_sm90_tma_store": False} if force == "regstore" else {"gemm_path": force}
-        with overrides(**ov):
-            _gemm.gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
+        with overrides(_override(force)):
+            gemm_cuda(cx[i], cw[i], co[i], tf32=tf32, trans_b=trans_b, workspace=wsp, stream=cstream)
 
     def blas(i: int) -> None:
         torch.matmul(xs[i], ws_[i].t() if trans_b else ws_[i], out=os_[i])
@@ -216,9 +234,9 @@ def _bench(cp: Any, torch: Any, timer: _Timer, kind: str, m: int, n: int, k: int
         ref = torch.matmul(xs[0].float(), (ws_[0].t() if trans_b else ws_[0]).float())
         err = float((os_[0].float() - ref).norm() / ref.norm().clamp_min(1e-30))
     timer.ts.synchronize()
-    batch, mm, nn, kk, _ = _gemm._dims((m, k), wshape, trans_b)
+    batch, mm, nn, kk, _ = _dims((m, k), wshape, trans_b)
     sm90 = kind in ("bfloat16", "float16") and k % 8 == 0 and n % 8 == 0
-    path, cfg, splits, _ = _gemm._plan(batch, mm, nn, kk, dt, tf32, sm90, _gemm._NOMINAL_SMS, True, trans_b, True)
+    path, cfg, splits, _ = plan_path(batch, mm, nn, kk, dt, tf32, sm90, _NOMINAL_SMS, True, trans_b, True)
     if path == "skinny":
         path += " mf{} tr{} u{} ks{}".format(*cfg[:4])
     elif path == "tma":
@@ -254,7 +272,7 @@ def bench_models(models: list[str], ms: list[int], variants: list[str], bw: floa
     rows = []
     for key in models:
         for (model, layer, k, n), m, tb in itertools.product(MODELS[key], ms, layouts):
-            vs = [v for v in variants if not v.startswith(("skinny", "tma")) or m <= _gemm.SKINNY_MAX_M]
+            vs = [v for v in variants if not v.startswith(("skinny", "tma")) or m <= SKINNY_MAX_M]
             try:
                 row = _bench(cp, torch, timer, "bfloat16", m, n, k, tb, vs, bw)
             except Exception as exc:  # keep the table going; the row records the failure
@@ -297,14 +315,14 @@ def _host_row(cp: Any, torch: Any, s: Any, kind: str, m: int, n: int, k: int, tb
     w = api.randn((n, k) if tb else (k, n), kind).sync_on(s)
     o = api.empty((m, n), kind).sync_on(s)
     tx, tw, to = (torch.from_dlpack(t.array) for t in (x, w, o))
-    wsn = _gemm.gemm_workspace_nbytes((m, k), tuple(w.shape), _np_dtype(kind), tb)
+    wsn = gemm_workspace_nbytes((m, k), tuple(w.shape), _np_dtype(kind), tb)
     wsp = cp.empty(max(wsn, 4) // 4, dtype=np.float32)
 
     def op_call() -> None:
         kernels.gemm(x, w, o, trans_b=tb).async_on(s)
 
     def raw_call() -> None:
-        _gemm.gemm_cuda(x.array, w.array, o.array, trans_b=tb, workspace=wsp, stream=s.native)
+        gemm_cuda(x.array, w.array, o.array, trans_b=tb, workspace=wsp, stream=s.native)
 
     def torch_call() -> None:
         with torch.cuda.stream(ts):
@@ -352,7 +370,7 @@ def main() -> None:
     ap.add_argument("--classic", action="store_true", help="also the classic (K, N) table")
     ap.add_argument("--host", action="store_true", help="also host cost per call")
     ap.add_argument("--variants", default="",
-                    help="extra forced configs timed for ours, e.g. skinny:2,skinny:8; regstore: the planned "
+                    help="extra forced configs timed for ours, e.g. skinny,tma,128x128; regstore: the planned "
                          "path with the sm_90 epilogue storing from registers (no TMA store)")
     ap.add_argument("--quick", action="store_true", help="model tables at M = 1 and 32 only")
     ap.add_argument("--layout", choices=("nk", "kn", "both"), default="nk",

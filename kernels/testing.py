@@ -16,9 +16,9 @@ import numpy as np
 
 from deviceops.extend import ExecutionContext, ShapeError, Tensor, launch
 
-from ._fastlaunch import fast_kernel
-from ._launch import KernelOp
-from ._module import expanded_source, load_module
+from .runtime._driver import fast_kernel
+from .runtime._module import expanded_source, load_module
+from .runtime._op import KernelOp
 
 __all__ = ["slow_copy"]
 
@@ -30,7 +30,7 @@ def _kernel(index: int) -> Any:
     if index not in _fn:
         import cupy
 
-        mod = load_module(expanded_source("elementwise.cu"), device_id=index,
+        mod = load_module(expanded_source("elementwise/elementwise.cu"), device_id=index,
                           name_expressions=("saxpy<float>",))
         _fn[index] = fast_kernel(mod.get_function("slow_copy"), "slow_copy", index)
         _clock_khz[index] = int(cupy.cuda.Device(index).attributes["ClockRate"])

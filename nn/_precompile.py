@@ -206,8 +206,8 @@ def _gemm(dev: Any, part: int = 0, parts: int = 1) -> list[Result]:
 
             items.append((f"gemm {dt}", run))
         return _items(dev, items) if part == 0 else []
-    from deviceops.kernels._module import device_arch
-    from deviceops.kernels._precompile import compile_gemm_variant, gemm_variants
+    from deviceops.kernels.gemm._precompile import compile_gemm_variant, gemm_variants
+    from deviceops.kernels.runtime._module import device_arch
 
     cc = int(device_arch(dev.index))
     out: list[tuple[str, Callable[[], Any]]] = []

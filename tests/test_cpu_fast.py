@@ -20,21 +20,28 @@ import pytest
 
 import deviceops
 from deviceops import api, kernels
-from deviceops.kernels import _cpu_fast as cf
-from deviceops.kernels._activation_reference import (
+from deviceops.kernels.attention._cpu import attention_cpu
+from deviceops.kernels.attention._reference import attention_reference
+from deviceops.kernels.elementwise._cpu import activation_cpu, swiglu_cpu
+from deviceops.kernels.elementwise._reference import (
     gelu_reference,
     silu_reference,
     softmax_reference,
     swiglu_reference,
 )
-from deviceops.kernels._attention_reference import attention_reference
-from deviceops.kernels._gemm_reference import gemm_reference
-from deviceops.kernels._norm_reference import (
+from deviceops.kernels.gemm import _cpu as _gemm_cpu
+from deviceops.kernels.gemm._cpu import gemm_cpu
+from deviceops.kernels.gemm._reference import gemm_reference
+from deviceops.kernels.norms._cpu import add_rms_norm_cpu, layer_norm_cpu, rms_norm_cpu
+from deviceops.kernels.norms._reference import (
     add_rms_norm_reference,
     layer_norm_reference,
     rms_norm_reference,
 )
-from deviceops.kernels._rope_reference import rope_kv_write_reference, rope_reference
+from deviceops.kernels.runtime._cpu import WeightCache, use_reference, weight_cache
+from deviceops.kernels.runtime._cpu_blas import BlasThreads
+from deviceops.kernels.transformer._cpu import rope_cpu, rope_kv_write_cpu
+from deviceops.kernels.transformer._reference import rope_kv_write_reference, rope_reference
 
 FLOATS = ["float32", "float16", "bfloat16"]
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -80,7 +87,7 @@ def test_gemm_fast_path_matches_float64(dtype: str) -> None:
             oshape = (*ashape[:-1], n) if len(bshape) == 2 else (*bshape[:-2], ashape[-2], n)
             c = rand(rng, oshape, dtype)
             out = c.copy()
-            cf.gemm_cpu(a, b, out, bias=kw.get("bias"), activation=kw.get("activation"),
+            gemm_cpu(a, b, out, bias=kw.get("bias"), activation=kw.get("activation"),
                         alpha=kw.get("alpha", 1.0), beta=kw.get("beta", 0.0), tf32=False,
                         trans_b=tb)
             ref = gemm_reference(a, b, bias=kw.get("bias"), activation=kw.get("activation"),
@@ -96,12 +103,12 @@ def test_gemm_op_runs_the_fast_path_and_the_reference_on_request(stream: deviceo
     a, w = rand(rng, (3, 40), "float32"), rand(rng, (24, 40), "float32")
     at, wt = api.from_host(a).sync_on(stream), api.from_host(w).sync_on(stream)
     ref = gemm_reference(a, w, trans_b=True)
-    with cf.use_reference():
+    with use_reference():
         got = api.to_host(kernels.gemm(at, wt, trans_b=True)).sync_on(stream)
     assert np.array_equal(got, ref)  # the reference itself, bit for bit
     calls = []
-    monkeypatch.setattr(cf, "gemm_reference", lambda *x, **k: calls.append(1))
-    with cf.use_reference(False):
+    monkeypatch.setattr(_gemm_cpu, "gemm_reference", lambda *x, **k: calls.append(1))
+    with use_reference(False):
         got = api.to_host(kernels.gemm(at, wt, trans_b=True)).sync_on(stream)
     close(got, ref, "float32")
     assert not calls  # float32 without tf32 never converts to float64
@@ -112,7 +119,7 @@ def test_half_weights_are_widened_once_until_written(dtype: str, stream: deviceo
     rng = np.random.default_rng(3)
     a, w = rand(rng, (2, 64), dtype), rand(rng, (48, 64), dtype)
     at, wt = api.from_host(a).sync_on(stream), api.from_host(w).sync_on(stream)
-    cache = cf.weight_cache
+    cache = weight_cache
     cache.clear()
     h0, m0 = cache.hits, cache.misses
     for _ in range(3):
@@ -143,7 +150,7 @@ def test_weight_cache_holds_in_graph_replays(stream: deviceops.Stream) -> None:
     out = api.zeros((1, 16), "float16").sync_on(stream)
     kernels.gemm(at, wt, out=out, trans_b=True).sync_on(stream)  # warm-up (workspace)
     g = kernels.gemm(at, wt, out=out, trans_b=True).graph_on(stream)
-    cache = cf.weight_cache
+    cache = weight_cache
     cache.clear()
     m0, h0 = cache.misses, cache.hits
     for _ in range(3):
@@ -162,7 +169,7 @@ def test_weight_cache_is_bounded() -> None:
     class St:  # a weak-referenceable stand-in for a storage
         pass
 
-    cache = cf.WeightCache(3 * 4 * 100)
+    cache = WeightCache(3 * 4 * 100)
     keep = [St() for _ in range(4)]
     arrays = [np.full((100,), i, np.float16) for i in range(4)]
     for st, arr in zip(keep, arrays, strict=True):
@@ -178,7 +185,7 @@ def test_blas_thread_choice_follows_measurements(monkeypatch: pytest.MonkeyPatch
     """The windowed, process-wide choice: one thread first, every thread tried and kept
     when faster, tries backed off when they confirm, dropped at once when the kept choice
     gets slower, and never while other processes load the cores."""
-    b = cf.BlasThreads("auto")
+    b = BlasThreads("auto")
     b.max = 2  # (as on a 2-core machine, whatever this one has)
     spare = [True]
     monkeypatch.setattr(b, "_spare_cores", lambda: spare[0])
@@ -206,15 +213,15 @@ def test_blas_thread_choice_follows_measurements(monkeypatch: pytest.MonkeyPatch
     b.many = True
     assert windows(4 * e, True).count(2) <= 1 and not b.many
     with pytest.raises(ValueError, match="DEVICEOPS_CPU_BLAS_THREADS"):
-        cf.BlasThreads("lots")
-    assert not cf.BlasThreads("1").adaptive and not cf.BlasThreads("0").adaptive
+        BlasThreads("lots")
+    assert not BlasThreads("1").adaptive and not BlasThreads("0").adaptive
 
 
 def test_blas_threads_fixed_once_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without DEVICEOPS_CPU_BLAS_ADAPT=1 the count is chosen once (never changed while a
     stream thread may be inside a BLAS call: OpenBLAS is not safe for that)."""
     monkeypatch.delenv("DEVICEOPS_CPU_BLAS_ADAPT", raising=False)
-    b = cf.BlasThreads("auto")
+    b = BlasThreads("auto")
     assert not b.adaptive
     assert b.ctl is None or b.fixed in (1, b.max)
 
@@ -232,7 +239,7 @@ def test_attention_fast_path_matches_float64(dtype: str) -> None:
         kv_len = np.array([lk - i for i in range(b)], np.int32)
         for kl in (None, kv_len, np.zeros(b, np.int32)):
             out = np.full((b, hq, lq, d), np.nan, npdt(dtype))
-            cf.attention_cpu(q, k, v, out, causal=causal, scale=None, kv_len=kl, block_table=None)
+            attention_cpu(q, k, v, out, causal=causal, scale=None, kv_len=kl, block_table=None)
             close(out, attention_reference(q, k, v, causal=causal, kv_len=kl), dtype, 2)
     # paged: a pool of blocks, a table, rows of different lengths; a bad block id is refused
     bs, nb = 4, 9
@@ -241,11 +248,11 @@ def test_attention_fast_path_matches_float64(dtype: str) -> None:
     q = rand(rng, (2, 6, 2, 16), dtype)
     kl = np.array([9, 15], np.int32)
     out = np.empty((2, 6, 2, 16), npdt(dtype))
-    cf.attention_cpu(q, kp, vp, out, causal=True, scale=0.3, kv_len=kl, block_table=table)
+    attention_cpu(q, kp, vp, out, causal=True, scale=0.3, kv_len=kl, block_table=table)
     close(out, attention_reference(q, kp, vp, causal=True, scale=0.3, kv_len=kl,
                                    block_table=table), dtype, 2)
     with pytest.raises(IndexError, match="block_table"):
-        cf.attention_cpu(q, kp, vp, out, causal=True, scale=None, kv_len=np.array([16, 1]),
+        attention_cpu(q, kp, vp, out, causal=True, scale=None, kv_len=np.array([16, 1]),
                          block_table=table)
 
 
@@ -259,30 +266,30 @@ def test_norm_and_activation_fast_paths_match_float64(dtype: str) -> None:
         x, r = rand(rng, shape, dtype, 2.0), rand(rng, shape, dtype)
         w, bvec = rand(rng, shape[-1:], dtype), rand(rng, shape[-1:], dtype)
         out = np.empty(shape, npdt(dtype))
-        cf.rms_norm_cpu(x, w, 1e-6, out)
+        rms_norm_cpu(x, w, 1e-6, out)
         close(out, rms_norm_reference(x, w, 1e-6), dtype, 2)
-        cf.layer_norm_cpu(x, w, bvec, 1e-5, out)
+        layer_norm_cpu(x, w, bvec, 1e-5, out)
         close(out, layer_norm_reference(x, w, bvec, 1e-5), dtype, 2)
         ro = np.empty(shape, npdt(dtype))
         xi, ri = x.copy(), r.copy()
-        cf.add_rms_norm_cpu(xi, ri, w, 1e-5, xi, ri)  # in place, as the model runs it
+        add_rms_norm_cpu(xi, ri, w, 1e-5, xi, ri)  # in place, as the model runs it
         y, s = add_rms_norm_reference(x, r, w, 1e-5)
         assert np.array_equal(f64(ri), f64(s))  # the stored sum is rounded exactly once
         close(xi, y, dtype, 2)
-        cf.add_rms_norm_cpu(x, r, w, 1e-5, out, ro)
+        add_rms_norm_cpu(x, r, w, 1e-5, out, ro)
         close(out, y, dtype, 2)
         for kind, ref in (("gelu", gelu_reference), ("silu", silu_reference),
                           ("softmax", softmax_reference)):
-            cf.activation_cpu(kind, x, out)
+            activation_cpu(kind, x, out)
             close(out, ref(x), dtype, 2)
         if shape[-1] % 2 == 0:
             half = np.empty((*shape[:-1], shape[-1] // 2), npdt(dtype))
-            cf.swiglu_cpu(x, half)
+            swiglu_cpu(x, half)
             close(half, swiglu_reference(x), dtype, 2)
     big = np.array([[-1e4, -100.0, 0.0, 100.0]], npdt(dtype))  # no overflow warnings
     with np.errstate(all="raise"):
-        cf.activation_cpu("silu", big, np.empty_like(big))
-        cf.swiglu_cpu(np.concatenate([big, big], -1), np.empty_like(big))
+        activation_cpu("silu", big, np.empty_like(big))
+        swiglu_cpu(np.concatenate([big, big], -1), np.empty_like(big))
 
 
 # ----------------------------------------------------------------------------- rope
@@ -294,7 +301,7 @@ def test_rope_fast_paths_match_float64(dtype: str) -> None:
     x = rand(rng, (2, 5, 3, 64), dtype)
     start = np.array([0, 1000], np.int32)
     out = np.empty_like(x)
-    cf.rope_cpu(x, start, 10000.0, out)
+    rope_cpu(x, start, 10000.0, out)
     close(out, rope_reference(x, start, 10000.0), dtype, 2)
     hq, hkv, d = 4, 2, 8
     for b, length in ((1, 1), (3, 1), (2, 6), (2, 20)):  # the decode and the prefill forms
@@ -311,7 +318,7 @@ def test_rope_fast_paths_match_float64(dtype: str) -> None:
             k1, v1, k2, v2 = kc.copy(), vc.copy(), kc.copy(), vc.copy()
             q1 = np.empty((b, hq, length, d), npdt(dtype))
             q2 = q1.copy()
-            cf.rope_kv_write_cpu(qkv, st, k1, v1, q1, hq, hkv, 10000.0, table)
+            rope_kv_write_cpu(qkv, st, k1, v1, q1, hq, hkv, 10000.0, table)
             rope_kv_write_reference(qkv, st, k2, v2, q2, hq, hkv, 10000.0, table)
             close(q1, q2, dtype, 2)
             close(k1, k2, dtype, 2)

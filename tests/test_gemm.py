@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -14,8 +16,23 @@ import pytest
 import deviceops
 from deviceops import api, kernels
 from deviceops._errors import DTypeError, ShapeError
-from deviceops.kernels import _gemm
-from deviceops.kernels._experiment import overrides
+from deviceops.kernels.gemm import (  # the family package (deviceops.kernels.gemm is the function)
+    GemmOverride,
+    _act_np,
+    _check_layout,
+    _round_tf32,
+    gemm_check,
+    gemm_cuda,
+    gemm_reference,
+    gemm_workspace_nbytes,
+    gemv_config,
+    plan_path,
+    skinny_config,
+    skinny_tma_blocks_per_sm,
+    skinny_tma_config,
+    skinny_tma_smem,
+)
+from deviceops.kernels.runtime import overrides, plan_cache
 
 from .conftest import to_np
 
@@ -25,6 +42,12 @@ F32 = np.dtype(np.float32)
 ACTS = [None, "relu", "gelu", "silu"]
 # ||out - ref|| / ||ref|| bounds per dtype (METHOD.md: f32 << 1e-3, tf32 ~ 3e-4, bf16 1e-3..1e-2)
 TOL = {"float32": 1e-5, "tf32": 2e-4, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+
+def _forced(ov: GemmOverride | None) -> Any:
+    """The GEMM override ``ov`` installed for a ``with`` block (``None``: the planner's path)."""
+    return overrides(ov) if ov is not None else contextlib.nullcontext()
 
 
 def _rel(out: np.ndarray, ref: np.ndarray, pre: np.ndarray | None = None) -> float:
@@ -61,9 +84,9 @@ def test_error_metric_tolerates_fp32_activation_cancellation() -> None:
     b = rng.standard_normal(20_000).astype(F16)
     bias = rng.standard_normal(20_000).astype(F16)
     v32 = a.astype(np.float32) * b.astype(np.float32) + bias.astype(np.float32)
-    out = _gemm._act_np(v32, "gelu").astype(np.float32).astype(F16)
+    out = _act_np(v32, "gelu").astype(np.float32).astype(F16)
     v64 = a.astype(np.float64) * b.astype(np.float64) + bias.astype(np.float64)
-    ref = _gemm._act_np(v64, "gelu")
+    ref = _act_np(v64, "gelu")
     per_output = [_rel(out[i : i + 1], ref[i : i + 1]) for i in range(out.size)]
     with_pre = [_rel(out[i : i + 1], ref[i : i + 1], v64[i : i + 1]) for i in range(out.size)]
     assert max(per_output) > TOL["float16"]  # the old metric fails correct outputs
@@ -71,9 +94,9 @@ def test_error_metric_tolerates_fp32_activation_cancellation() -> None:
 
 
 def test_check_returns_out_shape_and_dtype() -> None:
-    assert _gemm.gemm_check((3, 5), F32, (5, 7), F32) == ((3, 7), F32)
-    assert _gemm.gemm_check((2, 4, 3, 5), BF16, (5, 7), BF16) == ((2, 4, 3, 7), BF16)
-    assert _gemm.gemm_check((2, 3, 5), F16, (2, 5, 7), F16, bias_shape=(7,), bias_dtype=F16) == ((2, 3, 7), F16)
+    assert gemm_check((3, 5), F32, (5, 7), F32) == ((3, 7), F32)
+    assert gemm_check((2, 4, 3, 5), BF16, (5, 7), BF16) == ((2, 4, 3, 7), BF16)
+    assert gemm_check((2, 3, 5), F16, (2, 5, 7), F16, bias_shape=(7,), bias_dtype=F16) == ((2, 3, 7), F16)
 
 
 @pytest.mark.parametrize(
@@ -90,26 +113,26 @@ def test_check_returns_out_shape_and_dtype() -> None:
 )
 def test_check_shape_errors(a: tuple[int, ...], b: tuple[int, ...], kw: dict[str, Any], err: type, text: str) -> None:
     with pytest.raises(err, match="gemm") as ei:
-        _gemm.gemm_check(a, F32, b, F32, **kw)
+        gemm_check(a, F32, b, F32, **kw)
     assert text in str(ei.value)
 
 
 def test_check_dtype_errors() -> None:
     with pytest.raises(DTypeError, match="float64"):
-        _gemm.gemm_check((3, 5), np.float64, (5, 7), np.float64)
+        gemm_check((3, 5), np.float64, (5, 7), np.float64)
     with pytest.raises(DTypeError, match="must match"):
-        _gemm.gemm_check((3, 5), F16, (5, 7), BF16)
+        gemm_check((3, 5), F16, (5, 7), BF16)
     with pytest.raises(DTypeError, match="out"):
-        _gemm.gemm_check((3, 5), F16, (5, 7), F16, out_dtype=F32)
+        gemm_check((3, 5), F16, (5, 7), F16, out_dtype=F32)
     with pytest.raises(DTypeError, match="bias"):
-        _gemm.gemm_check((3, 5), F16, (5, 7), F16, bias_shape=(7,), bias_dtype=F32)
+        gemm_check((3, 5), F16, (5, 7), F16, bias_shape=(7,), bias_dtype=F32)
     assert issubclass(ShapeError, ValueError) and issubclass(DTypeError, TypeError)
 
 
 def test_layout_error_names_fix() -> None:
     a = np.zeros((4, 6), np.float32).T
     with pytest.raises(ShapeError, match=r"gemm.*\(6, 4\).*strides.*copy\(\)"):
-        _gemm._check_layout("a", a.shape, a.strides, a.flags.c_contiguous, "gemm")
+        _check_layout("a", a.shape, a.strides, a.flags.c_contiguous, "gemm")
 
 
 # --------------------------------------------------------------------------- CPU: reference
@@ -125,7 +148,7 @@ def test_reference_matches_float64(dtype: np.dtype[Any], act: str | None) -> Non
         b = _rand(rng, ((*batch, k, n) if bb else (k, n)), dtype)
         bias = _rand(rng, (n,), dtype)
         c = _rand(rng, (*batch, m, n), dtype)
-        out = _gemm.gemm_reference(a, b, bias=bias, activation=act, alpha=0.5, beta=-1.5, c=c)
+        out = gemm_reference(a, b, bias=bias, activation=act, alpha=0.5, beta=-1.5, c=c)
         assert out.dtype == dtype and out.shape == (*batch, m, n)
         pre = 0.5 * (a.astype(np.float64) @ b.astype(np.float64)) - 1.5 * c.astype(np.float64) + bias.astype(np.float64)
         v = pre
@@ -144,15 +167,15 @@ def test_reference_beta_zero_ignores_c_and_tf32_rounds() -> None:
     a = np.ones((2, 3), np.float32)
     b = np.ones((3, 2), np.float32)
     c = np.full((2, 2), np.nan, np.float32)
-    assert np.all(_gemm.gemm_reference(a, b, c=c, beta=0.0) == 3.0)
+    assert np.all(gemm_reference(a, b, c=c, beta=0.0) == 3.0)
     x = np.array([[1.0 + 2.0**-12]], np.float32)
-    assert _gemm.gemm_reference(x, np.ones((1, 1), np.float32), tf32=True)[0, 0] == 1.0
-    assert _gemm.gemm_reference(x, np.ones((1, 1), np.float32))[0, 0] == x[0, 0]
+    assert gemm_reference(x, np.ones((1, 1), np.float32), tf32=True)[0, 0] == 1.0
+    assert gemm_reference(x, np.ones((1, 1), np.float32))[0, 0] == x[0, 0]
 
 
 def test_workspace_nbytes() -> None:
-    assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16) == 0
-    ws = _gemm.gemm_workspace_nbytes((64, 768), (768, 768), BF16)
+    assert gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16) == 0
+    ws = gemm_workspace_nbytes((64, 768), (768, 768), BF16)
     assert ws > 0 and ws % (768 * 4) == 0
 
 
@@ -160,20 +183,20 @@ def test_workspace_nbytes() -> None:
 
 
 def test_check_trans_b_shapes_and_messages() -> None:
-    assert _gemm.gemm_check((3, 5), F16, (7, 5), F16, trans_b=True) == ((3, 7), F16)
-    assert _gemm.gemm_check((2, 3, 5), BF16, (2, 7, 5), BF16, trans_b=True) == ((2, 3, 7), BF16)
+    assert gemm_check((3, 5), F16, (7, 5), F16, trans_b=True) == ((3, 7), F16)
+    assert gemm_check((2, 3, 5), BF16, (2, 7, 5), BF16, trans_b=True) == ((2, 3, 7), BF16)
     with pytest.raises(ShapeError) as ei:  # a (K, N) weight with trans_b=True
-        _gemm.gemm_check((3, 5), F32, (5, 7), F32, trans_b=True)
+        gemm_check((3, 5), F32, (5, 7), F32, trans_b=True)
     msg = str(ei.value)
     assert "(3, 5)" in msg and "(5, 7)" in msg and "trans_b=True" in msg and "pass trans_b=False" in msg
     with pytest.raises(ShapeError) as ei:  # an (N, K) weight without the flag
-        _gemm.gemm_check((3, 5), F32, (7, 5), F32)
+        gemm_check((3, 5), F32, (7, 5), F32)
     msg = str(ei.value)
     assert "(7, 5)" in msg and "trans_b=False" in msg and "pass trans_b=True" in msg
     with pytest.raises(ShapeError, match="leading dims"):
-        _gemm.gemm_check((2, 3, 5), F32, (3, 7, 5), F32, trans_b=True)
+        gemm_check((2, 3, 5), F32, (3, 7, 5), F32, trans_b=True)
     with pytest.raises(ShapeError, match=r"\(3, 8\)"):
-        _gemm.gemm_check((3, 5), F32, (7, 5), F32, out_shape=(3, 8), trans_b=True)
+        gemm_check((3, 5), F32, (7, 5), F32, out_shape=(3, 8), trans_b=True)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -182,13 +205,13 @@ def test_reference_trans_b_is_the_transpose(dtype: np.dtype[Any]) -> None:
     for ashape, wshape in [((7, 13), (5, 13)), ((2, 3, 9), (2, 4, 9)), ((1, 64), (33, 64))]:
         a, w = _rand(rng, ashape, dtype), _rand(rng, wshape, dtype)
         bias = _rand(rng, (wshape[-2],), dtype)
-        got = _gemm.gemm_reference(a, w, bias=bias, activation="silu", trans_b=True)
-        want = _gemm.gemm_reference(a, np.swapaxes(w, -1, -2).copy(), bias=bias, activation="silu")
+        got = gemm_reference(a, w, bias=bias, activation="silu", trans_b=True)
+        want = gemm_reference(a, np.swapaxes(w, -1, -2).copy(), bias=bias, activation="silu")
         assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 def test_plan_paths_for_inference_shapes() -> None:
-    plan = _gemm._plan
+    plan = plan_path
     for m in (1, 8, 16):
         assert plan(1, m, 4096, 4096, BF16, False, True, 132, True, True, True)[0] == "skinny"
     for m in (17, 32, 64):  # a narrow 32 MB weight, M > 16: the TMA kernel on sm_90, else skinny
@@ -211,21 +234,21 @@ def test_plan_paths_for_inference_shapes() -> None:
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (14336, 4096), (4096, 14336), (1728, 576), (576, 1536),
                                       (49152, 576), (8, 8), (24, 40)])
 def test_skinny_config_covers_k_and_fits_registers(m: int, n: int, k: int) -> None:
-    mf, tr, u, ks, kcw = _gemm.skinny_config(1, m, n, k)
+    mf, tr, u, ks, kcw = skinny_config(1, m, n, k)
     chunks = -(-k // 32)
     assert 8 * mf >= m > 8 * (mf - 1)
     assert 1 <= ks <= 8 and ks * kcw >= chunks and (ks - 1) * kcw < chunks  # every chunk, no idle warp
     assert u * (8 * tr + 4 * mf) <= 96 or u == 1  # registers of loads in flight
     assert 1 <= u <= kcw and tr in (1, 2)  # never more chunks a round than a warp has
     assert ks * tr * mf * 512 <= 64 * 1024  # reduction buffer (dynamic shared memory)
-    assert _gemm.skinny_config(1, m, n, k, ks=3)[3] <= 3
+    assert skinny_config(1, m, n, k, ks=3)[3] <= 3
 
 
 def test_skinny_config_measured_rules() -> None:
     """The H100 sweep's choices (benchmarks/gemm.py --variants): 8 chunks in flight for one
     m-fragment on weights >= 64 MB; 1 tile per warp, 4 warps, 4 chunks for M > 16 on large
     weights up to N = 6144; 2 tiles per warp on wider ones; small weights unchanged."""
-    c = _gemm.skinny_config
+    c = skinny_config
     assert c(1, 1, 14336, 4096) == (1, 1, 8, 8, 16) and c(1, 8, 4096, 14336)[2] == 8
     assert c(1, 1, 4096, 4096) == (1, 1, 4, 8, 16)  # 32 MB: 4 chunks
     assert c(1, 32, 4096, 4096) == (4, 1, 4, 4, 32) and c(1, 32, 6144, 4096)[:4] == (4, 1, 4, 4)
@@ -236,53 +259,53 @@ def test_skinny_config_measured_rules() -> None:
 @pytest.mark.parametrize("m", [1, 17, 32, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (14336, 4096), (4096, 14336), (49152, 576), (8, 8), (100, 72)])
 def test_skinny_tma_config_covers_k_and_fits_shared_memory(m: int, n: int, k: int) -> None:
-    bn, cl, kps, stages, ncw, pb, mc = _gemm.skinny_tma_config(1, m, n, k)
+    bn, cl, kps, stages, ncw, pb, mc = skinny_tma_config(1, m, n, k)
     kt = -(-k // 64)
     assert bn in (32, 64) and bn >= m and 1 <= cl <= 8 and cl * kps >= kt and (cl - 1) * kps < kt
-    assert _gemm.skinny_tma_smem(bn, stages, ncw) <= 227 * 1024
+    assert skinny_tma_smem(bn, stages, ncw) <= 227 * 1024
     # 64-row tiles for narrow weights and the persistent short-K kernel, else 128
     persistent = kt <= 16 and n > 4096 and -(-n // 64) > 2 * 132
     assert ncw == (1 if n <= 4096 or persistent else 2) and (pb > 0) == persistent
     for w in (1, 2):  # a forced warpgroup count keeps the slices covering K
-        bn1, cl1, kps1, st1, w1, _, _ = _gemm.skinny_tma_config(1, m, n, k, ncw=w)
+        bn1, cl1, kps1, st1, w1, _, _ = skinny_tma_config(1, m, n, k, ncw=w)
         assert w1 == w and cl1 * kps1 >= kt and (cl1 - 1) * kps1 < kt
-        assert _gemm.skinny_tma_smem(bn1, st1, w1) <= 227 * 1024
+        assert skinny_tma_smem(bn1, st1, w1) <= 227 * 1024
     if ncw == 1 and not persistent and kt >= 8:  # narrow: 64 tiles x 2 slices, a deep ring
         assert (cl, stages) == (2 if n == 4096 else min(8, kt // 4), 8 if bn == 32 else 6)
     elif persistent:
         assert cl == 1 and stages == (6 if bn == 32 else 4)
-        assert _gemm.skinny_tma_smem(bn, stages, ncw) <= 113 * 1024  # two blocks an SM
+        assert skinny_tma_smem(bn, stages, ncw) <= 113 * 1024  # two blocks an SM
     elif ncw == 1:  # a narrow weight of a few k-tiles: the ring no deeper than the slice
         assert stages <= max(2, kps)
     elif cl > 1 or kps < 16:
-        assert _gemm.skinny_tma_smem(bn, stages) <= 113 * 1024  # two blocks an SM
+        assert skinny_tma_smem(bn, stages) <= 113 * 1024  # two blocks an SM
     else:  # one long slice a block: a deeper ring (one block an SM)
         assert stages == (6 if bn == 32 else 3)
-    assert _gemm.skinny_tma_config(1, m, n, k, cl=3, persist=2)[1] <= 3
+    assert skinny_tma_config(1, m, n, k, cl=3, persist=2)[1] <= 3
     one_wave = bn == 32 and ncw == 2 and cl == 1 and not persistent and 4 <= -(-n // 128) <= 132
     assert mc == (4 if one_wave else 1)  # activation multicast: one wave of 128-row tiles
-    assert _gemm.skinny_tma_config(1, 32, 14336, 4096) == (32, 1, 64, 6, 2, 0, 4)  # 112 tiles, one slice
-    assert _gemm.skinny_tma_config(1, 32, 4096, 4096) == (32, 2, 32, 8, 1, 0, 1)  # 64 tiles x 2 slices
-    assert _gemm.skinny_tma_config(1, 32, 14336, 4096, stages=10, mc=4)[3:] == (10, 2, 0, 4)
-    assert _gemm.skinny_tma_config(1, 32, 4096, 4096, mc=4)[6] == 1  # two K slices: no multicast
-    assert _gemm.skinny_tma_config(1, 64, 14336, 4096, stages=10, mc=3)[3::3] == (8, 2)  # smem; 2 or 4
-    assert _gemm.skinny_tma_config(1, 32, 4096, 4096, ncw=2)[:3] == (32, 4, 16)  # 32 tiles x 4
-    assert _gemm.skinny_tma_config(1, 32, 49152, 576)[4:] == (1, 256, 1)  # 768 tiles, 3 a block
+    assert skinny_tma_config(1, 32, 14336, 4096) == (32, 1, 64, 6, 2, 0, 4)  # 112 tiles, one slice
+    assert skinny_tma_config(1, 32, 4096, 4096) == (32, 2, 32, 8, 1, 0, 1)  # 64 tiles x 2 slices
+    assert skinny_tma_config(1, 32, 14336, 4096, stages=10, mc=4)[3:] == (10, 2, 0, 4)
+    assert skinny_tma_config(1, 32, 4096, 4096, mc=4)[6] == 1  # two K slices: no multicast
+    assert skinny_tma_config(1, 64, 14336, 4096, stages=10, mc=3)[3::3] == (8, 2)  # smem; 2 or 4
+    assert skinny_tma_config(1, 32, 4096, 4096, ncw=2)[:3] == (32, 4, 16)  # 32 tiles x 4
+    assert skinny_tma_config(1, 32, 49152, 576)[4:] == (1, 256, 1)  # 768 tiles, 3 a block
 
 
 @pytest.mark.parametrize(("batch", "n", "ncw", "stages"), [(1, 49152, 1, 4), (1, 49152, 2, 4), (1, 128256, 2, 6),
                                                           (3, 4104, 1, 4), (2, 100, 2, 3), (1, 14336, 1, 6)])
 def test_skinny_tma_persistent_grid_gives_each_block_the_same_tile_count(batch: int, n: int, ncw: int,
                                                                          stages: int) -> None:
-    bn, cl, _, st, w, pb, _ = _gemm.skinny_tma_config(batch, 32, n, 576, stages=stages, ncw=ncw, persist=1)
+    bn, cl, _, st, w, pb, _ = skinny_tma_config(batch, 32, n, 576, stages=stages, ncw=ncw, persist=1)
     tiles = -(-n // (64 * w))
     per_block = -(-tiles // pb)
-    slots = 132 * _gemm.skinny_tma_blocks_per_sm(bn, st, w)
+    slots = 132 * skinny_tma_blocks_per_sm(bn, st, w)
     assert cl == 1 and w == ncw and st == stages
     assert batch * pb <= max(slots, batch)  # one wave of resident blocks
     assert pb * per_block >= tiles and (pb - 1) * per_block < tiles  # every tile, no idle block
     assert per_block == -(-tiles // max(1, slots // batch))  # as few tiles a block as fit
-    planned = _gemm.skinny_tma_config(batch, 32, n, 576)[5] > 0
+    planned = skinny_tma_config(batch, 32, n, 576)[5] > 0
     assert planned == (batch * n > 4096 and batch * -(-n // 64) > 2 * 132)  # short K, many tiles
 
 
@@ -293,7 +316,7 @@ def test_tma_launch_packs_maps_pointers_and_scalars(monkeypatch: pytest.MonkeyPa
     import ctypes
     import types
 
-    from deviceops.kernels import _tma
+    from deviceops.kernels.runtime import _tma
 
     encoded: list[tuple[int, tuple[int, ...]]] = []
 
@@ -330,10 +353,10 @@ def test_tma_launch_packs_maps_pointers_and_scalars(monkeypatch: pytest.MonkeyPa
 
 
 def test_workspace_nbytes_trans_b() -> None:
-    assert _gemm.gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16, True) == 0
-    assert _gemm.gemm_workspace_nbytes((8, 4096), (1024, 4096), BF16, True) == _gemm.gemm_workspace_nbytes(
+    assert gemm_workspace_nbytes((4096, 4096), (4096, 4096), BF16, True) == 0
+    assert gemm_workspace_nbytes((8, 4096), (1024, 4096), BF16, True) == gemm_workspace_nbytes(
         (8, 4096), (4096, 1024), BF16)
-    assert _gemm.gemm_workspace_nbytes((64, 768), (768, 768), BF16, True) == _gemm.gemm_workspace_nbytes(
+    assert gemm_workspace_nbytes((64, 768), (768, 768), BF16, True) == gemm_workspace_nbytes(
         (64, 768), (768, 768), BF16)
 
 
@@ -414,19 +437,18 @@ def _case(rng: np.random.Generator, cc: int) -> dict[str, Any]:
         batch = batch if b_batched else ()
     force = None
     if dtype != F32 and rng.random() < 0.6:
-        opts = ["sm80", "sm80:3"]
+        opts = [GemmOverride(path="sm80"), GemmOverride(path="sm80", splits=3)]
         if cc == 90 and n % 8 == 0 and k % 8 == 0:
-            opts += ["128x256", "128x128", "64x128", "64x128:3", "128x128:2", "128x256c2", "128x128c2",
-                     "128x256c2:3"]
+            opts += [GemmOverride(path="sm90", sm90_tile="128x256"), GemmOverride(path="sm90", sm90_tile="128x128"), GemmOverride(path="sm90", sm90_tile="64x128"), GemmOverride(path="sm90", sm90_tile="64x128", splits=3), GemmOverride(path="sm90", sm90_tile="128x128", splits=2)]
         rows = m if b_batched else m * math.prod(batch)
         if trans_b and k % 8 == 0 and rows <= 64:
-            opts += ["skinny", "skinny", "skinny:1", "skinny:3"]
+            opts += [GemmOverride(path="skinny"), GemmOverride(path="skinny"), GemmOverride(path="skinny", skinny_k_warps=1), GemmOverride(path="skinny", skinny_k_warps=3)]
             if cc == 90:
-                opts += ["tma", "tma:1", "tma:3", "tma:1:6", "tma:0:0:1", "tma:2:6:1", "tma:0:0:1:1", "tma:0:0:2:1",
-                         "tma:1:10:2:2:4", "tma:1:0:1:2:2"]
-        force = str(rng.choice(opts))
+                opts += [GemmOverride(path="tma"), GemmOverride(path="tma", tma_k_slices=1), GemmOverride(path="tma", tma_k_slices=3), GemmOverride(path="tma", tma_k_slices=1, tma_stages=6), GemmOverride(path="tma", tma_warpgroups=1), GemmOverride(path="tma", tma_k_slices=2, tma_stages=6, tma_warpgroups=1), GemmOverride(path="tma", tma_warpgroups=1, tma_persistent=True), GemmOverride(path="tma", tma_warpgroups=2, tma_persistent=True),
+                         GemmOverride(path="tma", tma_k_slices=1, tma_stages=10, tma_warpgroups=2, tma_persistent=False, tma_multicast=4), GemmOverride(path="tma", tma_k_slices=1, tma_warpgroups=1, tma_persistent=False, tma_multicast=2)]
+        force = opts[int(rng.integers(0, len(opts)))]
     elif dtype == F32 and kind == "float32" and rng.random() < 0.3:
-        force = "simt:3"
+        force = GemmOverride(path="simt", splits=3)
     return {
         "kind": str(kind), "dtype": dtype, "m": m, "n": n, "k": k, "batch": batch, "b_batched": b_batched,
         "bias": bool(rng.random() < 0.5), "act": ACTS[int(rng.integers(0, 4))],
@@ -444,7 +466,7 @@ def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: A
     bias = _rand(rng, (n,), dt) if cs["bias"] else None
     c = _rand(rng, (*batch, m, n), dt)
     tf32 = cs["kind"] == "tf32"
-    ref = _gemm.gemm_reference(a, b_given, bias=bias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+    ref = gemm_reference(a, b_given, bias=bias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
                                c=c, tf32=tf32, trans_b=tb)  # fmt: skip
     # float64 "true" reference for the error bound (tf32 compares against its rounded operands)
     ref64, pre64 = _ref64(a, b, bias, cs, c, tf32)
@@ -452,13 +474,13 @@ def _run_case(cupy: Any, rng: np.random.Generator, cs: dict[str, Any], stream: A
     dbias = cupy.asarray(bias) if bias is not None else None
     # poison: every element must be written (beta != 0 starts from c instead)
     dout = cupy.asarray(c) if cs["beta"] != 0.0 else cupy.full((*batch, m, n), np.nan, dtype=dt)
-    nbytes = _gemm.gemm_workspace_nbytes(a.shape, b_given.shape, dt, tb)
+    nbytes = gemm_workspace_nbytes(a.shape, b_given.shape, dt, tb)
     ws = cupy.empty(max(nbytes, 12 * c.size) // 4 + 1, dtype=np.float32)
     # the poison fill ran on CuPy's legacy default stream, which a non-blocking `stream` does
     # not wait for: without this a fast kernel could finish before the fill overwrites it
     cupy.cuda.Device().synchronize()
-    with overrides(gemm_path=cs["force"]):
-        _gemm.gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
+    with _forced(cs["force"]):
+        gemm_cuda(da, db, dout, bias=dbias, activation=cs["act"], alpha=cs["alpha"], beta=cs["beta"],
                         tf32=tf32, trans_b=tb, workspace=ws, stream=stream)  # fmt: skip
     stream.synchronize()
     out = cupy.asnumpy(dout)
@@ -472,14 +494,14 @@ def _ref64(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, cs: dict[str, 
     """float64 output and pre-activation values."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     if tf32:
-        a64 = _gemm._round_tf32(a).astype(np.float64)
-        b64 = _gemm._round_tf32(b).astype(np.float64)
+        a64 = _round_tf32(a).astype(np.float64)
+        b64 = _round_tf32(b).astype(np.float64)
     v = cs["alpha"] * (a64 @ b64)
     if cs["beta"] != 0.0:
         v = v + cs["beta"] * c.astype(np.float64)
     if bias is not None:
         v = v + bias.astype(np.float64)
-    return _gemm._act_np(v, cs["act"]), v
+    return _act_np(v, cs["act"]), v
 
 
 @pytest.mark.gpu
@@ -521,30 +543,6 @@ def test_gpu_edge_shapes(dtype: np.dtype[Any]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [F16, BF16])
-def test_gpu_sm90_cluster_pairs_odd_shapes(dtype: np.dtype[Any]) -> None:
-    """The two-block cluster configs (B multicast): an odd number of m-tiles (the last pair's
-    second block reads past M), batches, split-K, both b layouts, every epilogue."""
-    cupy = _cupy()
-    if int(cupy.cuda.Device().compute_capability) != 90:
-        pytest.skip("the cluster configs are sm_90 only")
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    kind = dtype.name
-    shapes = [(129, 264, 72, (), "128x256c2"), (389, 520, 200, (), "128x128c2"), (5, 136, 1000, (), "128x256c2:3"),
-              (257, 136, 584, (3,), "128x128c2:2"), (700, 776, 1024, (), "128x256c2")]  # fmt: skip
-    for m, n, k, batch, force in shapes:
-        for tb in (False, True):
-            for act, beta in ((None, 0.0), ("gelu", -0.5)):
-                cs = {"kind": kind, "dtype": dtype, "m": m, "n": n, "k": k, "batch": batch,
-                      "b_batched": bool(batch) and tb, "bias": act is not None, "act": act, "alpha": 0.5,
-                      "beta": beta, "force": force, "trans_b": tb}  # fmt: skip
-                err = _run_case(cupy, rng, cs, stream)
-                assert err < TOL[kind], f"seed={seed} err={err:.3g} > {TOL[kind]}: {cs}"
-
-
-@pytest.mark.gpu
 def test_gpu_tma_store_epilogue_matches_register_store() -> None:
     """The sm_90 epilogue through shared memory and TMA writes exactly what the register
     epilogue writes (same arithmetic), on tails in M and N, batches and every epilogue
@@ -555,7 +553,7 @@ def test_gpu_tma_store_epilogue_matches_register_store() -> None:
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     stream = cupy.cuda.Stream(non_blocking=True)
     for (m, n, k, batch), force in itertools.product(
-        [(67, 136, 200, ()), (300, 520, 72, (2,)), (129, 264, 1000, ())], ["128x256", "128x128", "64x128", "128x256c2"]
+        [(67, 136, 200, ()), (300, 520, 72, (2,)), (129, 264, 1000, ())], [GemmOverride(path="sm90", sm90_tile="128x256"), GemmOverride(path="sm90", sm90_tile="128x128"), GemmOverride(path="sm90", sm90_tile="64x128")]
     ):
         for dt, act, bias in ((BF16, None, False), (F16, "silu", True), (BF16, "gelu", True)):
             ah, bh = _rand(rng, (*batch, m, k), dt), _rand(rng, (n, k), dt)
@@ -566,8 +564,8 @@ def test_gpu_tma_store_epilogue_matches_register_store() -> None:
             for tma_store in (True, False):
                 o = cupy.full((*batch, m, n), np.nan, dtype=dt)
                 cupy.cuda.Device().synchronize()
-                with overrides(gemm_path=force, gemm_sm90_tma_store=tma_store):
-                    _gemm.gemm_cuda(a, b, o, bias=bv, activation=act, alpha=0.5, trans_b=True, stream=stream)
+                with overrides(dataclasses.replace(force, sm90_tma_store=tma_store)):
+                    gemm_cuda(a, b, o, bias=bv, activation=act, alpha=0.5, trans_b=True, stream=stream)
                 stream.synchronize()
                 outs.append(cupy.asnumpy(o))
             assert not np.isnan(outs[0].astype(np.float32)).any(), f"unwritten outputs {force} {m},{n},{k}"
@@ -591,22 +589,22 @@ def test_gpu_back_to_back_dependent_gemms() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     cc = int(cupy.cuda.Device().compute_capability)
-    forces: list[str | None] = [None, "sm80", "skinny"]
+    forces: list[GemmOverride | None] = [None, GemmOverride(path="sm80"), GemmOverride(path="skinny")]
     if cc == 90:
-        forces += ["128x256", "128x256c2", "128x128c2:3", "64x128:4", "tma"]
+        forces += [GemmOverride(path="sm90", sm90_tile="128x256"), GemmOverride(path="sm90", sm90_tile="64x128", splits=4), GemmOverride(path="tma")]
     for m, d in ((1, 512), (32, 512), (200, 1024)):
         for force in forces:
-            if force in ("skinny", "tma") and m > 64:
+            if force is not None and force.path in ("skinny", "tma") and m > 64:
                 continue
             w = (rng.standard_normal((d, d)) / math.sqrt(d)).astype(F16)  # (N, K)
             x0 = rng.standard_normal((m, d)).astype(F16)
             dw = cupy.asarray(w)
             xs = [cupy.asarray(x0)] + [cupy.full((m, d), np.nan, dtype=F16) for _ in range(6)]
-            ws = cupy.empty(_gemm.gemm_workspace_nbytes((m, d), (d, d), F16, True) // 4 + 8 * m * d, dtype=np.float32)
+            ws = cupy.empty(gemm_workspace_nbytes((m, d), (d, d), F16, True) // 4 + 8 * m * d, dtype=np.float32)
             cupy.cuda.Device().synchronize()
-            with overrides(gemm_path=force):
+            with _forced(force):
                 for i in range(6):
-                    _gemm.gemm_cuda(xs[i], dw, xs[i + 1], trans_b=True, workspace=ws, stream=stream)
+                    gemm_cuda(xs[i], dw, xs[i + 1], trans_b=True, workspace=ws, stream=stream)
             stream.synchronize()
             ref = x0.astype(np.float64)
             for i in range(6):
@@ -625,11 +623,11 @@ def test_gpu_refuses_before_launch() -> None:
     b = cupy.ones((48, 64), dtype=np.float16)
     out = cupy.full((32, 48), np.nan, dtype=np.float16)
     with pytest.raises(ShapeError, match=r"gemm.*\(32, 64\).*strides.*copy\(\)"):
-        _gemm.gemm_cuda(a.T, b.T, out, stream=stream)
+        gemm_cuda(a.T, b.T, out, stream=stream)
     with pytest.raises(ShapeError, match="gemm"):
-        _gemm.gemm_cuda(a, b, out, stream=stream)
+        gemm_cuda(a, b, out, stream=stream)
     with pytest.raises(DTypeError, match="gemm"):
-        _gemm.gemm_cuda(a.T.copy(), b.T.copy(), out.astype(np.float32), stream=stream)
+        gemm_cuda(a.T.copy(), b.T.copy(), out.astype(np.float32), stream=stream)
     stream.synchronize()
     assert bool(cupy.isnan(out).all())  # nothing was launched
 
@@ -652,10 +650,10 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
     for i, (m, n, k) in enumerate(shapes):
         act = ACTS[i % 4]
         beta = -0.5 if i % 3 == 0 else 0.0
-        forces: tuple[str | None, ...] = ("skinny", "skinny:1", None)
+        forces: tuple[GemmOverride | None, ...] = (GemmOverride(path="skinny"), GemmOverride(path="skinny", skinny_k_warps=1), None)
         if cc == 90:  # the TMA kernel: planned K slices, one slice, three; one consumer warpgroup
-            forces += ("tma", "tma:1", "tma:3", "tma:0:0:1", "tma:3:0:1", "tma:0:0:1:1", "tma:0:3:2:1",
-                       "tma:1:10:2:2:4", "tma:1:4:1:2:2")
+            forces += (GemmOverride(path="tma"), GemmOverride(path="tma", tma_k_slices=1), GemmOverride(path="tma", tma_k_slices=3), GemmOverride(path="tma", tma_warpgroups=1), GemmOverride(path="tma", tma_k_slices=3, tma_warpgroups=1), GemmOverride(path="tma", tma_warpgroups=1, tma_persistent=True), GemmOverride(path="tma", tma_stages=3, tma_warpgroups=2, tma_persistent=True),
+                       GemmOverride(path="tma", tma_k_slices=1, tma_stages=10, tma_warpgroups=2, tma_persistent=False, tma_multicast=4), GemmOverride(path="tma", tma_k_slices=1, tma_stages=4, tma_warpgroups=1, tma_persistent=False, tma_multicast=2))
         for force in forces:
             cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
                   "bias": i % 2 == 0, "act": act, "alpha": 0.5 if i % 2 else 1.0, "beta": beta, "force": force,
@@ -663,11 +661,11 @@ def test_gpu_skinny_trans_b_odd_shapes(dtype: np.dtype[Any]) -> None:
             err = _run_case(cupy, rng, cs, stream)
             assert err < TOL[dtype.name], f"seed={seed} err={err:.3g}: {cs}"
     # batched weights (b_batched) and a batch folded into M
-    cases = itertools.product((((3,), True), ((2, 3), False)), ("skinny", "tma:2", "tma:0:0:1:1"))
+    cases = itertools.product((((3,), True), ((2, 3), False)), (GemmOverride(path="skinny"), GemmOverride(path="tma", tma_k_slices=2), GemmOverride(path="tma", tma_warpgroups=1, tma_persistent=True)))
     for (batch, bb), force in cases:
-        if force.startswith("tma") and cc != 90:
+        if force.path == "tma" and cc != 90:
             continue
-        n = 20000 if force == "tma:0:0:1:1" else 72  # persistent: several tiles a block in each batch entry
+        n = 20000 if force == GemmOverride(path="tma", tma_warpgroups=1, tma_persistent=True) else 72  # persistent: several tiles a block in each batch entry
         cs = {"kind": dtype.name, "dtype": dtype, "m": 5, "n": n, "k": 200, "batch": batch, "b_batched": bb,
               "bias": True, "act": "gelu", "alpha": 1.0, "beta": 0.0, "force": force, "trans_b": True}  # fmt: skip
         err = _run_case(cupy, rng, cs, stream)
@@ -687,7 +685,7 @@ def test_gpu_gemv_b_kn_odd_shapes(dtype: np.dtype[Any]) -> None:
               (1, 128, 1543), (1, 2056, 3001), (1, 4104, 4103), (1, 4096, 4096), (4, 576, 1536), (1, 49160, 584),
               (1, 14336, 4096)]
     for i, (m, n, k) in enumerate(shapes):
-        assert _gemm._plan(1, m, n, k, dtype, False, True, 132, True, False, True)[0] == "gemv"
+        assert plan_path(1, m, n, k, dtype, False, True, 132, True, False, True)[0] == "gemv"
         cs = {"kind": dtype.name, "dtype": dtype, "m": m, "n": n, "k": k, "batch": (), "b_batched": False,
               "bias": i % 2 == 0, "act": ACTS[i % 4], "alpha": 0.5 if i % 2 else 1.0,
               "beta": -0.5 if i % 3 == 0 else 0.0, "force": None, "trans_b": False}  # fmt: skip
@@ -705,7 +703,7 @@ def test_gpu_gemv_b_kn_odd_shapes(dtype: np.dtype[Any]) -> None:
     for _ in range(3):
         o = cupy.full((1, 1000), np.nan, dtype=dtype)
         cupy.cuda.Device().synchronize()  # the fill ran on the legacy stream
-        _gemm.gemm_cuda(a, b, o, stream=stream)
+        gemm_cuda(a, b, o, stream=stream)
         stream.synchronize()
         outs.append(cupy.asnumpy(o).view(np.uint16))
     assert all((x == outs[0]).all() for x in outs[1:]), f"seed={seed}: gemv results differ between runs"
@@ -714,17 +712,17 @@ def test_gpu_gemv_b_kn_odd_shapes(dtype: np.dtype[Any]) -> None:
 def test_gemv_config() -> None:
     """Cluster slices of K on sm_90 until two blocks per SM (at least 128 rows each), one
     slice elsewhere; rows rounded up to a power of two; narrow strips for small N."""
-    assert _gemm.gemv_config(1, 4096, 4096, 90) == (8, 1, 16, 0)
-    assert _gemm.gemv_config(1, 14336, 4096, 90) == (4, 1, 16, 1)
-    assert _gemm.gemv_config(1, 49152, 576, 90) == (1, 1, 16, 0)
-    assert _gemm.gemv_config(3, 576, 1536, 90) == (8, 4, 8, 0)
-    assert _gemm.gemv_config(8, 4096, 1023, 90) == (4, 8, 16, 0)
-    assert _gemm.gemv_config(2, 4096, 255, 90) == (1, 2, 16, 0)
-    assert _gemm.gemv_config(1, 4096, 4096, 80) == (1, 1, 16, 1)
-    assert _gemm.gemv_config(1, 4096, 14336, 90) == (8, 1, 16, 0)
+    assert gemv_config(1, 4096, 4096, 90) == (8, 1, 16, 0)
+    assert gemv_config(1, 14336, 4096, 90) == (4, 1, 16, 1)
+    assert gemv_config(1, 49152, 576, 90) == (1, 1, 16, 0)
+    assert gemv_config(3, 576, 1536, 90) == (8, 4, 8, 0)
+    assert gemv_config(8, 4096, 1023, 90) == (4, 8, 16, 0)
+    assert gemv_config(2, 4096, 255, 90) == (1, 2, 16, 0)
+    assert gemv_config(1, 4096, 4096, 80) == (1, 1, 16, 1)
+    assert gemv_config(1, 4096, 14336, 90) == (8, 1, 16, 0)
     for m in range(1, 9):
         for n, k in ((8, 1), (1000, 100), (4096, 256), (128256, 1000), (576, 5000)):
-            cl, mr, lpr, pf = _gemm.gemv_config(m, n, k, 90)
+            cl, mr, lpr, pf = gemv_config(m, n, k, 90)
             assert mr >= m and cl in (1, 2, 4, 8) and (cl == 1 or k // cl >= 128) and lpr in (8, 16)
             assert pf == int(cl <= 4 and k // cl >= 1024)
 
@@ -732,7 +730,7 @@ def test_gemv_config() -> None:
 def test_plan_gemv_rows() -> None:
     """b as (K, N) on sm_90: the GEMV for one row (and up to 4 rows of a small weight), the
     TMA tiles above; without the TMA path the GEMV takes up to 8 rows."""
-    plan = _gemm._plan
+    plan = plan_path
     assert plan(1, 1, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "gemv"
     assert plan(1, 2, 4096, 4096, BF16, False, True, 132, True, False, True)[0] == "sm90"
     assert plan(1, 4, 3072, 576, BF16, False, True, 132, True, False, True)[0] == "gemv"
@@ -748,25 +746,25 @@ def test_gpu_cached_plan_fresh_buffers_and_layout_recheck() -> None:
     rng = np.random.default_rng()
     stream = cupy.cuda.Stream(non_blocking=True)
     cc = int(cupy.cuda.Device().compute_capability)
-    for m, n, k, force in ((1, 256, 512, None), (200, 256, 512, None), (200, 256, 512, "128x128" if cc == 90 else None)):
+    for m, n, k, force in ((1, 256, 512, None), (200, 256, 512, None), (200, 256, 512, GemmOverride(path="sm90", sm90_tile="128x128") if cc == 90 else None)):
         for tb in (False, True):
             outs = []
             for _ in range(3):
                 a = _rand(rng, (m, k), BF16)
                 w = _rand(rng, (n, k) if tb else (k, n), BF16, 1 / math.sqrt(k))
                 dout = cupy.full((m, n), np.nan, dtype=BF16)
-                with overrides(gemm_path=force):
-                    _gemm.gemm_cuda(cupy.asarray(a), cupy.asarray(w), dout, trans_b=tb, stream=stream)
-                outs.append((dout, _gemm.gemm_reference(a, w, trans_b=tb)))
+                with _forced(force):
+                    gemm_cuda(cupy.asarray(a), cupy.asarray(w), dout, trans_b=tb, stream=stream)
+                outs.append((dout, gemm_reference(a, w, trans_b=tb)))
             stream.synchronize()
             for dout, ref in outs:
                 assert _rel(cupy.asnumpy(dout), ref.astype(np.float64)) < TOL["bfloat16"], (m, n, k, tb, force)
     a = cupy.ones((64, 64), dtype=np.float16)
     good = cupy.ones((64, 64), dtype=np.float16)
     out = cupy.empty((64, 64), dtype=np.float16)
-    _gemm.gemm_cuda(a, good, out, trans_b=True, stream=stream)
+    gemm_cuda(a, good, out, trans_b=True, stream=stream)
     with pytest.raises(ShapeError, match="copy"):
-        _gemm.gemm_cuda(a, cupy.ones((64, 64), dtype=np.float16).T, out, trans_b=True, stream=stream)
+        gemm_cuda(a, cupy.ones((64, 64), dtype=np.float16).T, out, trans_b=True, stream=stream)
     stream.synchronize()
 
 
@@ -795,7 +793,7 @@ def test_plan_built_once_per_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host cost: the launch plan (checks, path, grid, kernel) is computed once per problem key;
     later calls with new buffers only pass their pointers; a changed layout, alignment, dtype,
     flag or epilogue builds (and so re-checks) a new plan."""
-    from deviceops.kernels import _gemm_cuda
+    from deviceops.kernels.gemm import _cuda as _gemm_cuda
 
     built: list[tuple[Any, ...]] = []
     runs: list[tuple[int, ...]] = []
@@ -805,7 +803,7 @@ def test_plan_built_once_per_problem(monkeypatch: pytest.MonkeyPatch) -> None:
         return lambda *ptrs: runs.append(ptrs)
 
     monkeypatch.setattr(_gemm_cuda, "_build", fake_build)
-    monkeypatch.setattr(_gemm_cuda, "_plans", {})
+    plan_cache.clear()  # (the runtime's one plan cache)
     f16 = np.dtype(np.float16)
 
     def call(ptr0: int, **kw: Any) -> None:

@@ -79,22 +79,82 @@ def test_unknown_hook_is_refused() -> None:
         _hooks.install(nope=lambda: None)
 
 
-KERNEL_FILES = sorted(p.name for p in (ROOT / "kernels").glob("*.py"))
+KERNEL_FILES = sorted(str(p.relative_to(ROOT / "kernels")) for p in (ROOT / "kernels").rglob("*.py"))
+KERNEL_FAMILIES = sorted(p.parent.name for p in (ROOT / "kernels").glob("*/__init__.py")
+                         if p.parent.name != "runtime")
+# The core modules kernels may name besides deviceops.extend: the environment-knob table.
+KERNEL_CORE_ALLOWED = {"deviceops._env"}
 
 
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_kernels_reach_the_core_through_the_extension_interface(name: str) -> None:
     """``deviceops.kernels`` imports the core only through ``deviceops.extend`` (and the
-    public ``deviceops`` names), never a private core module."""
+    public ``deviceops`` names, and ``deviceops._env``, the knob table), never another private
+    core module."""
     tree = ast.parse((ROOT / "kernels" / name).read_text())
     absolute = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
     bad = [f"line {n.lineno}: {n.module}" for n in absolute
-           if (n.module or "").startswith("deviceops._")]
+           if (n.module or "").startswith("deviceops._") and n.module not in KERNEL_CORE_ALLOWED]
     bad += [f"line {n.lineno}: from deviceops import {a.name}" for n in absolute
-            if n.module == "deviceops" for a in n.names if a.name.startswith("_")]
+            if n.module == "deviceops" for a in n.names
+            if a.name.startswith("_") and f"deviceops.{a.name}" not in KERNEL_CORE_ALLOWED]
     bad += [f"line {n.lineno}: import {a.name}" for n in ast.walk(tree) if isinstance(n, ast.Import)
             for a in n.names if a.name.startswith("deviceops._")]
     assert not bad, f"kernels/{name} imports private core modules (use deviceops.extend): {bad}"
+
+
+def _kernel_imports(path: Path) -> list[tuple[int, str]]:
+    """The ``deviceops.kernels...`` modules a file under ``kernels/`` imports, absolute."""
+    pkg = ["deviceops", "kernels", *path.parent.relative_to(ROOT / "kernels").parts]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mods = [".".join([*base, node.module])] if node.module else [
+                    ".".join([*base, a.name]) for a in node.names]
+            else:
+                mods = [node.module or ""]
+            out += [(node.lineno, m) for m in mods]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    return [(ln, m) for ln, m in out if m.startswith("deviceops.kernels")]
+
+
+@pytest.mark.parametrize("family", [*KERNEL_FAMILIES, "runtime"])
+def test_kernel_families_import_only_the_runtime_and_themselves(family: str) -> None:
+    """The rule of ``kernels/``: a family (``gemm``, ``attention``, ``norms``, ...) imports
+    ``deviceops.kernels.runtime``, its own modules, and the core's extension interface
+    (``deviceops.extend``, the public ``deviceops`` names, ``deviceops._env``: checked above),
+    never another family; the runtime imports no family. What the families share (kernel
+    specs, the plan cache, the driver launcher, row-kernel geometry, shared checks, the cpu
+    backend's mode and activations) lives in the runtime for that reason."""
+    own = f"deviceops.kernels.{family}"
+    allowed = (own, "deviceops.kernels.runtime")
+    bad = []
+    for path in sorted((ROOT / "kernels" / family).rglob("*.py")):
+        for ln, mod in _kernel_imports(path):
+            if not (mod == own or mod.startswith(own + ".") or mod.startswith(allowed[1])):
+                bad.append(f"{path.relative_to(ROOT)}:{ln}: {mod}")
+    assert not bad, f"kernels/{family} imports outside its family and the runtime: {bad}"
+
+
+def test_kernel_families_have_the_same_parts() -> None:
+    """Every family names its parts alike: ``op.py``, and where the part exists ``_check.py``,
+    ``_plan.py``, ``_cuda.py``, ``_reference.py``, ``_cpu.py`` (no other module names), and its
+    CUDA sources sit in its own folder."""
+    parts = {"__init__.py", "op.py", "_check.py", "_plan.py", "_cuda.py", "_reference.py", "_cpu.py",
+             "_precompile.py"}
+    for family in KERNEL_FAMILIES:
+        names = {p.name for p in (ROOT / "kernels" / family).glob("*.py")}
+        assert "op.py" in names and names <= parts, (family, sorted(names - parts))
+        assert list((ROOT / "kernels" / family).glob("*.cu")), family
+
+
+def test_no_kernel_module_over_500_lines() -> None:
+    long = {n: c for n in KERNEL_FILES
+            if (c := len((ROOT / "kernels" / n).read_text().splitlines())) > 500}
+    assert not long, long
 
 
 def test_extension_interface_exports_what_it_lists() -> None:

@@ -36,9 +36,9 @@ TOL = 2e-5  # float32 forward vs the float64 reference, relative to the row's la
 
 def _modes() -> dict[str, Callable[[], Any]]:
     """The cpu backend's kernel paths: the float32 paths and the float64 references (where
-    the backend has both, ``kernels._cpu_fast``), each compared with the dense reference."""
+    the backend has both, ``kernels/*/_cpu.py``), each compared with the dense reference."""
     try:
-        from deviceops.kernels._cpu_fast import use_reference
+        from deviceops.kernels.runtime._cpu import use_reference
     except ImportError:
         return {"default": contextlib.nullcontext}
     return {"fast": lambda: use_reference(False), "reference": lambda: use_reference(True)}

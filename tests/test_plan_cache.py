@@ -1,4 +1,4 @@
-"""The kernel-check plan cache (kernels/_plan.py): hits, and no stale answer.
+"""The kernel plan cache (kernels/runtime/_plan.py): hits, keys, and no stale answer.
 
 A launcher's argument check runs once per (launcher statics, tensor signatures, alias
 pattern); these tests pin what must NOT be served from the cache.
@@ -11,7 +11,7 @@ import pytest
 
 import deviceops
 from deviceops import DTypeError, ShapeError, Tensor, api, kernels
-from deviceops.kernels import _plan
+from deviceops.kernels.runtime import _plan
 
 
 @pytest.fixture
@@ -98,3 +98,27 @@ def test_partition_tiling_cache_keeps_validating(s: deviceops.Stream) -> None:
     for bad, t in (((256.0,), z), ((True,), one), ((0,), z), ((256, 1), z)):
         with pytest.raises(ShapeError):
             t.partition(bad)
+
+
+def test_the_key_includes_the_device() -> None:
+    """One process drives several devices: the same launcher on tensors of the same
+    signature on ``cpu:0`` and ``cpu:1`` makes two plans, each keyed ``(device, op, statics,
+    signature)`` with its own device, and each device's call hits its own plan."""
+    devs = [deviceops.device("cpu:0"), deviceops.device("cpu:1")]
+    ts = []
+    for d in devs:
+        st = d.new_stream()
+        ts.append((st, api.ones((2, 16)).sync_on(st), api.ones((16,)).sync_on(st)))
+    _plan.clear()
+    for st, x, w in ts:
+        kernels.rms_norm(x, w, eps=1e-5).sync_on(st)
+    keys = [k for k, _ in _plan.entries()]
+    assert len(keys) == 2 and {k[0] for k in keys} == set(devs)
+    assert all(k[1] is keys[0][1] and k[2] == (1e-5,) for k in keys)  # same op, same statics
+    for st, x, w in ts:
+        kernels.rms_norm(x, w, eps=1e-5).sync_on(st)
+    assert _plan.stats() == {"hits": 2, "misses": 2, "entries": 2}
+    # a plan of one device never serves a call on the other: its output lives on its device
+    st1, x1, w1 = ts[1]
+    out = kernels.rms_norm(x1, w1, eps=1e-5).sync_on(st1)
+    assert out.device is devs[1]

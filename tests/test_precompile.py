@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import deviceops
-from deviceops.kernels._precompile import gemm_variants
+from deviceops.kernels.gemm._precompile import gemm_variants
 from deviceops.nn import _precompile as pc
 
 

@@ -13,7 +13,7 @@ import pytest
 import deviceops
 from deviceops import ShapeError, api, kernels
 from deviceops.extend import set_launch_recorder
-from deviceops.kernels import _fastlaunch, _plan, _replay
+from deviceops.kernels.runtime import _driver, _plan, _replay
 
 
 @pytest.fixture
@@ -52,9 +52,9 @@ def test_a_workspace_is_held_weakly_and_a_dead_one_makes_the_record_stale(
 
 def test_recorders_do_not_nest_and_are_reset_after_an_error() -> None:
     with pytest.raises(ValueError), _replay.recording():
-        assert _fastlaunch.recorder is not None
+        assert _driver.recorder is not None
         raise ValueError("body failed")
-    assert _fastlaunch.recorder is None
+    assert _driver.recorder is None
     prev = set_launch_recorder(None)
     assert prev is None
     with _replay.recording(), pytest.raises(RuntimeError, match="do not nest"), _replay.recording():
@@ -84,7 +84,7 @@ def test_one_spec_serving_two_launchers_names_the_one_called(s: deviceops.Stream
 
 
 def test_unhashable_static_still_works_uncached(s: deviceops.Stream) -> None:
-    from deviceops.kernels._norm_ops import _RMS_NORM
+    from deviceops.kernels.norms.op import _RMS_NORM
 
     x, w = api.ones((2, 4)).sync_on(s), api.ones((4,)).sync_on(s)
     out = _RMS_NORM.op((x, w, None), ([1e-6],)).sync_on(s)  # a list: not hashable
@@ -106,7 +106,7 @@ def _fake_launch_ex(monkeypatch: pytest.MonkeyPatch, results: list[int]) -> list
         calls.append((fptr, params))
         return results.pop(0)
 
-    monkeypatch.setattr(_fastlaunch, "_cu_launch_ex", fake)
+    monkeypatch.setattr(_driver, "_cu_launch_ex", fake)
     return calls
 
 
@@ -121,41 +121,41 @@ def test_pdl_launch_retries_once_on_the_kernels_device(monkeypatch: pytest.Monke
         setDevice=seen.append, getDevice=lambda: 0)))  # fmt: skip
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     calls = _fake_launch_ex(monkeypatch, [201, 0])
-    cfg = _fastlaunch._pdl_config((2, 1, 1), (128, 1, 1), 0, 4096)
+    cfg = _driver._pdl_config((2, 1, 1), (128, 1, 1), 0, 4096)
     assert cfg[0].shared_mem == 4096 and cfg[0].grid_x == 2
-    _fastlaunch._launch_ex(_FakeKernelFn(), cfg, 99)  # type: ignore[arg-type]
+    _driver._launch_ex(_FakeKernelFn(), cfg, 99)  # type: ignore[arg-type]
     assert calls == [(1234, 99), (1234, 99)] and seen == [3, 0]
 
 
 def test_pdl_launch_failure_names_kernel_device_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_launch_ex(monkeypatch, [700])
-    cfg = _fastlaunch._pdl_config((1, 1, 1), (32, 1, 1), 0)
+    cfg = _driver._pdl_config((1, 1, 1), (32, 1, 1), 0)
     with pytest.raises(deviceops.DriverError, match=r"fake_kernel.*cuda:3.*CUresult 700.*DEVICEOPS_PDL=0"):
-        _fastlaunch._launch_ex(_FakeKernelFn(), cfg, 5)  # type: ignore[arg-type]
+        _driver._launch_ex(_FakeKernelFn(), cfg, 5)  # type: ignore[arg-type]
 
 
 def test_pdl_configs_are_cached_per_shared_memory_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two launches that differ only in dynamic shared memory get two launch configs."""
     _fake_launch_ex(monkeypatch, [0, 0])
-    monkeypatch.setattr(_fastlaunch, "_configs", {})
+    monkeypatch.setattr(_driver, "_configs", {})
     entry = (77, None, None)
-    _fastlaunch.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 0, 0, entry)
-    _fastlaunch.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 65536, 0, entry)
-    sizes = sorted(cfg[0].shared_mem for cfg in _fastlaunch._configs.values())
+    _driver.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 0, 0, entry)
+    _driver.launch_packed_pdl(_FakeKernelFn(), (1, 1, 1), (32, 1, 1), 65536, 0, entry)
+    sizes = sorted(cfg[0].shared_mem for cfg in _driver._configs.values())
     assert sizes == [0, 65536]
 
 
 def test_launcher_for_follows_the_pdl_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_fastlaunch, "_pdl_devices", {5: False, 6: True})
-    assert _fastlaunch.launcher_for(5) is _fastlaunch.launch_plain
-    assert _fastlaunch.launcher_for(6) is _fastlaunch.launch_pdl
+    monkeypatch.setattr(_driver, "_pdl_devices", {5: False, 6: True})
+    assert _driver.launcher_for(5) is _driver.launch_plain
+    assert _driver.launcher_for(6) is _driver.launch_pdl
     seen: list[tuple[object, ...]] = []
 
     class Ln:
         def __call__(self, *a: object) -> None:
             seen.append(a)
 
-    _fastlaunch.launch_plain(Ln(), (1, 1, 1), (32, 1, 1), (1, 2), 9, 128)  # type: ignore[arg-type]
+    _driver.launch_plain(Ln(), (1, 1, 1), (32, 1, 1), (1, 2), 9, 128)  # type: ignore[arg-type]
     assert seen == [((1, 1, 1), (32, 1, 1), (1, 2), 9, 128)]
 
 
@@ -170,11 +170,11 @@ def test_plain_launch_retry_on_the_kernels_device_then_error(monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=types.SimpleNamespace(setDevice=seen.append, getDevice=lambda: 0))))  # fmt: skip
     launches: list[int] = []
-    monkeypatch.setattr(_fastlaunch, "_cu_launch", lambda fptr, *rest: launches.append(fptr))
+    monkeypatch.setattr(_driver, "_cu_launch", lambda fptr, *rest: launches.append(fptr))
     exc = RuntimeError("invalid context")
     exc.status = 201  # type: ignore[attr-defined]
-    _fastlaunch.retry_or_raise(_FakeKernelFn(), exc, (1, 1, 1), (32, 1, 1), 0, 0, 0)
+    _driver.retry_or_raise(_FakeKernelFn(), exc, (1, 1, 1), (32, 1, 1), 0, 0, 0)
     assert seen == [3, 0] and launches == [1234]
     other = RuntimeError("launch out of resources")
     with pytest.raises(deviceops.DriverError, match=r"fake_kernel.*cuda:3.*out of resources"):
-        _fastlaunch.retry_or_raise(_FakeKernelFn(), other, (1, 1, 1), (32, 1, 1), 0, 0, 0)
+        _driver.retry_or_raise(_FakeKernelFn(), other, (1, 1, 1), (32, 1, 1), 0, 0, 0)

@@ -19,7 +19,7 @@ import pytest
 
 import deviceops
 from deviceops import api, kernels
-from deviceops.kernels import _replay
+from deviceops.kernels.runtime import _replay
 
 pytestmark = pytest.mark.gpu
 
@@ -174,7 +174,7 @@ def test_replay_holds_no_user_tensor() -> None:
 
 
 def _attn_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    from deviceops.kernels._attention_reference import attention_reference
+    from deviceops.kernels.attention._reference import attention_reference
 
     return attention_reference(q, k, v).astype(np.float64)
 
@@ -223,16 +223,17 @@ def test_replay_is_per_stream_and_follows_workspace_growth() -> None:
 
 
 def test_no_replay_under_experiment_overrides() -> None:
-    """A record reflects the planners' choice: under kernels._experiment.overrides the op
+    """A record reflects the planners' choice: under kernels.runtime.overrides the op
     takes the full path (the forced configuration runs), and replays resume after."""
-    from deviceops.kernels._experiment import overrides
+    from deviceops.kernels.gemm import GemmOverride
+    from deviceops.kernels.runtime import overrides
 
     s = deviceops.device(0).new_stream()
     a, b = api.ones((128, 256), F16).sync_on(s), api.ones((256, 512), F16).sync_on(s)
     o = api.empty((128, 512), F16).sync_on(s)
     kernels.gemm(a, b, o).sync_on(s)
     n0 = _replay.stats()["replayed"]
-    with overrides(gemm_path="sm80:1"):
+    with overrides(GemmOverride(path="sm80", splits=1)):
         kernels.gemm(a, b, o).sync_on(s)
     assert _replay.stats()["replayed"] == n0
     kernels.gemm(a, b, o).sync_on(s)

@@ -228,11 +228,11 @@ def test_scheduling_policy_default_sizes() -> None:
 
 
 def _kv_writers() -> dict[str, object]:
-    from deviceops.kernels._rope_reference import rope_kv_write_reference
+    from deviceops.kernels.transformer._reference import rope_kv_write_reference
 
     out: dict[str, object] = {"reference": rope_kv_write_reference}
     try:
-        from deviceops.kernels._cpu_fast import rope_kv_write_cpu
+        from deviceops.kernels.transformer._cpu import rope_kv_write_cpu
     except ImportError:
         return out
     out["cpu"] = rope_kv_write_cpu
@@ -292,7 +292,7 @@ def test_kv_write_skips_positions_outside_the_cache(writer: str) -> None:
 def test_rope_host_paths_match_an_independent_formula() -> None:
     import numpy as np
 
-    from deviceops.kernels._rope_reference import rope_reference
+    from deviceops.kernels.transformer._reference import rope_reference
 
     from . import nn_tiny
 
@@ -301,7 +301,7 @@ def test_rope_host_paths_match_an_independent_formula() -> None:
     start = np.array([0, 5], np.int64)
     fns: dict[str, Any] = {"reference": lambda a, s, th: rope_reference(a, s, th)}
     try:
-        from deviceops.kernels._cpu_fast import rope_cpu
+        from deviceops.kernels.transformer._cpu import rope_cpu
     except ImportError:
         pass
     else:
@@ -414,7 +414,7 @@ def test_attention_reference_clamps_lengths_and_checks_blocks() -> None:
     outside the pool raises ``IndexError``, and malformed shapes raise ``ShapeError``."""
     import numpy as np
 
-    from deviceops.kernels._attention_reference import attention_reference
+    from deviceops.kernels.attention._reference import attention_reference
 
     rng = np.random.default_rng(5)
     q = rng.standard_normal((2, 2, 1, 4))

@@ -19,8 +19,8 @@ import pytest
 import deviceops
 from deviceops import api, kernels
 from deviceops._errors import CaptureError, DTypeError, ShapeError
-from deviceops.kernels._norms import norm_geometry
-from deviceops.kernels._sampling import uniform
+from deviceops.kernels.norms._cuda import norm_geometry
+from deviceops.kernels.sampling._reference import uniform
 
 from .conftest import to_np
 

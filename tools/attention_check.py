@@ -12,8 +12,9 @@ import traceback
 import cupy
 import torch
 
-from deviceops.kernels import _attention as attn
-from deviceops.kernels._experiment import KernelOverrides, set_overrides
+from deviceops.kernels import attention as attn
+from deviceops.kernels.attention import AttentionOverride
+from deviceops.kernels.runtime import overrides
 
 
 def ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -30,14 +31,15 @@ def ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torc
 
 
 def main() -> None:
-    variants = (
-        [tuple(v.split()) for v in " ".join(sys.argv[1:]).split("/")] if sys.argv[1:] else [()]
-    )
+    # sm_90 tile configs to check besides the planned one: "BN,NWG,NSTAGE" arguments
+    variants: list[tuple[int, int, int] | None] = [None] + [
+        tuple(int(x) for x in a.split(",")) for a in sys.argv[1:]]  # type: ignore[misc]
     shapes = [(1, 2, 2, 200, 300, 128, True), (1, 2, 1, 129, 129, 64, False), (1, 2, 2, 130, 90, 256, True),
               (1, 2, 2, 100, 100, 96, False), (2, 4, 2, 1000, 1000, 128, True)]  # fmt: skip
     s = cupy.cuda.Stream(non_blocking=True)
     for var in variants:
-        set_overrides(KernelOverrides(attention_sm90_defines=var))
+        ctx = overrides(AttentionOverride(sm90_config=var))
+        ctx.__enter__()
         for b, hq, hkv, lq, lk, d, causal in shapes:
             for tdt in (torch.float16, torch.bfloat16):
                 q = torch.randn(b, hq, lq, d, device="cuda", dtype=tdt)

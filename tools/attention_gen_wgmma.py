@@ -1,4 +1,4 @@
-"""Generate ``kernels/src/attn_wgmma.cuh``: inline-PTX ``wgmma`` wrappers for flash attention.
+"""Generate ``kernels/gemm/attn_wgmma.cuh``: inline-PTX ``wgmma`` wrappers for flash attention.
 
 Run from the repository root: ``python tools/attention_gen_wgmma.py``. The output is
 committed; regenerate it only when the set of shapes changes.
@@ -59,6 +59,6 @@ def generate() -> str:
 
 
 if __name__ == "__main__":
-    out = Path(__file__).resolve().parent.parent / "kernels" / "src" / "attn_wgmma.cuh"
+    out = Path(__file__).resolve().parent.parent / "kernels" / "attention" / "attn_wgmma.cuh"
     out.write_text(generate())
     print(f"wrote {out}")

@@ -13,8 +13,9 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from deviceops.kernels import _attention as attn
-from deviceops.kernels._experiment import overrides
+from deviceops.kernels import attention as attn
+from deviceops.kernels.attention import AttentionOverride
+from deviceops.kernels.runtime import overrides
 
 CASES = [
     # (b, hq, hkv, lq, lk, d, causal, dtype, mode)   mode: sm90 | split | nosplit | fallback
@@ -48,7 +49,7 @@ def main() -> int:
         if mode == "split":
             ws = cp.empty(attn.attention_workspace_nbytes(q.shape, k.shape, dt), dtype=cp.uint8)
         cp.cuda.Device().synchronize()  # poison fill ran on the null stream
-        with overrides(attention_path="splitkv" if mode == "fallback" else None):
+        with overrides(AttentionOverride(path="splitkv" if mode == "fallback" else None)):
             attn.flash_attention_cuda(dq, dk, dv, out, causal=causal, workspace=ws, stream=stream)
         stream.synchronize()
         o = cp.asnumpy(out).astype(np.float64)

@@ -1,4 +1,4 @@
-"""Generate ``kernels/src/gemm_wgmma.cuh``: wgmma.mma_async wrappers for the GEMM kernels.
+"""Generate ``kernels/gemm/gemm_wgmma.cuh``: wgmma.mma_async wrappers for the GEMM kernels.
 
 Run from the repository root: ``python tools/gemm_gen_wgmma.py``. The wrappers are
 ``SS`` (A and B from shared memory): A K-major (imm-trans-a = 0), B MN-major
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "kernels" / "src" / "gemm_wgmma.cuh"
+OUT = Path(__file__).resolve().parent.parent / "kernels" / "gemm" / "gemm_wgmma.cuh"
 
 
 def wrapper(n: int, ty: str, suffix: str) -> str:

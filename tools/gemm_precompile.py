@@ -25,13 +25,13 @@ Variant = tuple[str, str, tuple[str, ...], str]
 def variants() -> list[Variant]:
     """Every GEMM variant of an sm_90 GPU (the list lives in ``kernels/_precompile.py``, which
     ``python -m deviceops.precompile`` uses too)."""
-    from deviceops.kernels._precompile import gemm_variants
+    from deviceops.kernels.gemm._precompile import gemm_variants
 
     return gemm_variants(90)
 
 
 def _compile(v: Variant) -> tuple[str, float, str]:
-    from deviceops.kernels import _gemm_cuda
+    from deviceops.kernels.gemm import _cuda as _gemm_cuda
 
     t0 = time.perf_counter()
     try:

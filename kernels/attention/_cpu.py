@@ -1,0 +1,70 @@
+"""Flash attention on the ``cpu`` backend: float32, one batched product per row (see
+:mod:`..runtime._cpu`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..runtime._cpu import f32
+
+__all__ = ["attention_cpu"]
+
+def attention_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, *,
+                  causal: bool, scale: float | None, kv_len: np.ndarray | None,
+                  block_table: np.ndarray | None) -> None:
+    """:func:`._attention_reference.attention_reference` in float32, one batched matmul per
+    batch row (every head of a key/value head group at once). Shapes checked beforehand."""
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    sc = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    if block_table is None:
+        lk = k.shape[2]
+        lens = (np.full(b, lk, np.int64) if kv_len is None
+                else np.clip(kv_len.astype(np.int64), 0, lk))
+    else:
+        assert kv_len is not None
+        nb, _h, bs, _d = k.shape
+        lens = np.clip(kv_len.astype(np.int64), 0, block_table.shape[1] * bs)
+    for bi in range(b):
+        n = int(lens[bi])
+        if n == 0:
+            out[bi] = 0
+            continue
+        if block_table is None:
+            kk, vv = k[bi, :, :n], v[bi, :, :n]  # (Hkv, n, D)
+        else:
+            n_blk = -(-n // bs)
+            ids = block_table[bi, :n_blk].astype(np.int64)
+            bad = (ids < 0) | (ids >= nb)
+            if bad.any():
+                raise IndexError(
+                    f"flash_attention: block_table[{bi}] holds block {int(ids[bad][0])}, "
+                    f"outside the pool of {nb} blocks (kv_len[{bi}] = {n} reads its first "
+                    f"{n_blk} entries)")
+            kk = k[ids].transpose(1, 0, 2, 3).reshape(hkv, n_blk * bs, d)[:, :n]
+            vv = v[ids].transpose(1, 0, 2, 3).reshape(hkv, n_blk * bs, d)[:, :n]
+        qq = f32(q[bi]).reshape(hkv, g * lq, d)
+        s = np.matmul(qq, f32(kk).transpose(0, 2, 1))  # (Hkv, g*Lq, n)
+        s *= sc
+        if causal and lq > 1:  # (with Lq = 1 every valid key is visible)
+            hidden = np.arange(n)[None, :] > np.arange(lq)[:, None] + (n - lq)  # (Lq, n)
+            if hidden.any():
+                s.reshape(hkv, g, lq, n)[:, :, hidden] = -np.inf
+        m = s.max(axis=-1, keepdims=True)
+        finite = np.isfinite(m)
+        if not finite.all():  # a row with every key masked (or inf scores): as the reference
+            m[~finite] = 0.0
+        s -= m
+        np.exp(s, out=s)
+        denom = np.add.reduce(s, axis=-1, keepdims=True)
+        o = np.matmul(s, f32(vv))  # (Hkv, g*Lq, D)
+        pos = denom > 0
+        if pos.all():
+            o /= denom
+        else:
+            np.divide(o, denom, out=o, where=pos)
+            o[np.broadcast_to(~pos, o.shape)] = 0.0
+        out[bi] = o.reshape(hq, lq, d)

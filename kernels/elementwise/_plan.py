@@ -1,0 +1,67 @@
+"""The elementwise family's launch-plan memo: the last cuda launch of each of ``saxpy``,
+``add`` and ``mul``, reused by an identical next call.
+
+Keyed by the identity of its tensors (held weakly), its scalar and the output's tiling: a
+loop that repeats the same launch, the common case for tiny ops, skips validation,
+geometry and argument packing. Tensors never change their memory or layout, so identity is
+enough. A plan holds the device, pointers and the launcher, never a tensor or storage: the
+memo keeps nothing of the caller's alive, and a plan is used only on its own device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from deviceops.extend import Tensor, normalize_dtype
+
+
+# The last cuda launch of each kernel, keyed by the identity of its tensors
+# (held weakly) and its scalar. A loop that repeats the same launch -- the
+# common case for tiny ops -- skips validation, geometry and argument
+# packing: the plan is reused as is. Tensors never change their memory or
+# layout, so identity is enough. A plan holds pointers and the launcher, never a
+# tensor or storage: the memo keeps nothing of the caller's alive.
+class _EwPlan:
+    """The cuda launch of one elementwise op: launcher, geometry, packed-argument tuple
+    (an allocating op's: the arguments after the output pointer, and ``alloc`` = the
+    output's ``(shape, dtype)``)."""
+
+    __slots__ = ("alloc", "args", "block", "device", "entry", "grid", "ln", "spare")
+
+    def __init__(self, device: Any, ln: Any, grid: Any, block: Any, args: tuple[Any, ...],
+                 alloc: tuple[Any, Any] | None = None) -> None:
+        self.device, self.ln, self.grid, self.block = device, ln, grid, block
+        self.args, self.alloc = args, alloc
+        # an allocating op's spare-array key (deviceops.extend.take_spare)
+        self.spare = None if alloc is None else (alloc[0], id(normalize_dtype(alloc[1])))
+        # the launcher's packed-parameter entry for ``args`` (kept alive here; None if the
+        # launch was not packed by ``ln``, e.g. a PDL launch while capturing)
+        self.entry: tuple[Any, ...] | None = ln._cache.get(args) if alloc is None else None
+
+
+_memo: dict[str, tuple[Any, ...]] = {}
+
+
+def _remember(name: str, w: Tensor, x: Tensor, y: Tensor | None, a: float, plan: _EwPlan,
+              tile: tuple[int, ...] | None) -> None:
+    _memo[name] = (weakref.ref(w), weakref.ref(x), None if y is None else weakref.ref(y), a, plan,
+                   tile)
+
+
+# allocating add/mul: the last launch's inputs (weakly) and its plan less the output
+_alloc_memo: dict[str, tuple[Any, Any, _EwPlan]] = {}
+
+
+def _recall(name: str, w: Any, x: Any, y: Any, a: float,
+            tile: tuple[int, ...] | None = None) -> _EwPlan | None:
+    """The plan of the last launch of ``name`` if it had these tensors, scalar and tiling
+    (``tile``: the output Partition's tile shape, ``None`` for a plain Tensor)."""
+    m = _memo.get(name)
+    if m is None or m[3] != a or m[0]() is not w or m[1]() is not x or m[5] != tile:
+        return None
+    yr = m[2]
+    if (yr() if yr is not None else None) is not y:
+        return None
+    return m[4]
+

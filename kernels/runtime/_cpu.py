@@ -1,0 +1,186 @@
+"""The ``cpu`` backend's kernel paths: float32 math on NumPy and its BLAS.
+
+The shared half of the ``cpu`` backend's kernel paths (each family's ``_cpu.py`` holds its own):
+the mode switch, float32 widening, the weight cache and :func:`act_np`.
+
+The CUDA kernels accumulate in float32; the ``cpu`` backend computes every kernel in float32
+too (float16/bfloat16 operands are widened to float32, the result rounded once to the output
+dtype), through NumPy, whose ``matmul`` runs the BLAS it ships with (on one thread or all of
+them, whichever measures faster while the cores are free: :class:`BlasThreads`; a GEMM of
+a few rows with a transposed weight runs as the weight times the rows, at GEMV speed). The
+float64 NumPy references (``gemm_reference``, ``attention_reference``, ...) stay what the
+tests compare every path with, the cpu paths included.
+
+| mode | what the ``cpu`` backend runs | chosen by |
+|---|---|---|
+| ``"fast"`` (default) | float32 compute, BLAS GEMMs, float32 weight copies cached | — |
+| ``"reference"`` | the float64 references, as written | ``DEVICEOPS_CPU_KERNELS=reference``, :func:`use_reference` |
+
+The mode is read when an op is enqueued (not when the worker runs it).
+
+A GEMM's ``b`` operand (a Linear weight) in float16/bfloat16 is widened to float32 once and
+the copy is kept (:class:`WeightCache`) for as long as that memory is not written again: the
+copy is keyed by the storage, the view and the storage's write count (``Storage.ver``, which
+the stream worker advances as each task writing the memory finishes), read when the GEMM's
+task runs, so it holds in graph replays too, and any write ordered before the GEMM (a
+``memcpy`` into the weight) makes it convert afresh. Copies are held weakly (they go with the
+storage) and bounded in bytes (``DEVICEOPS_CPU_WEIGHT_CACHE_MB``, default 1024; 0 disables
+the cache), least recently used first out. Writing into a cpu tensor's ``.array`` directly
+from the host bypasses the count: call :func:`clear_weight_cache` after doing that to a GEMM
+weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from deviceops import _env
+
+from ._cpu_blas import BlasThreads, blas
+
+__all__ = ["BlasThreads", "WeightCache", "act_np", "blas", "clear_weight_cache", "f32", "reference_mode",
+           "use_reference", "weight_cache"]
+
+_F32 = np.dtype(np.float32)
+
+
+def _env_mode() -> bool:
+    v = _env.get("DEVICEOPS_CPU_KERNELS").lower()
+    if v not in ("fast", "reference", ""):
+        raise ValueError(f"DEVICEOPS_CPU_KERNELS={v!r}: use 'fast' (the default) or 'reference'")
+    return v == "reference"
+
+
+_reference = _env_mode()
+
+
+def reference_mode() -> bool:
+    """True when the ``cpu`` backend runs the float64 references instead of the float32 paths."""
+    return _reference
+
+
+@contextlib.contextmanager
+def use_reference(on: bool = True) -> Iterator[None]:
+    """Within the block, ops enqueued on the ``cpu`` backend run the float64 references
+    (``on=True``) or the float32 paths (``on=False``); the previous mode comes back after.
+
+    Process-wide (not per thread): meant for tests and for bisecting a numerical difference.
+    """
+    global _reference
+    prev, _reference = _reference, bool(on)
+    try:
+        yield
+    finally:
+        _reference = prev
+
+
+def f32(x: np.ndarray) -> np.ndarray:
+    """``x`` as float32: ``x`` itself when it is float32, else a widened copy."""
+    return x if x.dtype == _F32 else x.astype(_F32)
+
+
+class WeightCache:
+    """Float32 copies of float16/bfloat16 GEMM weights, valid until their memory is written.
+
+    Args:
+        limit_bytes: the most bytes of copies kept (least recently used dropped first).
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = int(limit_bytes)
+        self.bytes = 0
+        self.hits = 0  # (diagnostics and tests)
+        self.misses = 0
+        self._lock = threading.Lock()
+        # key -> (storage ref, token, copy); key = (id(storage), data pointer, shape, strides)
+        self._entries: OrderedDict[tuple[Any, ...], tuple[Any, Any, np.ndarray]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, storage: Any, token: Any, array: np.ndarray) -> np.ndarray:
+        """The float32 copy of ``array`` (a view of ``storage`` last written at ``token``).
+
+        ``token`` is the storage's write count (``Storage.ver``) when the reading task runs;
+        ``False`` means "do not cache" (a copy is made and dropped), as does a ``storage`` of
+        ``None`` (gone).
+        """
+        if (storage is None or token is False or self.limit <= 0
+                or array.nbytes * 2 > self.limit):
+            return array.astype(_F32)
+        key = (id(storage), array.__array_interface__["data"][0], array.shape, array.strides)
+        with self._lock:
+            got = self._entries.get(key)
+            if got is not None and got[0]() is storage and got[1] == token:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return got[2]
+            self.misses += 1
+        copy = array.astype(_F32)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old[2].nbytes
+            ref = weakref.ref(storage, self._dropper(key))
+            self._entries[key] = (ref, token, copy)
+            self.bytes += copy.nbytes
+            while self.bytes > self.limit and self._entries:
+                _k, (_r, _t, arr) = self._entries.popitem(last=False)
+                self.bytes -= arr.nbytes
+        return copy
+
+    def _dropper(self, key: tuple[Any, ...]) -> Any:
+        def drop(_ref: Any) -> None:
+            self._drop(key)
+        return drop
+
+    def _drop(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            got = self._entries.get(key)
+            if got is not None and got[0]() is None:
+                del self._entries[key]
+                self.bytes -= got[2].nbytes
+
+    def clear(self) -> None:
+        """Drop every copy."""
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+
+def _limit_from_env() -> int:
+    raw = _env.get("DEVICEOPS_CPU_WEIGHT_CACHE_MB")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"DEVICEOPS_CPU_WEIGHT_CACHE_MB={raw!r} must be a number of MiB "
+                         "(0 disables the cache)") from None
+    return max(0, int(mb * 2**20))
+
+
+weight_cache = WeightCache(_limit_from_env())
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached float32 weight copy (after writing a weight through ``.array``)."""
+    weight_cache.clear()
+
+
+def act_np(v: np.ndarray, activation: str | None) -> np.ndarray:
+    """The activations every backend shares (GEMM epilogue, ``gelu``/``silu``): ``None``,
+    ``"relu"``, ``"gelu"`` (tanh approximation) or ``"silu"``, in ``v``'s dtype."""
+    if activation == "relu":
+        return np.maximum(v, 0.0)
+    if activation == "gelu":
+        return 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+    if activation == "silu":
+        return v * 0.5 * (1.0 + np.tanh(0.5 * v))  # = x * sigmoid(x), overflow-free
+    return v
