@@ -1,4 +1,4 @@
-"""Flash attention: argument checks, before anything is launched (semantics: :mod:`._attention`)."""
+"""Flash attention: argument checks, before anything is launched (semantics: :mod:`deviceops.kernels.attention`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ __all__ = ["attention_cpu"]
 def attention_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, *,
                   causal: bool, scale: float | None, kv_len: np.ndarray | None,
                   block_table: np.ndarray | None) -> None:
-    """:func:`._attention_reference.attention_reference` in float32, one batched matmul per
+    """:func:`._reference.attention_reference` in float32, one batched matmul per
     batch row (every head of a key/value head group at once). Shapes checked beforehand."""
     b, hq, lq, d = q.shape
     hkv = k.shape[1]

@@ -1,5 +1,5 @@
 """Flash attention: the float64 NumPy reference the ``cpu`` backend runs (semantics:
-:mod:`._attention`)."""
+:mod:`deviceops.kernels.attention`)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def attention_reference(
     """NumPy flash-attention forward (float64 math), returned in ``q.dtype``.
 
     The tests' oracle (the ``cpu`` backend runs it in the reference mode; its float32 path
-    is :func:`._cpu_fast.attention_cpu`). Semantics are in the module docstring
+    is :func:`._cpu.attention_cpu`). Semantics are in the module docstring
     (GQA, bottom-right causal mask, fully masked rows give zeros, ``kv_len``, paged KV).
 
     Args:

@@ -3,7 +3,7 @@
 Matching shapes, dtypes and devices (no broadcasting), C-contiguous operands, and ``saxpy``'s
 scalar (a real number the float32 computation can hold, within an integer ``z``'s range).
 They run before launch, and only on a call that is not the memoised repeat of the last
-launch (:mod:`._elementwise`).
+launch (:mod:`._plan`).
 """
 
 from __future__ import annotations

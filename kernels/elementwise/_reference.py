@@ -1,7 +1,7 @@
 """NumPy references of the activation family: ``softmax``, ``gelu``, ``silu``, ``swiglu``.
 
 Float64 math, cast once to the input dtype; ``gelu`` and ``silu`` use the GEMM epilogue's
-definitions (:func:`._gemm_reference._act_np`).
+definitions (:func:`..runtime._cpu.act_np`).
 """
 
 from __future__ import annotations

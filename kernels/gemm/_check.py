@@ -1,14 +1,14 @@
 """GEMM argument checks: dtypes, shapes, the epilogue's activation, operand layout.
 
-:func:`gemm_check` validates a call's shapes and dtypes (cached per argument tuple) and
+:func:`gemm_check` validates a call's shapes and dtypes (once per plan: the ``gemm`` op's plan
+cache entry, or a direct :func:`._cuda.gemm_cuda` call's launch plan) and
 returns the output's shape and dtype; :func:`_check_layout` refuses a non-contiguous operand.
 Errors name the op, the argument, the shapes or dtypes and the fix. The semantics are
-described in :mod:`._gemm`.
+described in :mod:`deviceops.kernels.gemm`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,6 @@ def _supported_dtypes() -> tuple[np.dtype[Any], ...]:
     return (np.dtype(np.float32), np.dtype(np.float16), _bf16())
 
 
-@functools.lru_cache(maxsize=4096)
 def gemm_check(
     a_shape: tuple[int, ...],
     a_dtype: Any,
@@ -46,8 +45,6 @@ def gemm_check(
     trans_b: bool = False,
 ) -> tuple[tuple[int, ...], np.dtype[Any]]:
     """Validate a GEMM's arguments; return ``(out_shape, out_dtype)``.
-
-    Cached per argument tuple (shapes as tuples: every argument must be hashable).
 
     Args:
         a_shape: ``(*batch, M, K)``.

@@ -34,7 +34,7 @@ def gemm_cpu(a: np.ndarray, b: np.ndarray, out: np.ndarray, *, bias: np.ndarray 
              b32: np.ndarray | None = None) -> None:
     """``out = act(alpha * a @ b + beta * out + bias)`` in float32 through BLAS.
 
-    Same semantics as :func:`._gemm_reference.gemm_reference` (which runs for ``tf32``).
+    Same semantics as :func:`._reference.gemm_reference` (which runs for ``tf32``).
 
     Args:
         a, b, out, bias: the operands (shapes as :func:`deviceops.kernels.gemm`).

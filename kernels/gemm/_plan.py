@@ -3,7 +3,7 @@
 :func:`plan_path` picks ``(path, config, splits, k-tiles per split)`` from the shapes, dtype and
 the device's capabilities (pure logic, tested on the cpu backend); :func:`gemm_workspace_nbytes`
 sizes the split-K partials for every path, from the shapes alone. The launch plans built on
-these live in :mod:`._gemm_cuda`.
+these live in :mod:`._cuda`; :class:`GemmOverride` pins a path or geometry instead.
 """
 
 from __future__ import annotations

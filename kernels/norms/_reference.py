@@ -1,7 +1,7 @@
 """NumPy references of the norm family: ``rms_norm``, ``layer_norm``, ``add_rms_norm``.
 
 Float64 math, cast once to the input dtype; tests compare the CUDA kernels and the ``cpu``
-backend's float32 paths (:mod:`._cpu_fast`) with them; the ``cpu`` backend runs these in the
+backend's float32 paths (:mod:`._cpu`) with them; the ``cpu`` backend runs these in the
 reference mode (``DEVICEOPS_CPU_KERNELS=reference``).
 """
 

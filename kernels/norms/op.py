@@ -1,10 +1,9 @@
 """Norm kernels as DeviceOps: RMS norm, layer norm, residual add fused with RMS norm.
 
-The ``cpu`` backend runs the float32 paths of :mod:`._cpu_fast` (the float64 references of
+The ``cpu`` backend runs the float32 paths of :mod:`._cpu` (the float64 references of
 :mod:`._norm_reference` in the reference mode; tests compare with them); on CUDA,
-``rms_norm`` and ``add_rms_norm`` run the one-block-per-row kernel of :mod:`._norms`
-(``src/transformer.cu``), ``layer_norm`` the row kernel of :mod:`._nn_cuda`
-(``src/nn_ops.cu``). Argument checks: :mod:`._nn_check`.
+``rms_norm`` and ``add_rms_norm`` run the one-block-per-row kernel of ``norms.cu``,
+``layer_norm`` its row kernel (:mod:`._cuda`). Argument checks: :mod:`._check`.
 
 | launcher                                             | computes (over the last dim)                      |
 |------------------------------------------------------|---------------------------------------------------|
@@ -92,7 +91,7 @@ def _rms_norm_parts(e: float) -> tuple[Check, Body]:
             def cpu() -> None:
                 rms_norm_cpu(xa, wa, e, oa)
 
-        # cuda: the one-block-per-row kernel shared with add_rms_norm (kernels/_norms.py)
+        # cuda: the one-block-per-row kernel shared with add_rms_norm (norms/_cuda.py)
         cuda = norm_cuda(ctx.device.index, oa, xa, wa, e) if not ctx.device.is_cpu else noop
         launch(ctx, name, (x, w), (o,), cpu, cuda)
 

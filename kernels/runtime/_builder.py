@@ -7,7 +7,7 @@ A launcher (``rms_norm``, ``gemm``, ...) describes its kernel with two functions
   the argument and the fix) and says what the output is;
 * ``body(ctx, tensors)``: launches, through :func:`deviceops.extend.launch`.
 
-:func:`build_op` turns them into a :class:`._launch.KernelOp` whose output argument is
+:func:`build_op` turns them into a :class:`._op.KernelOp` whose output argument is
 ``out`` (allocated when ``None``); :func:`multi_op` does the same for several outputs (or an
 output that defaults to an input); both are one implementation (:func:`_general_op`), which
 :class:`._spec.KernelSpec` also uses for Partition and DeviceOp arguments: those are checked

@@ -1,4 +1,4 @@
-"""The BLAS thread count of the cpu backend's GEMMs (:mod:`._cpu_fast`): one process-wide
+"""The BLAS thread count of the cpu backend's GEMMs (:mod:`._cpu`): one process-wide
 choice, OpenBLAS's, made once at import from the load average unless asked to adapt.
 
 ``DEVICEOPS_CPU_BLAS_THREADS`` (``auto``, ``0`` or a count) and ``DEVICEOPS_CPU_BLAS_ADAPT``

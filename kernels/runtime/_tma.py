@@ -6,7 +6,7 @@ the geometry's argument arrays built once, so a call with fresh pointers (an all
 an eager prefill) costs the driver call only. :class:`TmaLaunch` is the launch of a kernel
 whose first parameters are tensor maps passed by value (``gemm_sm90``, ``gemm_skinny_tma``):
 its ``kernelParams`` block is packed once per pointer set; on sm_90 it goes out with
-programmatic dependent launch (:mod:`._fastlaunch`).
+programmatic dependent launch (:mod:`._driver`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The per-stream kernel workspace: device scratch that kernel ops on one stream share.
 
 Some problem shapes run faster with a workspace: GEMM's split-K partial sums
-(:func:`._gemm.gemm_workspace_nbytes`), flash attention's split-KV decode
-(:func:`._attention.attention_workspace_nbytes`). Each stream keeps one workspace that
+(:func:`deviceops.kernels.gemm.gemm_workspace_nbytes`), flash attention's split-KV decode
+(:func:`deviceops.kernels.attention.attention_workspace_nbytes`). Each stream keeps one workspace that
 kernel ops share (work on one stream is ordered, so they never overlap); it grows, outside
 graph capture, to the largest size an op on that stream has needed. Memory cannot be
 allocated inside a capture, so an op captured on a stream whose workspace is too small
