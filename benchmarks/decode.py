@@ -91,7 +91,7 @@ def bench_decode(m: Any, batch: int, steps: int, graph: bool, rng: np.random.Gen
     for i in slots:
         m.set_sampling(i)
         m.prefill(i, prompts[i])
-    toks = m.read(m._tokens[:batch]).sync_on(s)
+    toks = m.read(m.runner.rows.tokens[:batch]).sync_on(s)
     last = [int(toks[i]) for i in slots]
     tokens = [[t] for t in last]  # every row's greedy tokens, checked against generate()
     pos = prompt_len
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from deviceops import nn
-    from deviceops.nn.loader import smollm2_path
+    from deviceops.nn.checkpoint import smollm2_path
 
     rng = np.random.default_rng(0)
     path = args.gguf or str(smollm2_path())

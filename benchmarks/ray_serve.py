@@ -201,7 +201,7 @@ def main() -> int:
     elif smoke:
         path = tiny_gguf(tmp.name)
     else:
-        from deviceops.nn.loader import smollm2_path
+        from deviceops.nn.checkpoint import smollm2_path
 
         path = str(smollm2_path())
     import gguf

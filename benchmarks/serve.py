@@ -401,8 +401,7 @@ def bench_http(path: str, reqs: list[Req], clients: int, max_batch: int, max_seq
 def kv_capacity(lm: Any, seq: int = 2048) -> dict[str, Any]:
     import cupy
 
-    from deviceops.nn._kvpool import kv_bytes_per_token, max_concurrent_sequences
-    from deviceops.nn.kv_cache import KVCache
+    from deviceops.nn.runner.paged_kv import KVCache, kv_bytes_per_token, max_concurrent_sequences
 
     c = lm.config
     per_tok = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 2)
@@ -514,9 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import deviceops
-    from deviceops.nn._engine import Engine
+    from deviceops.nn.checkpoint import smollm2_path
     from deviceops.nn.load import load_gguf
-    from deviceops.nn.loader import smollm2_path
+    from deviceops.nn.serving.engine import Engine
 
     if args.random_weights:
         args.no_transformers = args.no_http = True
@@ -551,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = Engine(lm, max_batch=max_batch, max_seq=lm.max_seq, max_queue=100_000)
     print(f"engine: graphs captured in {time.perf_counter() - t0:.1f} s "
-          f"({len(lm._graphs)} decode buckets, {len(lm._pf_graphs)} prefill lengths)", flush=True)
+          f"({len(lm.runner.decoder.graphs)} decode buckets, {len(lm.runner.prefiller.graphs)} prefill lengths)", flush=True)
     gc.collect()
     gc.freeze()
 

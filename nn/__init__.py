@@ -1,4 +1,4 @@
-"""deviceops.nn: Llama-architecture language models on deviceops kernels.
+"""deviceops.nn: causal language models on deviceops kernels, and serving them.
 
 Load a model, then generate (blocking), stream (asyncio/trio), or take prefill logits::
 
@@ -10,23 +10,52 @@ Load a model, then generate (blocking), stream (asyncio/trio), or take prefill l
     async for tok in model.stream(model.apply_chat_template([{"role": "user", "content": "Hi"}])):
         print(model.decode([tok]), end="")
 
-Modules: :mod:`.config` (LlamaConfig), :mod:`.loader` (GGUF / safetensors reading),
-:mod:`.tokenizer` (tokenizers + jinja2 chat templates), :mod:`.layers`,
-:mod:`.kv_cache`, :mod:`.model` (CausalLM and its step API), :mod:`.generation`,
-:mod:`.generate` (the ``python -m deviceops.nn.generate`` CLI).
+Layers, bottom to top (each imports only those below it and the public ``deviceops`` API):
+
+| where | what lives there |
+|---|---|
+| :mod:`.layers` | stateless wrappers turning weights and buffers into kernel ops |
+| :mod:`.models` | one module per architecture (config, weight names, forward as an op list) and the registry keyed by the checkpoint's architecture string; :class:`LlamaConfig` |
+| :mod:`.runner` | :class:`~.runner.Runner`: device buffers, the paged KV pool (:class:`KVCache`, :class:`BlockAllocator`), graphs per bucket, the step API |
+| :mod:`.tokenizer` | tokenizers, chat templates, the text side of a model |
+| :mod:`.checkpoint` | reading GGUF files and Hugging Face folders into host arrays |
+| :mod:`.model` | :class:`CausalLM`: the user's handle (config, weights, tokenizer, a runner) |
+| :mod:`.static_batch` | :func:`generate` / :func:`stream` of one fixed batch (``CausalLM.generate``) |
+| :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`random_model` |
+| :mod:`.serving` | :class:`Engine` (continuous batching), the HTTP app, routing over devices, Ray replicas, :func:`batch_generate` |
+| :mod:`.generate`, :mod:`.serve` | the ``python -m deviceops.nn.generate`` / ``.serve`` commands |
+
+The serving names (:class:`Engine`, :class:`RequestStream`, :class:`RayReplicas`,
+:func:`batch_generate`, the engine errors) are re-exported here lazily: ``import
+deviceops.nn`` does not import :mod:`.serving`.
 """
 
 from __future__ import annotations
 
-from ._engine import Engine, EngineClosed, EngineOverloaded, RequestStream
-from ._ray import RayMissing, RayReplicas, ReplicaSpec
-from ._ray_batch import batch_generate
-from ._requests import EngineFailed
-from .config import LlamaConfig
-from .generation import generate, stream
-from .kv_cache import BlockAllocator, KVCache
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .load import load_gguf, load_safetensors, random_model, random_weights, smollm2
-from .model import CausalLM, KVCacheFull
+from .model import CausalLM
+from .models import LlamaConfig
+from .runner import BlockAllocator, KVCache, KVCacheFull
+from .static_batch import generate, stream
+
+if TYPE_CHECKING:
+    from .serving import (
+        Engine,
+        EngineClosed,
+        EngineFailed,
+        EngineOverloaded,
+        RayMissing,
+        RayReplicas,
+        ReplicaSpec,
+        RequestStream,
+        batch_generate,
+    )
+
+_SERVING = ("Engine", "EngineClosed", "EngineFailed", "EngineOverloaded", "RayMissing",
+            "RayReplicas", "ReplicaSpec", "RequestStream", "batch_generate")
 
 __all__ = [
     "BlockAllocator",
@@ -51,3 +80,16 @@ __all__ = [
     "smollm2",
     "stream",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The serving names, imported from :mod:`.serving` on first use."""
+    if name in _SERVING:
+        value = getattr(importlib.import_module(".serving", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SERVING))

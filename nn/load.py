@@ -1,6 +1,8 @@
-"""Public constructors: :func:`load_gguf`, :func:`smollm2`, :func:`load_safetensors`, and
-:func:`random_model` (a model of a given shape with random weights, for tests and host-cost
-benchmarks that need no download)."""
+"""Public constructors of :class:`~deviceops.nn.CausalLM`: :func:`load_gguf`,
+:func:`smollm2`, :func:`load_safetensors` (files read by :mod:`.checkpoint`), and
+:func:`random_model` / :func:`random_weights` (a model of a given shape with random
+weights, for tests and host-cost benchmarks that need no download). Each picks the
+architecture from the checkpoint (or the config) through :mod:`deviceops.nn.models`."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import LlamaConfig
-from .loader import Checkpoint, expected_shapes, read_gguf, read_safetensors, smollm2_path
+from .checkpoint import Checkpoint, expected_shapes, read_gguf, read_safetensors, smollm2_path
 from .model import CausalLM, resolve_device
+from .models import LlamaConfig
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
 __all__ = ["load_gguf", "load_safetensors", "random_model", "random_weights", "smollm2"]
@@ -22,15 +24,22 @@ SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=
 
 
 def random_weights(config: LlamaConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
-    """float32 weights of every tensor ``config`` needs (Hugging Face names), random.
+    """float32 weights of every tensor ``config`` needs (its architecture's Hugging Face
+    names), random.
 
     Matrices are ``N(0, 1/fan_in)`` (activations keep their scale through 30 layers), the
-    embedding ``N(0, 1)``, norm weights ones: numerically tame, meaningless text.
+    embedding ``N(0, 1)``, biases ``N(0, 0.1)``, norm weights ones: numerically tame,
+    meaningless text.
+
+    Raises:
+        ValueError: ``config.architecture`` is not registered.
     """
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for name, shape in expected_shapes(config).items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            out[name] = rng.standard_normal(shape, np.float32) * np.float32(0.1)
+        elif len(shape) == 1:
             out[name] = np.ones(shape, np.float32)
         elif name.endswith("embed_tokens.weight"):
             out[name] = rng.standard_normal(shape, np.float32)
@@ -61,7 +70,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
               max_batch: int | None = None, max_seq: int | None = None, prefill_chunk: int = 512,
               progress: bool | None = None, kv_block_size: int = 16,
               kv_blocks: int | None = None) -> CausalLM:
-    """Load a Llama-architecture GGUF file (llama.cpp) as a :class:`CausalLM`.
+    """Load a GGUF file (llama.cpp) of a registered architecture as a :class:`CausalLM`.
 
     Tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants) are dequantized with
     the ``gguf`` package and converted to ``dtype``; the tokenizer and chat template
@@ -81,8 +90,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not GGUF, not Llama, an unsupported tensor type, mismatched shapes;
-            or ``device`` names no device.
+        ValueError: not GGUF, an architecture that is not registered (the message lists
+            those that are), an unsupported tensor type, mismatched shapes; or ``device``
+            names no device.
         DeviceError: ``device`` is a CUDA device that does not exist (before the file is
             read).
 
@@ -121,13 +131,13 @@ def load_safetensors(directory: str | os.PathLike[str], *, dtype: str | None = N
                      device: Any = None, max_batch: int | None = None, max_seq: int | None = None,
                      prefill_chunk: int = 512, progress: bool | None = None,
                      kv_block_size: int = 16, kv_blocks: int | None = None) -> CausalLM:
-    """Load a Hugging Face Llama folder (``config.json``, ``*.safetensors``, ``tokenizer.json``,
+    """Load a Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``,
     optionally ``tokenizer_config.json`` with the chat template). Arguments as :func:`load_gguf`.
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
-        ValueError: not a Llama config, an unsupported dtype, or mismatched shapes; or
-            ``device`` names no device.
+        ValueError: an architecture that is not registered, an unsupported dtype, or
+            mismatched shapes; or ``device`` names no device.
         DeviceError: ``device`` is a CUDA device that does not exist (before the read).
     """
     dev = resolve_device(device, "load_safetensors")  # a bad device fails before the read

@@ -11,6 +11,11 @@ byte-level split, as SmolLM2's own ``tokenizer.json``), ``gpt2`` / ``default``, 
 :class:`ChatTemplate` renders a Hugging Face chat template with jinja2 the way
 ``transformers`` does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
 ``tojson``), with ``add_generation_prompt=True`` by default.
+
+:class:`TextCodec` is the text side of a checkpoint (``encode``, ``decode``,
+``apply_chat_template`` over its tokenizer, config and template), shared by
+:class:`~deviceops.nn.CausalLM` and the serving front's tokenizer-only model of a Ray
+replica.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatTemplate", "tokenizer_from_file", "tokenizer_from_gguf"]
+__all__ = ["ChatTemplate", "TextCodec", "tokenizer_from_file", "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -126,3 +131,58 @@ class ChatTemplate:
             msgs.append(dict(m))
         return str(self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos, eos_token=self._eos, **extra))
+
+
+class TextCodec:
+    """Text to token ids and back, as the checkpoint's own tokenizer does.
+
+    A base of classes that have ``config`` (``bos_token_id``, ``eos_token_id``,
+    ``add_bos_token``) and ``tokenizer`` (a ``tokenizers.Tokenizer``); they call
+    :meth:`_init_chat_template` once both are set.
+
+    Attributes:
+        chat_template: the checkpoint's :class:`ChatTemplate`, or ``None``.
+    """
+
+    config: Any
+    tokenizer: Any
+    chat_template: ChatTemplate | None = None
+
+    def _init_chat_template(self, source: str | None) -> None:
+        self.chat_template = None
+        if source:
+            self.chat_template = ChatTemplate(
+                source, bos_token=self._token_text(self.config.bos_token_id),
+                eos_token=self._token_text(self.config.eos_token_id))
+
+    def _token_text(self, tid: int | None) -> str:
+        if tid is None:
+            return ""
+        t = self.tokenizer.id_to_token(int(tid))
+        return "" if t is None else str(t)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens such as ``<|im_start|>`` matched; no BOS for
+        models whose tokenizer adds none, like SmolLM2)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
+        if self.config.add_bos_token and self.config.bos_token_id is not None:
+            ids = [self.config.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``: special tokens kept, as the model's own tokenizer decodes, or with
+        ``skip_special_tokens=True`` left out (``<|im_end|>``, EOS: the text a user reads)."""
+        return str(self.tokenizer.decode([int(i) for i in ids],
+                                         skip_special_tokens=bool(skip_special_tokens)))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The prompt text of a conversation (the model's template, ``add_generation_prompt=True``).
+
+        Raises:
+            ValueError: the checkpoint has no chat template, or a message is malformed.
+        """
+        if self.chat_template is None:
+            raise ValueError("apply_chat_template: this checkpoint has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=True)

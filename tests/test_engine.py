@@ -14,14 +14,15 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from deviceops.nn._engine import (
+from deviceops.nn.runner.paged_kv import kv_bytes_per_token, max_concurrent_sequences
+from deviceops.nn.serving.engine import (
     Engine,
     EngineClosed,
     EngineOverloaded,
     SamplingParams,
     StepModel,
 )
-from deviceops.nn._kvpool import SlotPool, kv_bytes_per_token, max_concurrent_sequences
+from deviceops.nn.serving.slots import SlotPool
 
 pytestmark = [pytest.mark.timeout(60)]
 

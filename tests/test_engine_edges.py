@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from deviceops.nn._engine import Engine, SamplingParams
+from deviceops.nn.serving.engine import Engine, SamplingParams
 
 from .test_engine import Toy, _prompt
 

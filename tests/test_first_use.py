@@ -215,7 +215,7 @@ def test_timing_line_reports_tokens_per_second() -> None:
 
 
 def test_access_log_one_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
-    from deviceops.nn._access_log import SCOPE_KEY, AccessLog
+    from deviceops.nn.serving.access_log import SCOPE_KEY, AccessLog
 
     class Stream:
         tokens = (1, 2, 3)
@@ -244,7 +244,7 @@ def test_access_log_one_line_per_request(caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_listening_line_does_not_claim_ready() -> None:
-    from deviceops.nn._access_log import ListeningFilter
+    from deviceops.nn.serving.access_log import ListeningFilter
 
     rec = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1,
                             "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
@@ -260,8 +260,8 @@ def test_server_says_ready_only_once_loaded(caplog: pytest.LogCaptureFixture) ->
 
     from starlette.testclient import TestClient
 
-    from deviceops.nn._engine import Engine
-    from deviceops.nn._http import create_app
+    from deviceops.nn.serving.engine import Engine
+    from deviceops.nn.serving.http import create_app
 
     from .test_serve_http import ToyLM
 

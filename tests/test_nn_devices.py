@@ -109,11 +109,13 @@ def model_tensors(m: Any) -> list[tuple[str, Tensor]]:
             for i, x in enumerate(v):
                 add(f"{name}[{i}]", x)
 
-    for k, v in vars(m).items():
-        add(k, v)
-    for k, v in vars(m._arena).items():
-        add(f"arena.{k}", v)
-    w = m._weights
+    r = m.runner  # the runner and its parts hold the buffers
+    for part, obj in (("", r), ("kv.", r.kv), ("rows.", r.rows), ("prefiller.", r.prefiller),
+                      ("arena.", r.arena)):
+        for k, v in vars(obj).items():
+            add(part + k, v)
+    add("weights", m.weights.tensors)
+    w = m.weights
     add("embed", w.embed.table)
     add("lm_head", w.lm_head.weight)
     add("norm", w.norm.weight)
@@ -139,9 +141,10 @@ def test_every_tensor_lives_on_the_model_device(m1: Any) -> None:
     assert dev is not deviceops.device("cpu") and m1.device is dev
     assert m1.device_stream.device is dev and m1.policy.device is dev
     ts = model_tensors(m1)
-    names = {n.split("[")[0].split(".")[0] for n, _ in ts}
-    assert {"embed", "lm_head", "layers", "cache", "arena", "_table", "_state", "_logits",
-            "_tokens", "_pf_i32", "_seed"} <= names
+    names = {n.split("[")[0] for n, _ in ts}
+    assert {"embed", "lm_head", "cache.k", "kv.table", "rows.state", "logits", "rows.tokens",
+            "prefiller.i32", "rows.seed"} <= names
+    assert {"layers", "arena"} <= {n.split("[")[0].split(".")[0] for n in names}
     assert len(ts) > 40
     wrong = [(n, str(t.device)) for n, t in ts if t.device is not dev]
     assert not wrong, f"tensors of the cpu:1 model live elsewhere: {wrong}"
@@ -221,8 +224,8 @@ def test_logits_on_cpu1(m0: Any, m1: Any, weights: dict[str, np.ndarray]) -> Non
 def test_graph_capture_and_replay_on_cpu1(weights: dict[str, np.ndarray]) -> None:
     m = tiny_model("cpu:1")
     n = m.capture_graphs(graph=True)
-    assert n == len(m._graphs) + len(m._pf_graphs) and set(m._graphs) == {1, 2, 4}
-    graphs = [*m._graphs.values(), *m._pf_graphs.values()]
+    assert n == len(m.runner.decoder.graphs) + len(m.runner.prefiller.graphs) and set(m.runner.decoder.graphs) == {1, 2, 4}
+    graphs = [*m.runner.decoder.graphs.values(), *m.runner.prefiller.graphs.values()]
     assert all(g is not None and g.stream is m.device_stream for g in graphs)
     launches = sum(g.launches for g in graphs)
     p = PROMPTS[1]
@@ -379,7 +382,7 @@ def test_random_model_on_cuda1_equals_cuda0(two_gpus: None, weights: dict[str, n
 @pytest.mark.gpu
 def test_smollm2_on_device1_equals_device0(two_gpus: None) -> None:
     from deviceops import nn
-    from deviceops.nn.loader import smollm2_path
+    from deviceops.nn.checkpoint import smollm2_path
 
     try:
         smollm2_path()

@@ -37,7 +37,7 @@ N_TOKENS = 24
 
 
 def _weights_or_skip() -> None:
-    from deviceops.nn.loader import smollm2_path
+    from deviceops.nn.checkpoint import smollm2_path
 
     try:
         smollm2_path()
@@ -116,9 +116,9 @@ def forced_decode_logits(m: Any, ids: list[int], feed: list[int], graph: bool) -
     pos, out = len(ids), []
     try:
         for t in feed:
-            m._dirty = True  # upload the fed token (a continuing row feeds its own sample)
+            m.runner.rows.dirty = True  # upload the fed token (a continuing row feeds its own sample)
             m.read(m.decode_step([0], [t], [pos], graph=graph)).sync_on(s)
-            out.append(np.asarray(api.to_host(m._logits[0]).sync_on(s), np.float64))
+            out.append(np.asarray(api.to_host(m.runner.logits[0]).sync_on(s), np.float64))
             pos += 1
     finally:
         m.release(0)

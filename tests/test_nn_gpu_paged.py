@@ -64,7 +64,7 @@ def test_paged_cuda_matches_cpu_backend_float32() -> None:
         gm.release(1)
         cm.release(1)
     assert gm.capture_graphs() > 0  # decode buckets 1, 2, 4; prefill 16 .. 128
-    assert set(gm._pf_graphs) == {(n, f) for n in (16, 32, 64, 128) for f in (True, False)}
+    assert set(gm.runner.prefiller.graphs) == {(n, f) for n in (16, 32, 64, 128) for f in (True, False)}
     want = cm.generate(ps, 12)
     assert gm.generate(ps, 12, graph=True) == want
     assert gm.generate(ps, 12, graph=False) == want

@@ -10,7 +10,7 @@ import pytest
 
 import deviceops
 from deviceops import nn
-from deviceops.nn.config import LlamaConfig
+from deviceops.nn.models import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8)
@@ -37,4 +37,4 @@ def test_refused_prefill_capture_warns_and_runs_eagerly(monkeypatch: pytest.Monk
     with pytest.warns(RuntimeWarning, match="could not be captured"):
         got = _tokens(m, ids, graph=True)
     assert got == want
-    assert any(g is None for g in m._pf_graphs.values())
+    assert any(g is None for g in m.runner.prefiller.graphs.values())

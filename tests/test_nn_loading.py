@@ -16,7 +16,7 @@ from . import nn_tiny
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_types_dequantize_to_the_stored_weights(qtype: str, tmp_path: Path) -> None:
-    from deviceops.nn.loader import read_gguf
+    from deviceops.nn.checkpoint import read_gguf
 
     path = tmp_path / "m.gguf"
     w = nn_tiny.hf_weights(2)
@@ -45,7 +45,7 @@ def test_loaded_model_logits_match_reference(qtype: str, tmp_path: Path) -> None
 
 
 def test_untied_head_is_used(tmp_path: Path) -> None:
-    from deviceops.nn.loader import read_gguf
+    from deviceops.nn.checkpoint import read_gguf
 
     path = tmp_path / "m.gguf"
     w = nn_tiny.hf_weights(4, tied=False)
@@ -56,7 +56,7 @@ def test_untied_head_is_used(tmp_path: Path) -> None:
 
 
 def test_unpermute_inverts_llama_cpp_order() -> None:
-    from deviceops.nn.loader import unpermute_qk
+    from deviceops.nn.models.llama import unpermute_qk
 
     w = np.random.default_rng(0).standard_normal((48, 10)).astype(np.float32)
     for n in (1, 3, 6):
@@ -89,7 +89,7 @@ def test_gguf_errors(tmp_path: Path) -> None:
 def test_smollm2_without_the_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from deviceops.nn import loader
+    from deviceops.nn import checkpoint as loader
 
     monkeypatch.delenv("DEVICEOPS_SMOLLM2_GGUF", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -164,7 +164,7 @@ def test_load_safetensors_hf_layout(tmp_path: Path) -> None:
 def test_random_weights_and_model() -> None:
     """nn.random_weights covers every tensor a config needs, seeded; random_model runs."""
     from deviceops import nn
-    from deviceops.nn.loader import check_weights
+    from deviceops.nn.checkpoint import check_weights
 
     cfg = nn.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8)

@@ -56,7 +56,7 @@ def test_scattered_blocks_match_reference_graph_and_eager(paged: Any) -> None:
         assert m.generate(ps, 6, graph=False) == want
         assert m.blocks.in_use == 6  # rows released their blocks when done
         assert m.generate(ps, 6, graph=True) == want
-        g16 = set(m._pf_graphs)
+        g16 = set(m.runner.prefiller.graphs)
         assert g16 == {(16, True)}  # one prefill graph, all three rows
         assert m.blocks.in_use == 6
     finally:
@@ -70,8 +70,8 @@ def test_reserve_table_release_and_full_pool(paged: Any) -> None:
     assert m.reserve(1, 7)  # 3 blocks
     assert m.blocks_held(1) == 3 and m.reserve(1, 5) and m.blocks_held(1) == 3
     assert m.reserve(2, 40) and m.blocks_held(2) == 14
-    table = np.asarray(api.to_host(m._table).sync_on(s))
-    ids1, ids2 = m._row_blocks[1], m._row_blocks[2]
+    table = np.asarray(api.to_host(m.runner.kv.table).sync_on(s))
+    ids1, ids2 = m.runner.kv.row_blocks[1], m.runner.kv.row_blocks[2]
     assert table[1, :3].tolist() == ids1 and (table[1, 3:] == 0).all()
     assert table[2].tolist() == ids2 and not set(ids1) & set(ids2) and 0 not in ids1 + ids2
     free = m.blocks.free
@@ -79,7 +79,7 @@ def test_reserve_table_release_and_full_pool(paged: Any) -> None:
     assert not m.reserve(3, 40)  # 14 > 12 free: nothing taken
     assert m.blocks.free == free and m.blocks_held(3) == 0
     seq = s.seq
-    from deviceops.nn.model import KVCacheFull
+    from deviceops.nn import KVCacheFull
 
     with pytest.raises(KVCacheFull, match=r"prefill: row 3 needs 14 more KV blocks.*12 free of 29"):
         m.prefill(3, list(range(3, 43)))
@@ -179,7 +179,7 @@ def test_stream_stopped_early_and_failed_generate_give_blocks_back(paged: Any) -
     assert m.blocks.in_use == 0
     hog = m.blocks.acquire(m.blocks.free - 2)  # 2 blocks left: the second row cannot prefill
     assert hog is not None
-    from deviceops.nn.model import KVCacheFull
+    from deviceops.nn import KVCacheFull
 
     with pytest.raises(KVCacheFull):
         m.generate([p[:3], p], 2)
@@ -198,7 +198,7 @@ def test_paged_prefill_switch_equals_contiguous_first_chunk(paged: Any) -> None:
         m.contiguous_first_chunk = False
         assert m.generate(ps, 5, graph=False) == want
         assert m.generate(ps, 5, graph=True) == want
-        assert (16, False) in m._pf_graphs  # (chunks of 16)
+        assert (16, False) in m.runner.prefiller.graphs  # (chunks of 16)
     finally:
         m.contiguous_first_chunk = True
     assert m.generate(ps, 5, graph=True) == want and m.blocks.in_use == 0

@@ -30,7 +30,7 @@ def oracle() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def model() -> Any:
     from deviceops import nn
-    from deviceops.nn.loader import smollm2_path
+    from deviceops.nn.checkpoint import smollm2_path
 
     try:
         smollm2_path()
@@ -96,7 +96,7 @@ def test_decode_step_logits_match_oracle(model: Any, oracle: dict[str, Any]) -> 
                 assert tok == p["greedy"][step], f"{p['text'][:30]!r} step {step}"
                 if step not in steps:
                     continue
-                logits = np.asarray(api.to_host(model._logits[0]).sync_on(s), np.float64)
+                logits = np.asarray(api.to_host(model.runner.logits[0]).sync_on(s), np.float64)
                 ref = np.array(steps[step]["values"])
                 err = np.max(np.abs(logits[steps[step]["ids"]] - ref)) / np.max(np.abs(ref))
                 assert err <= 1e-4, f"{p['text'][:30]!r} decode step {step}: relative error {err:.2e}"

@@ -88,7 +88,7 @@ def test_graph_prefill_padded_chunks_equal_eager(tmp_path: Path) -> None:
         g = m.generate(prompts[:4], 3, graph=True, **kw)
         assert m.generate(prompts[:4], 3, graph=False, **kw) == g
     # one graph per padded length and chunk kind (at position 0 or later), shared by the rows
-    assert set(m._pf_graphs) == {(16, True), (32, True), (16, False)}
+    assert set(m.runner.prefiller.graphs) == {(16, True), (32, True), (16, False)}
     # 45 tokens: chunk 32 (graph) + 13 padded to 16 (positions 45..47 in the row's last block)
     assert m.generate(prompts[4], 3, graph=True) == ref_greedy(held, prompts[4], 3)
     s = m.device_stream
@@ -228,7 +228,7 @@ def test_sampling_distribution_chi_square(tiny: Any) -> None:
         for r in range(rows):
             m.set_sampling(r, temperature=t, top_k=k, top_p=p, seed=1000 + base + r)
             m.prefill(r, ids)
-        h = m.read(m._tokens[:rows]).sync_on(s)
+        h = m.read(m.runner.rows.tokens[:rows]).sync_on(s)
         for r in range(rows):
             counts[int(h[r])] = counts.get(int(h[r]), 0) + 1
     assert set(counts) <= set(support.tolist()), f"drew tokens outside the top-k/top-p set: {counts}"

@@ -70,7 +70,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 def _logits(m: Any, b: int) -> np.ndarray:
     s = m.device_stream
-    return np.asarray(api.to_host(m._logits[:b]).sync_on(s), np.float64)
+    return np.asarray(api.to_host(m.runner.logits[:b]).sync_on(s), np.float64)
 
 
 def _check(held: dict[str, np.ndarray], seq: list[int], got: np.ndarray, what: str) -> None:
@@ -138,10 +138,10 @@ def test_decode_logits_match_dense_reference_across_blocks(model: Any, graph: bo
         # row 1 finishes; its blocks go back and row 3 takes them (stale K/V inside)
         filler = m.blocks.acquire(m.blocks.free)  # the pool is full ...
         assert filler is not None
-        freed = list(m._row_blocks[1])
+        freed = list(m.runner.kv.row_blocks[1])
         rows.release(1)  # ... but for row 1's blocks
         rows.start(3, _tokens(2, 13, v))
-        assert m._row_blocks[3] and set(m._row_blocks[3]) <= set(freed)
+        assert m.runner.kv.row_blocks[3] and set(m.runner.kv.row_blocks[3]) <= set(freed)
         m.blocks.release(filler)
         for _ in range(8):  # rows 0, 2, 3 (a gap at row 1 in the bucket)
             rows.step([0, 2, 3])

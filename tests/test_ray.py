@@ -30,7 +30,8 @@ import pytest
 
 from deviceops import nn
 from deviceops.nn import serve
-from deviceops.nn._http import _Detok, create_app
+from deviceops.nn.serving.detokenize import Detokenizer as _Detok
+from deviceops.nn.serving.http import create_app
 
 from . import nn_tiny
 from .test_serve_http import sse_events
@@ -94,7 +95,7 @@ def pool(tiny_gguf: str) -> Iterator[Any]:
 
 def front(pool: Any) -> Any:
     """A ``serve --ray`` app over ``pool``'s actors (not killing them when it stops)."""
-    from deviceops.nn._ray_front import RayRouter, add_admin_routes
+    from deviceops.nn.serving.ray_front import RayRouter, add_admin_routes
 
     app = create_app(lambda: RayRouter.attach(pool), model_name="tiny")
     add_admin_routes(app, TOKEN)
@@ -158,7 +159,7 @@ async def until_idle(c: httpx.AsyncClient, names: list[str]) -> str:
 # -- results ------------------------------------------------------------------------------
 @needs_ray
 def test_replicas_generate_what_causallm_generates(pool: Any, lm: Any) -> None:
-    from deviceops.nn._ray_front import RayRouter
+    from deviceops.nn.serving.ray_front import RayRouter
 
     prompts = CANDIDATES[:6]
     greedy = lm.generate(prompts, 12)
@@ -247,7 +248,7 @@ def test_http_front_completions_streams_health_metrics(pool: Any, lm: Any) -> No
 
     asyncio.run(main())
     off = create_app(lambda: serve.load_engine("smollm2"), model_name="x")  # never loads
-    from deviceops.nn._ray_front import add_admin_routes
+    from deviceops.nn.serving.ray_front import add_admin_routes
 
     add_admin_routes(off, None)
 
@@ -351,8 +352,8 @@ def test_killed_replica_fails_its_requests_others_complete_and_it_rejoins(
 def test_batch_generate_in_order_and_redoes_a_dead_replicas_share(pool: Any, lm: Any) -> None:
     import ray
 
-    from deviceops.nn._ray_batch import abatch_generate
-    from deviceops.nn._ray_front import RayRouter
+    from deviceops.nn.serving.ray_batch import abatch_generate
+    from deviceops.nn.serving.ray_front import RayRouter
 
     prompts = [CANDIDATES[i % len(CANDIDATES)] + " " * (i // len(CANDIDATES))
                for i in range(40)]

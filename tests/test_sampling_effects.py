@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from deviceops.nn._engine import Engine, SamplingParams
+from deviceops.nn.serving.engine import Engine, SamplingParams
 
 from . import nn_tiny
 from .test_serve_http import ServerThread, sse_events
@@ -221,7 +221,7 @@ async def test_engine_equals_causal_lm_generate_with_sampling(tmp_path: Path) ->
 
 @pytest.fixture
 def server() -> Iterator[tuple[ServerThread, SampToy]]:
-    from deviceops.nn._http import create_app
+    from deviceops.nn.serving.http import create_app
 
     toy = SampToy(max_batch=4, max_seq=64)
     app = create_app(lambda: Engine(toy, max_batch=4, max_seq=64, max_queue=8), model_name="toy")
@@ -324,7 +324,7 @@ def test_http_response_details_stop_at_start_metrics_and_failures() -> None:
     """The completion's index, a stop string at the very start of the text, the TTFT metric,
     a prompt id below 0 refused by the request check, and a failed step: 500 (non-streamed)
     or an error event before ``[DONE]`` (streamed)."""
-    from deviceops.nn._http import create_app
+    from deviceops.nn.serving.http import create_app
 
     toy = _FailingDecode(max_batch=4, max_seq=64)
     app = create_app(lambda: Engine(toy, max_batch=4, max_seq=64, max_queue=8), model_name="toy")
@@ -358,7 +358,7 @@ def dec2(toy: SampToy) -> str:
 def test_http_engine_refusal_is_a_400() -> None:
     """A request the engine refuses after the body checks (here: more KV blocks than the
     pool holds) is a 400 naming the prompt, not a 500."""
-    from deviceops.nn._http import create_app
+    from deviceops.nn.serving.http import create_app
 
     class Paged(SampToy):
         kv_blocks_total = 2

@@ -24,10 +24,10 @@ import httpx
 import pytest
 
 import deviceops
-from deviceops.nn import serve
-from deviceops.nn._engine import Engine, EngineFailed
-from deviceops.nn._http import create_app
-from deviceops.nn._router import Replica, Router
+from deviceops.nn.serving import cli as serve
+from deviceops.nn.serving.engine import Engine, EngineFailed
+from deviceops.nn.serving.http import create_app
+from deviceops.nn.serving.router import Replica, Router
 
 from . import nn_tiny
 from .test_engine import Toy, _prompt
@@ -272,7 +272,7 @@ def test_a_device_that_fails_to_load_is_listed_and_the_rest_serve(tiny_gguf: str
 def _fail_decodes(engine: Engine, gate: anyio.Event | None = None) -> None:
     """Make ``engine``'s decode step raise a device error once ``gate`` is set (the decode's
     real work is enqueued and awaited first, as a device fault surfaces on the wait)."""
-    real = engine._submit_decode
+    real = engine.scheduler.submit_decode
 
     def submit(*args: Any) -> Callable[[], Any]:
         wait = real(*args)
@@ -286,7 +286,7 @@ def _fail_decodes(engine: Engine, gate: anyio.Event | None = None) -> None:
 
         return result
 
-    engine._submit_decode = submit
+    engine.scheduler.submit_decode = submit
 
 
 def test_failed_engine_503s_its_requests_and_the_other_serves(tiny_gguf: str) -> None:
@@ -391,7 +391,7 @@ def test_fail_stop_engine_ends_queued_and_running_requests() -> None:
         async def broken(*a: Any) -> list[int]:
             raise deviceops.LaunchError("injected launch failure", op="decode")
 
-        eng._submit_decode = lambda *a: (lambda: broken(*a))
+        eng.scheduler.submit_decode = lambda *a: (lambda: broken(*a))
         for s in (running, queued):
             with pytest.raises(EngineFailed) as info:
                 async for _ in s:
@@ -406,14 +406,14 @@ def test_fail_stop_engine_ends_queued_and_running_requests() -> None:
     # a launch error in one request's prefill is the device's: the engine fails
     toy2 = Toy(max_batch=2, max_seq=64)
     eng2 = Engine(toy2, max_batch=2, max_seq=64, fail_stop=True)
-    real_prefill = eng2._submit_prefill
+    real_prefill = eng2.scheduler.submit_prefill
 
     def bad_prefill(*a: Any, **kw: Any) -> Any:
         real_prefill(*a, **kw)
         raise deviceops.DriverError("injected driver error")
 
     async def main2() -> None:
-        eng2._submit_prefill = bad_prefill
+        eng2.scheduler.submit_prefill = bad_prefill
         with pytest.raises(EngineFailed):
             await eng2.generate(_prompt(5, 4), 3)
         assert isinstance(eng2.failure, EngineFailed)
@@ -430,7 +430,7 @@ def test_single_engine_step_failure_is_still_500_and_it_goes_on() -> None:
     async def main() -> None:
         async with serving(app) as c:
             eng = app.state.serve.engine
-            real = eng._submit_decode
+            real = eng.scheduler.submit_decode
             calls = 0
 
             def once(*a: Any) -> Any:
@@ -440,7 +440,7 @@ def test_single_engine_step_failure_is_still_500_and_it_goes_on() -> None:
                     raise RuntimeError("one bad step")
                 return real(*a)
 
-            eng._submit_decode = once
+            eng.scheduler.submit_decode = once
             r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
             assert r.status_code == 500 and "one bad step" in r.json()["error"]["message"]
             r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})

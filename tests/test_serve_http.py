@@ -20,8 +20,8 @@ import httpx
 import pytest
 import uvicorn
 
-from deviceops.nn._engine import Engine
-from deviceops.nn._http import create_app
+from deviceops.nn.serving.engine import Engine
+from deviceops.nn.serving.http import create_app
 
 from .test_engine import Toy
 

@@ -22,8 +22,8 @@ import anyio
 import httpx
 import pytest
 
-from deviceops.nn._engine import Engine
-from deviceops.nn._http import create_app
+from deviceops.nn.serving.engine import Engine
+from deviceops.nn.serving.http import create_app
 
 from .test_serve_http import BAD, ServerThread, sse_events
 
@@ -45,10 +45,7 @@ PROMPTS = [
 def _load() -> Any:
     from deviceops import nn
 
-    fn = getattr(nn, "smollm2", None)
-    if fn is None:  # before nn exports it
-        from deviceops.nn.load import smollm2 as fn
-    return fn(device="cpu", dtype="float32", max_batch=8, max_seq=128, progress=False)
+    return nn.smollm2(device="cpu", dtype="float32", max_batch=8, max_seq=128, progress=False)
 
 
 @pytest.fixture(scope="module")

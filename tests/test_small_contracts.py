@@ -11,8 +11,9 @@ import pytest
 
 import deviceops
 from deviceops import api
-from deviceops.nn._engine import Engine, EngineStats
-from deviceops.nn._kvpool import SlotPool, max_concurrent_sequences
+from deviceops.nn.runner.paged_kv import max_concurrent_sequences
+from deviceops.nn.serving.engine import Engine, EngineStats
+from deviceops.nn.serving.slots import SlotPool
 from deviceops.scheduling import MultiDeviceRoundRobin, StreamPoolRoundRobin
 
 from .conftest import to_np
@@ -83,7 +84,7 @@ def test_multi_device_policy_defaults() -> None:
 
 
 def test_kv_cache_geometry() -> None:
-    from deviceops.nn.kv_cache import BlockAllocator, KVCache
+    from deviceops.nn.runner.paged_kv import BlockAllocator, KVCache
 
     s = deviceops.device("cpu").new_stream()
     c = KVCache.allocate(s, layers=3, num_blocks=5, kv_heads=2, block_size=4, head_dim=8,
@@ -146,7 +147,7 @@ async def test_cancel_during_a_failing_step_reports_the_error() -> None:
                     await s1.__anext__()
             tg.start_soon(drive)
             await anyio.sleep(0.02)  # inside the step (the toy sleeps 0.05 s in it)
-            assert eng._stepping
+            assert eng.scheduler.stepping
             s1.cancel()
     assert s1.finish_reason == "error"
     assert eng.stats().slots_in_use == 0
@@ -178,7 +179,7 @@ def test_sampling_params_and_stats_are_frozen_values() -> None:
     both records are immutable values (hashable, compared by value)."""
     import dataclasses
 
-    from deviceops.nn._engine import SamplingParams
+    from deviceops.nn.serving.engine import SamplingParams
 
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.0, 0, 1.0, 0)
@@ -210,7 +211,7 @@ def test_pool_records_and_edges() -> None:
 
 
 def test_block_release_error_names_the_blocks() -> None:
-    from deviceops.nn.kv_cache import BlockAllocator
+    from deviceops.nn.runner.paged_kv import BlockAllocator
 
     a = BlockAllocator(5, 2)
     a.acquire(2)
@@ -335,7 +336,7 @@ async def test_cancel_in_a_step_frees_the_slot_when_the_step_ends() -> None:
                 got.append(await s2.__anext__())  # one decode step of both rows
             tg.start_soon(drive)
             await anyio.sleep(0.02)
-            assert eng._stepping
+            assert eng.scheduler.stepping
             s1.cancel()  # inside the step: the slot goes when the step ends
         assert got and s1.finish_reason == "cancelled"
         assert eng.stats().slots_in_use == 1 and len(toy.cache) == 1  # no further step ran

@@ -41,12 +41,12 @@ class DeviceStats:
 
     Attributes:
         device: the device's name, the ``device`` label (``"cuda:0"``, ``"cpu:1"``).
-        stats: the engine's :class:`~._requests.EngineStats`, or ``None`` when it never
+        stats: the engine's :class:`~.requests.EngineStats`, or ``None`` when it never
             loaded.
         up: the engine serves (not failed, not closed).
         pending_tokens: the engine's queued and running work in tokens (routing load).
         label: the label's name: ``"device"``, or ``"replica"`` for Ray replicas
-            (``serve --ray``, :mod:`._ray_front`).
+            (``serve --ray``, :mod:`.ray_front`).
     """
 
     device: str
@@ -136,7 +136,7 @@ class ServeMetrics:
     """The server's metrics; :meth:`render` gives the Prometheus text exposition.
 
     Args:
-        stats: returns the engine's :class:`~._requests.EngineStats`, or ``None`` while
+        stats: returns the engine's :class:`~.requests.EngineStats`, or ``None`` while
             the model is loading, or (one engine per device) a sequence of
             :class:`DeviceStats`, whose series get a ``device`` label.
     """

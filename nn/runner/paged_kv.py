@@ -1,4 +1,6 @@
-"""KVCache: the paged key/value cache of a decoder (a block pool) and its block allocator.
+"""The paged key/value cache: block pools (:class:`KVCache`), the free list of blocks
+(:class:`BlockAllocator`), the rows' block table (:class:`BlockTable`), and KV capacity
+arithmetic (:func:`kv_bytes_per_token`, :func:`max_concurrent_sequences`).
 
 Per layer, keys and values are one *block pool* ``(num_blocks, Hkv, block_size, D)``
 (flash attention's paged k/v layout), allocated once. A sequence in cache row (*slot*)
@@ -11,15 +13,31 @@ allocation. A sequence holds only the blocks its length needs.
 Block 0 is the *null block*: never handed out, it is what a table entry holds before its
 block is allocated (so every entry is a valid id; padding keys of a prefill graph past a
 row's blocks land there, harmlessly). :class:`BlockAllocator` hands out the others.
+
+Capacity: SmolLM2-135M in float16 needs 23,040 bytes per token (368,640 per 16-token
+block), 47.2 MB per 2,048-token sequence (128 blocks). On an H100 with 82.48 GB free after
+the CUDA context and weights, that is 1,747 concurrent 2,048-token sequences
+(``benchmarks/serve.py`` measured it and allocated a pool of 1,659). Paging does not
+change that count at full length; it lets shorter sequences hold only the blocks they
+use, so ``max_batch`` rows can share a pool smaller than ``max_batch * max_seq``
+positions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from deviceops import Stream, Tensor, api
 
-__all__ = ["BlockAllocator", "KVCache"]
+__all__ = ["BlockAllocator", "BlockTable", "KVCache", "KVCacheFull", "kv_bytes_per_token",
+           "max_concurrent_sequences"]
+
+
+class KVCacheFull(RuntimeError):
+    """The KV block pool has too few free blocks for what a row must write."""
 
 
 @dataclass
@@ -130,3 +148,79 @@ class BlockAllocator:
         self._held.difference_update(ids)
         self._free.extend(ids)
         self._free.sort(reverse=True)  # pop() hands out the lowest id
+
+
+class BlockTable:
+    """Which blocks each cache row holds: the device table ``(max_batch, max_blocks)`` int32
+    (0, the null block, past a row's blocks) and its host copy per row.
+
+    Args:
+        stream: the runner's stream (the table is allocated and updated on it).
+        max_batch: rows.
+        max_seq: positions per row (``max_blocks = ceil(max_seq / block_size)``).
+        allocator: the pool's free list.
+    """
+
+    def __init__(self, stream: Stream, max_batch: int, max_seq: int,
+                 allocator: BlockAllocator) -> None:
+        self.stream = stream
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_blocks = -(-max_seq // self.block_size)
+        self.table = api.zeros((max_batch, self.max_blocks), "int32").sync_on(stream)
+        self.row_blocks: list[list[int]] = [[] for _ in range(max_batch)]
+
+    def row(self, slot: int) -> np.ndarray:
+        """Row ``slot`` of the table as the host sees it (its blocks, then null blocks)."""
+        row = np.zeros(self.max_blocks, np.int32)
+        held = self.row_blocks[slot]
+        row[:len(held)] = held
+        return row
+
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        """Give row ``slot`` blocks for positions ``[0, n_tokens)`` (keeping those it holds)
+        and upload its table row; ``False``, taking nothing, when too few are free."""
+        held = self.row_blocks[slot]
+        need = self.allocator.blocks_for(int(n_tokens)) - len(held)
+        if need <= 0:
+            return True
+        ids = self.allocator.acquire(need)
+        if ids is None:
+            return False
+        held += ids
+        # the whole row: entries past the blocks held go back to the null block
+        api.memcpy(self.table[slot], api.from_host(self.row(slot))).async_on(self.stream)
+        return True
+
+    def grow(self, slot: int, n_tokens: int, what: str) -> None:
+        """:meth:`reserve`, raising :class:`KVCacheFull` (naming ``what``) when it cannot."""
+        if not self.reserve(slot, n_tokens):
+            a = self.allocator
+            need = a.blocks_for(n_tokens) - len(self.row_blocks[slot])
+            raise KVCacheFull(
+                f"{what}: row {slot} needs {need} more KV blocks for {n_tokens} positions, the "
+                f"pool has {a.free} free of {a.capacity} (release finished rows, or build the "
+                "model with a larger kv_blocks)")
+
+    def release(self, slot: int) -> None:
+        """Give row ``slot``'s blocks back to the pool (its table row is left as it is: an
+        idle row writes nothing, and the next :meth:`reserve` rewrites it)."""
+        held = self.row_blocks[slot]
+        if held:
+            self.allocator.release(held)
+            self.row_blocks[slot] = []
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV-cache bytes one position costs: K and V, every layer and KV head.
+
+    SmolLM2-135M in float16: ``2 * 30 * 3 * 64 * 2 = 23,040`` bytes per token.
+    """
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def max_concurrent_sequences(free_bytes: int, seq_len: int, bytes_per_token: int) -> int:
+    """How many ``seq_len``-token sequences fit in ``free_bytes`` of KV memory."""
+    if seq_len <= 0 or bytes_per_token <= 0:
+        raise ValueError("max_concurrent_sequences: seq_len and bytes_per_token must be positive")
+    return math.floor(free_bytes / (seq_len * bytes_per_token))

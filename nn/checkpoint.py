@@ -1,26 +1,25 @@
-"""Checkpoint loading: GGUF files (llama.cpp) and Hugging Face safetensors folders.
+"""Reading checkpoints from disk: GGUF files (llama.cpp) and Hugging Face safetensors folders.
 
-Both produce a :class:`Checkpoint`: the :class:`~deviceops.nn.config.LlamaConfig`, the
-weights as float32 NumPy arrays under Hugging Face names (``model.layers.0.self_attn.
-q_proj.weight`` ...), and what the tokenizer needs. :func:`deviceops.nn.load_gguf` and
-:func:`deviceops.nn.load_safetensors` (in :mod:`.model`) turn one into a
-:class:`~deviceops.nn.CausalLM`.
+Both produce a :class:`Checkpoint`: the config, the weights as float32 NumPy arrays under
+Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...), and what the
+tokenizer needs. :func:`deviceops.nn.load_gguf` and :func:`deviceops.nn.load_safetensors`
+(:mod:`.load`) turn one into a :class:`~deviceops.nn.CausalLM`.
 
-GGUF specifics handled here:
+The architecture comes from the file (GGUF ``general.architecture``; ``config.json``'s
+``architectures``, else its ``model_type``) through the registry of
+:mod:`deviceops.nn.models`; it gives the config, the weight names and shapes, the GGUF
+tensor names and their layout fix-ups (Llama: llama.cpp's q/k row permutation undone; no
+``output.weight`` means tied embeddings). Generic GGUF handling here:
 
 * tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants are
   dequantized with ``gguf.quants.dequantize`` (float32); others raise naming the type;
-* llama.cpp stores the rows of ``attn_q`` / ``attn_k`` permuted for its RoPE kernel
-  (pairs interleaved per head); they are put back in Hugging Face's "rotate half" order;
-* GGUF shapes are listed innermost first: a ``(out, in)`` matrix is ``[in, out]``;
-* no ``output.weight`` means tied embeddings (the LM head is ``token_embd``).
+* GGUF shapes are listed innermost first: a ``(out, in)`` matrix is ``[in, out]``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,21 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from .config import LlamaConfig
+from deviceops import _env
 
-__all__ = ["Checkpoint", "read_gguf", "read_safetensors", "smollm2_path"]
+from . import models
+from .models import LlamaConfig
 
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+__all__ = ["Checkpoint", "check_weights", "expected_shapes", "hf_config", "read_gguf",
+           "read_safetensors", "smollm2_path"]
+
 _SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -69,28 +61,9 @@ class Checkpoint:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The shape each Hugging Face weight name must have for ``cfg``."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (cfg.q_size, h),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, cfg.q_size),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    """The shape each Hugging Face weight name must have for ``cfg`` (its architecture's
+    ``weight_shapes``)."""
+    return models.get(cfg.architecture).weight_shapes(cfg)
 
 
 def check_weights(cfg: LlamaConfig, weights: Mapping[str, np.ndarray], source: str, op: str) -> None:
@@ -100,7 +73,7 @@ def check_weights(cfg: LlamaConfig, weights: Mapping[str, np.ndarray], source: s
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{op}: {source} lacks weights {missing[:3]}{more} that a {cfg.num_layers}-layer "
-                         "Llama needs")
+                         f"{cfg.architecture} model needs")
     for k, shape in want.items():
         got = tuple(weights[k].shape)
         if got != shape:
@@ -108,16 +81,6 @@ def check_weights(cfg: LlamaConfig, weights: Mapping[str, np.ndarray], source: s
                              f"(hidden {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}, "
                              f"head_dim {cfg.head_dim}, ffn {cfg.intermediate_size}, vocab "
                              f"{cfg.vocab_size}) needs {shape}")
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: back to Hugging Face's rotate-half order."""
-    rows, cols = w.shape
-    if rows % (2 * n_head):
-        raise ValueError(f"load_gguf: q/k weight of {rows} rows cannot hold {n_head} heads of "
-                         "an even head_dim")
-    return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2)
-                                .reshape(rows, cols))
 
 
 def _field_value(f: Any) -> Any:
@@ -134,7 +97,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None) -> Checkpoint:
-    """Read and dequantize a Llama GGUF file into a :class:`Checkpoint` (float32 weights).
+    """Read and dequantize a GGUF file into a :class:`Checkpoint` (float32 weights).
 
     Args:
         path: the ``.gguf`` file.
@@ -142,8 +105,8 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None) -> 
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a GGUF file, not a Llama model, an unsupported tensor type, or a
-            weight whose shape does not fit the metadata.
+        ValueError: not a GGUF file, an architecture that is not registered, an unsupported
+            tensor type, or a weight whose shape does not fit the metadata.
     """
     import gguf
 
@@ -161,15 +124,14 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None) -> 
         if k in reader.fields:
             tok_meta[k] = _field_value(reader.fields[k])
     tokens = tok_meta.get("tokenizer.ggml.tokens")
-    cfg = LlamaConfig.from_gguf_fields(meta, vocab_size=None if tokens is None else len(tokens))
-    names = {t.name for t in reader.tensors}
-    if "output.weight" in names:
-        cfg = _replace(cfg, tie_word_embeddings=False)
+    arch = models.get(str(meta.get("general.architecture", "")), what="load_gguf")
+    cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
+                                tensors={t.name for t in reader.tensors})
     show = progress if progress is not None else p.stat().st_size > 20_000_000
     weights: dict[str, np.ndarray] = {}
     with _progress(len(reader.tensors), f"loading {p.name}", show) as bar:
         for t in reader.tensors:
-            hf = _hf_name(t.name)
+            hf = arch.hf_name(t.name)
             tname = t.tensor_type.name
             if tname not in _SUPPORTED:
                 raise ValueError(f"load_gguf: tensor {t.name!r} has type {tname}, which deviceops.nn "
@@ -178,38 +140,12 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None) -> 
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             if hf is None:
                 bar.update(1)
-                continue  # e.g. rope_freqs: not needed (RoPE is computed)
-            if t.name.endswith("attn_q.weight"):
-                w = unpermute_qk(w, cfg.num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                w = unpermute_qk(w, cfg.num_kv_heads)
-            weights[hf] = np.ascontiguousarray(w)
+                continue  # a tensor the architecture does not use (Llama: rope_freqs)
+            weights[hf] = np.ascontiguousarray(arch.from_gguf(hf, w, cfg))
             bar.update(1)
     check_weights(cfg, weights, repr(str(p)), "load_gguf")
     return Checkpoint(cfg, weights, tokenizer_meta=tok_meta,
                       chat_template=tok_meta.get("tokenizer.chat_template"), source=str(p))
-
-
-def _replace(cfg: LlamaConfig, **kw: Any) -> LlamaConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
-
-
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-
-
-def _hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    m = _BLK.match(name)
-    if m and m.group(2) in _GGUF_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_NAMES[m.group(2)]}.weight"
-    return None
 
 
 def smollm2_path() -> Path:
@@ -222,7 +158,7 @@ def smollm2_path() -> Path:
     """
     import importlib.util
 
-    env = os.environ.get("DEVICEOPS_SMOLLM2_GGUF")
+    env = _env.get("DEVICEOPS_SMOLLM2_GGUF")
     if env:
         if not Path(env).is_file():
             raise FileNotFoundError(f"smollm2: DEVICEOPS_SMOLLM2_GGUF={env!r} is not a file")
@@ -269,12 +205,29 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, arr.astype(np.float32)
 
 
+def hf_config(cfg: Mapping[str, Any]) -> LlamaConfig:
+    """The config of a Hugging Face ``config.json`` dict, read by the architecture its
+    ``architectures`` (else its ``model_type``) names.
+
+    Raises:
+        ValueError: that architecture is not registered, or a required key is missing.
+    """
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        arch = models.get(archs[0], what="load_safetensors")
+    else:
+        arch = models.get(str(cfg.get("model_type", "")), what="load_safetensors",
+                          kind="model_type")
+    return arch.config_from_hf(cfg)
+
+
 def read_safetensors(directory: str | os.PathLike[str], *, progress: bool | None = None) -> Checkpoint:
-    """Read a Hugging Face Llama folder: ``config.json``, ``*.safetensors``, ``tokenizer.json``.
+    """Read a Hugging Face folder: ``config.json``, ``*.safetensors``, ``tokenizer.json``.
 
     Raises:
         FileNotFoundError: the folder or one of its files is missing.
-        ValueError: not a Llama config, an unsupported dtype, or mismatched shapes.
+        ValueError: an architecture that is not registered, an unsupported dtype, or
+            mismatched shapes.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -288,7 +241,7 @@ def read_safetensors(directory: str | os.PathLike[str], *, progress: bool | None
     tok_file = d / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"load_safetensors: {str(d)!r} has no tokenizer.json")
-    cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    cfg = hf_config(json.loads(cfg_file.read_text()))
     weights: dict[str, np.ndarray] = {}
     show = progress if progress is not None else sum(f.stat().st_size for f in files) > 20_000_000
     with _progress(len(files), f"loading {d.name}", bool(show)) as bar:

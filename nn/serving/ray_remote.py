@@ -1,14 +1,14 @@
 """An engine-shaped proxy of one Ray replica: :class:`RemoteEngine` and :class:`RemoteStream`.
 
-The HTTP layer (:mod:`._http`) and the batch driver (:mod:`._ray_batch`) use a replica
-actor (:mod:`._ray`) through a :class:`RemoteEngine`, which has the surface they use of an
+The HTTP layer (:mod:`.http`) and the batch driver (:mod:`.ray_batch`) use a replica
+actor (:mod:`.ray_replica`) through a :class:`RemoteEngine`, which has the surface they use of an
 :class:`~deviceops.nn.Engine`: ``stream`` (an async iterator of new token ids with
 ``cancel``, ``tokens``, ``finish_reason``), ``stats``, ``pending_tokens``, ``failure``,
 ``closed``, ``close``, ``max_seq``, ``steps.vocab_size``/``eos_ids`` and ``model`` (the
 tokenizer and chat template, rebuilt from the replica's; no weights).
 
 **How tokens come back.** The proxy subscribes to the replica's
-:meth:`~._ray._ReplicaServer.pump` (a Ray streaming generator) from the asyncio loop that
+:meth:`~.ray_replica._ReplicaServer.pump` (a Ray streaming generator) from the asyncio loop that
 first uses it, with a fresh subscriber name and epoch; each item carries the events of
 all its requests since the last one and the engine's stats. Requests are sent with a
 fire-and-forget ``submit`` call, cancellations batched into one ``cancel`` call per loop
@@ -44,9 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._args import check_max_new_tokens, check_sampling, check_stop
-from ._ray import FrontModel, import_ray
-from ._requests import EngineClosed, EngineFailed, EngineOverloaded, EngineStats
+from .._args import check_max_new_tokens, check_sampling, check_stop
+from .ray_cluster import FrontModel, import_ray
+from .requests import EngineClosed, EngineFailed, EngineOverloaded, EngineStats, TokenStream
 
 __all__ = ["RemoteEngine", "RemoteStream", "ReplicaFailed", "ReplicaLost", "summary"]
 
@@ -85,13 +85,15 @@ class _Req:
     done: bool = False
     waiter: asyncio.Future[None] | None = None  # a consumer waiting for tokens or the end
 
+    @property
+    def finished(self) -> bool:
+        return self.done
 
-class RemoteStream:
+
+class RemoteStream(TokenStream):
     """One request's new token ids from a replica (what ``Engine.stream`` returns there)."""
 
-    def __init__(self, engine: RemoteEngine, req: _Req) -> None:
-        self._engine = engine
-        self._req = req
+    _req: _Req
 
     @property
     def id(self) -> int:
@@ -104,49 +106,13 @@ class RemoteStream:
         return self._req.prompt_len
 
     @property
-    def tokens(self) -> list[int]:
-        """Tokens received so far."""
-        return list(self._req.out)
-
-    @property
     def finish_reason(self) -> str | None:
         """``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once finished."""
         return self._req.reason
 
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> int:
-        req = self._req
-        try:
-            while True:
-                if req.buf:
-                    return req.buf.popleft()
-                if req.done:
-                    if req.error is not None:
-                        raise req.error
-                    raise StopAsyncIteration
-                fut = req.waiter = asyncio.get_running_loop().create_future()
-                await fut
-        except (StopAsyncIteration, GeneratorExit):
-            raise
-        except BaseException:
-            self._engine._cancel(req)
-            raise
-
-    def cancel(self) -> None:
-        """Cancel the request (no-op once finished); the replica frees its slot."""
-        self._engine._cancel(self._req)
-
-    async def aclose(self) -> None:
-        """Same as :meth:`cancel`."""
-        self._engine._cancel(self._req)
-
-    async def __aenter__(self) -> RemoteStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._engine._cancel(self._req)
+    async def _wait(self) -> None:
+        fut = self._req.waiter = asyncio.get_running_loop().create_future()
+        await fut
 
 
 class _Steps:
@@ -162,9 +128,9 @@ class RemoteEngine:
 
     Args:
         actor: the replica's actor handle.
-        info: the replica's :meth:`~._ray._ReplicaServer.info`.
+        info: the replica's :meth:`~.ray_replica._ReplicaServer.info`.
         name: the replica's name (``"r0"``), used in messages.
-        model: a :class:`~._ray.FrontModel` to share (default: built from ``info``).
+        model: a :class:`~.ray_cluster.FrontModel` to share (default: built from ``info``).
 
     The proxy subscribes to the replica's pump on first use in a running loop (again,
     with a new epoch, when used from another loop), and after a failure rejoins the

@@ -12,7 +12,7 @@
 * :class:`ListeningFilter`: uvicorn logs "Uvicorn running on http://...", which reads as if
   the server could serve while the model is still loading (seconds; ``/health`` is 503 until
   then). The filter rewords it to "listening on http://...: loading the model"; the app logs
-  "ready: ..." once the model is loaded (:mod:`._http`).
+  "ready: ..." once the model is loaded (:mod:`.http`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,23 @@
-"""The forward pass as lazy thunks: the activation arena, the decoder-layer chain and
-the head (final norm and LM head), shared by the eager step, the decode graphs and the
-prefill paths of :class:`~.model.CausalLM`."""
+"""The runner's side of the forward pass: the activation arena, thunk chains, decode
+buckets and :func:`decoder_ops`, which lays an architecture's layer ops
+(:mod:`deviceops.nn.models`) over the arena and the KV cache. Shared by the eager steps, the
+decode graphs and the prefill paths of :class:`~.runner.Runner`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import deviceops
 from deviceops import DeviceOp, Tensor, api
 
-from .config import LlamaConfig
-from .kv_cache import KVCache
-from .layers import AttentionBuffers, Linear, RMSNorm, RotaryAttention, SwiGLU
+from ..layers import AttentionBuffers
+from ..models import Architecture, LayerIO, LlamaConfig, Weights
+from ..models.base import Thunk
+from .paged_kv import KVCache
 
-__all__ = ["Arena", "Layer", "buckets", "chain", "head", "layers_chain"]
-
-Thunk = Callable[[], DeviceOp[Any]]
+__all__ = ["Arena", "Thunk", "buckets", "chain", "decoder_ops"]
 
 
 def chain(thunks: Sequence[Callable[[], DeviceOp[Any]]]) -> DeviceOp[Any]:
@@ -40,16 +39,6 @@ def buckets(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     return [*out, max_batch]
-
-
-@dataclass
-class Layer:
-    """One decoder layer's modules."""
-
-    norm1: RMSNorm
-    attn: RotaryAttention
-    norm2: RMSNorm
-    mlp: SwiGLU
 
 
 class Arena:
@@ -112,34 +101,15 @@ class Arena:
 
 
 
-def _norm_thunk(norm: RMSNorm, x: Tensor | None, resid: Tensor, out: Tensor) -> Thunk:
-    if x is None:
-        return lambda: norm(resid, out)
-    return lambda: norm.add_norm(x, resid, out)
-
-
-def layers_chain(layers: Sequence[Layer], cache: KVCache, vw: dict[str, Any], table: Tensor,
-                 start: Tensor, kv_len: Tensor, first: bool = False) -> list[Thunk]:
-    """Thunks of every decoder layer over the views ``vw`` (input in ``vw['resid']``);
-    ``table``: the rows' block-table rows ``(B, max_blocks)``; ``first``: a prompt chunk
-    at position 0 (attention over its own contiguous keys, see ``RotaryAttention.ops``)."""
-    resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
+def decoder_ops(arch: Architecture, w: Weights, cache: KVCache, vw: dict[str, Any], table: Tensor,
+                start: Tensor, kv_len: Tensor, first: bool = False) -> list[Thunk]:
+    """Thunks of every decoder layer over the views ``vw`` (input: the embedded tokens in
+    ``vw['resid']``); ``table``: the rows' block-table rows ``(B, max_blocks)``; ``first``:
+    a prompt chunk at position 0 (attention over its own contiguous keys,
+    ``vw['fresh']``). The final norm is :meth:`~.models.Architecture.final_norm_ops`."""
     th: list[Thunk] = []
-    for i, ly in enumerate(layers):
-        if i == 0:
-            th.append(_norm_thunk(ly.norm1, None, resid, normed))
-        else:
-            th.append(_norm_thunk(ly.norm1, down, resid, normed))
+    for i, layer in enumerate(w.layers):
         kc, vc = cache.layer(i)
-        th += ly.attn.ops(normed, kc, vc, start, kv_len, vw["attn"], o, block_table=table,
-                          fresh_kv=vw["fresh"] if first else None)
-        th.append(_norm_thunk(ly.norm2, o, resid, normed))
-        th += ly.mlp.ops(normed, vw["gu"], vw["act"], down)
+        io = LayerIO(i, vw, kc, vc, table, start, kv_len, vw["fresh"] if first else None)
+        th += arch.layer_ops(layer, io)
     return th
-
-
-def head(norm: RMSNorm, lm_head: Linear, down: Tensor, resid: Tensor, normed: Tensor,
-         logits: Tensor) -> list[Thunk]:
-    """The final residual add + norm and the LM head into ``logits``."""
-    return [lambda: norm.add_norm(down, resid, normed),
-            lambda: lm_head(normed, logits)]

@@ -1,9 +1,9 @@
 """The front of Ray replicas: engine-shaped proxies, routing, failure, scaling, ``/admin``.
 
 ``python -m deviceops.nn.serve --ray [ADDRESS] --replicas N`` serves the same HTTP API as
-one engine (:mod:`._http`) with a :class:`RayRouter` over replicas that are Ray actors
-(:mod:`._ray`). The HTTP layer needs no change: each :class:`RayReplica`'s ``engine`` is a
-:class:`~._ray_remote.RemoteEngine`, a proxy with the surface the HTTP layer uses of an
+one engine (:mod:`.http`) with a :class:`RayRouter` over replicas that are Ray actors
+(:mod:`.ray_cluster`). The HTTP layer needs no change: each :class:`RayReplica`'s ``engine`` is a
+:class:`~.ray_remote.RemoteEngine`, a proxy with the surface the HTTP layer uses of an
 :class:`~deviceops.nn.Engine`. Everything here runs in the server's asyncio event loop
 (Ray's awaitables are asyncio's).
 
@@ -16,7 +16,7 @@ tried, 429 when all are full.
 
 **Failure.** When a replica's pump fails (the actor died: killed, its node lost, its
 process crashed, or its engine failed and it exited), the replica leaves routing at once;
-its in-flight requests end with :class:`~._ray_remote.ReplicaFailed` (an
+its in-flight requests end with :class:`~.ray_remote.ReplicaFailed` (an
 :class:`~deviceops.nn.EngineFailed`: 503 ``device_failed`` with ``Retry-After``, or an SSE
 error event then ``data: [DONE]`` for a stream under way); new requests go to the others.
 The proxy then waits for Ray to restart the actor (``max_restarts``) and rejoins it
@@ -49,10 +49,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ._metrics import DeviceStats
-from ._ray import FrontModel, RayReplicas, ReplicaSpec
-from ._ray_remote import RemoteEngine, summary
-from ._router import Replica, Router
+from .metrics import DeviceStats
+from .ray_cluster import FrontModel, RayReplicas, ReplicaSpec
+from .ray_remote import RemoteEngine, summary
+from .router import Replica, Router
 
 __all__ = ["RayReplica", "RayRouter", "add_admin_routes", "load_ray_router"]
 
@@ -116,7 +116,7 @@ class RayRouter(Router):
 
     Args:
         replicas: the replicas (:class:`RayReplica`).
-        pool: the :class:`~._ray.RayReplicas` that starts and kills actors (needed by
+        pool: the :class:`~.ray_cluster.RayReplicas` that starts and kills actors (needed by
             :meth:`add` and :meth:`remove`).
         owns: :meth:`close` kills the pool's actors (the server's own replicas).
     """
@@ -316,11 +316,11 @@ def load_ray_router(model: str = "smollm2", *, address: str | None = None,
         num_cpus, max_restarts: Ray's, per replica.
         ray_init: more ``ray.init`` arguments when this call connects.
     """
-    from .serve import _check_model
+    from .cli import _check_model
 
     _check_model(model)
     if device is None:
-        from ._ray import init_ray
+        from .ray_cluster import init_ray
 
         ray = init_ray(address, **(ray_init or {}))
         device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"

@@ -1,33 +1,19 @@
-"""KV memory accounting for the serving :class:`~deviceops.nn.Engine`: batch rows (slots).
+"""The serving engine's batch rows (*slots*): :class:`SlotPool`.
 
-The model's KV cache is **paged** (:mod:`.kv_cache`): per layer one block pool
-``(num_blocks, Hkv, block_size, D)`` and a block table ``(max_batch, max_blocks)`` in device
-memory; a running sequence holds one batch row of the table (a *slot*) and the blocks its
-length needs, handed out by the model's :class:`~.kv_cache.BlockAllocator`. The engine
-reserves a request's blocks at admission (``CausalLM.reserve``) and the model gives them
-back on ``release``; ``Engine.stats().kv_blocks_in_use`` is that allocator's real count.
-
-:class:`SlotPool` hands out the batch rows and keeps the logical occupancy of each (how
-many positions its sequence has written; ``blocks_in_use`` here rounds that up per slot,
-what a step model without paged memory reports).
-
-:func:`kv_bytes_per_token` and :func:`max_concurrent_sequences` compute how many
-sequences of a given length fit in a given amount of device memory. SmolLM2-135M in
-float16 needs 23,040 bytes per token (368,640 per 16-token block), 47.2 MB per 2,048-token
-sequence (128 blocks). Measured on the H100 (``benchmarks/serve.py``, 2026-11-23): 82.48 GB
-free after the CUDA context, weights and this run's other buffers -> 1,747 concurrent
-2,048-token sequences (1,779 counting the run's own pool), and a pool of 1,659 of them
-(78.3 GB) was allocated. Paging does not change that count at full length; it lets
-shorter sequences hold only the blocks they use, so ``max_batch`` rows can share a pool
-smaller than ``max_batch * max_seq`` positions.
+A running request holds one cache row of the model (a *slot*) and, with the paged cache
+(:mod:`deviceops.nn.runner.paged_kv`), the KV blocks its length needs, which the engine
+reserves at admission (``CausalLM.reserve``) and the model gives back on ``release``;
+``Engine.stats().kv_blocks_in_use`` is that allocator's real count. :class:`SlotPool` hands
+out the rows and keeps the logical occupancy of each (how many positions its sequence has
+written; ``blocks_in_use`` here rounds that up per slot, what a step model without paged
+memory reports).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-__all__ = ["SlotPool", "kv_bytes_per_token", "max_concurrent_sequences"]
+__all__ = ["SlotPool"]
 
 
 @dataclass(frozen=True)
@@ -115,17 +101,3 @@ class SlotPool:
         self._free.append(slot)
         self._free.sort(reverse=True)
 
-
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """KV-cache bytes one position costs: K and V, every layer and KV head.
-
-    SmolLM2-135M in float16: ``2 * 30 * 3 * 64 * 2 = 23,040`` bytes per token.
-    """
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
-
-
-def max_concurrent_sequences(free_bytes: int, seq_len: int, bytes_per_token: int) -> int:
-    """How many ``seq_len``-token sequences fit in ``free_bytes`` of KV memory."""
-    if seq_len <= 0 or bytes_per_token <= 0:
-        raise ValueError("max_concurrent_sequences: seq_len and bytes_per_token must be positive")
-    return math.floor(free_bytes / (seq_len * bytes_per_token))

@@ -1,6 +1,9 @@
-"""Generation on a :class:`~deviceops.nn.CausalLM`: ``generate`` (blocking) and ``stream`` (async).
+"""Static batches on one :class:`~deviceops.nn.CausalLM`: ``generate`` (blocking) and
+``stream`` (async), what ``CausalLM.generate`` / ``CausalLM.stream`` run.
 
-Both run the model's step API (see :mod:`.model`): every prompt of a batch is prefilled
+A static batch is fixed when it starts (the serving engine, :mod:`deviceops.nn.serving`,
+batches continuously instead). Both run the model's step API (see
+:mod:`deviceops.nn.runner.runner`): every prompt of a batch is prefilled
 into its own cache row (slot ``i`` for prompt ``i``), then all unfinished rows decode
 together, one token per step, through the decode graph of the smallest batch-size bucket
 that holds them. A row stops at EOS or a ``stop`` id (included in its result), after
@@ -43,7 +46,7 @@ def _one_prompt(model: CausalLM, p: Any, what: str) -> list[int]:
         raise TypeError(f"{what}: a prompt must be a str or a list of token ids, got {type(p).__name__}")
     if not ids:
         raise ValueError(f"{what}: a prompt encodes to no tokens; give at least one")
-    ids = model._check_ids(ids, what)
+    ids = model.runner.check_ids(ids, what)
     if len(ids) > model.max_seq:
         raise ValueError(f"{what}: a prompt of {len(ids)} tokens exceeds the model's max_seq="
                          f"{model.max_seq} (load it with a larger max_seq)")
@@ -84,7 +87,7 @@ class _Rows:
         for i, ids in enumerate(self.prompts):
             self.m.set_sampling(i, temperature=t, top_k=k, top_p=p, seed=sd)
             self.m.prefill(i, ids, 0, sample=True, graph=self.graph)
-        return self.m._tokens[: len(self.prompts)]
+        return self.m.runner.rows.tokens[: len(self.prompts)]
 
     def accept(self, host: np.ndarray, rows: Sequence[int]) -> list[tuple[int, int]]:
         """Record the tokens of ``rows`` read from the device; returns ``(row, token)`` pairs."""
@@ -132,13 +135,13 @@ class _Busy:
         self.m, self.what = model, what
 
     def __enter__(self) -> None:
-        if getattr(self.m, "_busy", False):
+        if self.m.runner.busy:
             raise RuntimeError(f"{self.what}: this model is already generating (one generate/stream "
                                "at a time per CausalLM; use deviceops.nn.Engine for concurrent requests)")
-        self.m._busy = True
+        self.m.runner.busy = True
 
     def __exit__(self, *exc: object) -> None:
-        self.m._busy = False
+        self.m.runner.busy = False
 
 
 def generate(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperature: float = 0.0,
@@ -202,7 +205,7 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
     # a stream of the default policy, which may live on another device
     on_model = model.policy
     with _Busy(model, what):
-        if not model.device.is_cpu and graph is not False and not model._graphs:
+        if not model.device.is_cpu and graph is not False and not model.runner.decoder.graphs:
             # the first capture compiles every kernel of a step (NVRTC, seconds on a fresh
             # machine): in a worker thread, so the event loop keeps running meanwhile
             import anyio.to_thread

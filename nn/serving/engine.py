@@ -3,7 +3,7 @@
 Requests join and leave the running batch at every decode step. One engine *step* does:
 
 1. **admit**: queued requests, in order, take a free batch row (*slot*,
-   :class:`~._kvpool.SlotPool`; at most ``max_batch`` running at once) and, with a paged
+   :class:`~.slots.SlotPool`; at most ``max_batch`` running at once) and, with a paged
    model (a step model with ``reserve``), the KV blocks of their whole budget,
    ``min(len(prompt) + max_new_tokens, max_seq)`` positions, **at admission**; a request
    whose blocks are not free waits at the head of the queue until finished requests give
@@ -23,7 +23,9 @@ then for the prompts' first tokens, so the device runs them back to back. The mo
 graphs (decode buckets, padded prefill lengths) are captured when the engine is built
 (the step model's ``warmup``), never inside a request's step.
 
-The step itself (admit, decode, prefill, deliver) is in :mod:`._engine_step`.
+The queue, the running batch and the step itself (admit, decode, prefill, deliver) are the
+engine's :class:`~.scheduler.Scheduler` (:attr:`Engine.scheduler`); the engine makes
+requests, decides who drives the next step, and wakes the consumers.
 
 There is no background task: whichever consumer is waiting for a token while no step is
 running *drives* the next step (and hands the role to another waiting consumer when it has
@@ -41,8 +43,8 @@ takes the engine out of service: every queued and running request ends with
 :class:`EngineFailed` (its ``__cause__`` the step's error), :attr:`Engine.failure` holds it
 and new requests are refused with it, so a router sends them to another device.
 
-The model side is the :class:`~._requests.StepModel` protocol (prefill a prompt chunk into a slot,
-decode a set of slots, release a slot); :func:`~._engine_model.step_model` adapts a
+The model side is the :class:`~.requests.StepModel` protocol (prefill a prompt chunk into a
+slot, decode a set of slots, release a slot); :func:`~.step_model.step_model` adapts a
 ``CausalLM`` to it. Cancellation (``aclose()``, a cancelled consumer task, a dropped
 stream) frees the request's slot at once, or at the end of the step in flight.
 """
@@ -53,17 +55,14 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from ._args import check_sampling, check_stop
-from ._engine_step import _Stepping
-from ._kvpool import SlotPool
-from ._requests import (
+from .._args import check_sampling, check_stop
+from .requests import (
     _DONE,
     _QUEUED,
     EngineClosed,
@@ -75,6 +74,7 @@ from ._requests import (
     StepModel,
     _Request,
 )
+from .scheduler import Scheduler
 
 __all__ = [
     "Engine",
@@ -89,26 +89,17 @@ __all__ = [
 log = logging.getLogger("deviceops.nn.engine")
 
 
-def _lazy(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Callable[[], Awaitable[Any]]]:
-    """A ``submit_*`` over a plain async step method: it runs when its result is awaited."""
-
-    def submit(*args: Any, **kw: Any) -> Callable[[], Awaitable[Any]]:
-        return lambda: fn(*args, **kw)
-
-    return submit
-
-
 def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(
         prompt[0], int
     )
 
 
-class Engine(_Stepping):
+class Engine:
     """Continuous-batching generation over one model's KV cache (module docstring).
 
     Args:
-        model: a ``CausalLM`` (adapted with :func:`~._engine_model.step_model`) or any
+        model: a ``CausalLM`` (adapted with :func:`~.step_model.step_model`) or any
             :class:`StepModel`.
         max_batch: running requests at most (KV slots); lowered to the model's cache rows.
         max_seq: context per request (prompt plus new tokens); lowered to the model's.
@@ -119,6 +110,11 @@ class Engine(_Stepping):
         fail_stop: a step that raises (a device error) takes the engine out of service
             instead of failing only that step's requests (module docstring, *Failure*);
             for engines behind a router that can send new requests elsewhere.
+
+    Attributes:
+        model, steps (the step model), scheduler (:class:`~.scheduler.Scheduler`: queue,
+        running batch, slots, step), pool (its :class:`~.slots.SlotPool`), max_batch,
+        max_seq, max_queue, prefill_chunk, fail_stop.
 
     Example:
         >>> engine = Engine(deviceops.nn.smollm2(), max_batch=8)
@@ -139,7 +135,7 @@ class Engine(_Stepping):
         if isinstance(model, StepModel):
             steps: StepModel = model
         else:
-            from ._engine_model import step_model
+            from .step_model import step_model
 
             steps = step_model(model, max_batch=max_batch, max_seq=max_seq)
         if max_batch <= 0 or max_seq <= 1 or prefill_chunk <= 0:
@@ -158,26 +154,21 @@ class Engine(_Stepping):
         self.prefill_chunk = int(prefill_chunk)
         self.fail_stop = bool(fail_stop)
         self._failure: EngineFailed | None = None
-        self._reserve = getattr(steps, "reserve", None)  # paged KV: blocks at admission
-        self._submit_decode: Callable[..., Callable[[], Awaitable[Any]]] = getattr(
-            steps, "submit_decode", None) or _lazy(steps.decode_step)
-        self._submit_prefill: Callable[..., Callable[[], Awaitable[Any]]] = getattr(
-            steps, "submit_prefill", None) or _lazy(steps.prefill)
-        block = int(getattr(steps, "kv_block_size", 16))
-        self.pool = SlotPool(self.max_batch, self.max_seq, block_size=block)
+        self.scheduler = Scheduler(steps, max_batch=self.max_batch, max_seq=self.max_seq,
+                                   prefill_chunk=self.prefill_chunk, fail_stop=self.fail_stop,
+                                   notify=self._notify, space_freed=self._space_freed,
+                                   fail=self._fail)
+        self.pool = self.scheduler.pool
+        self._queue = self.scheduler.queue
+        self._active = self.scheduler.active  # hold slots: prefill or decode, admission order
         warm = getattr(steps, "warmup", None)
         if warm is not None:  # graphs captured here, not inside a request's step
             warm()
         self._ids = itertools.count(1)
-        self._queue: deque[_Request] = deque()
-        self._active: list[_Request] = []  # hold slots: prefill or decode, admission order
         self._waiting: set[_Request] = set()  # consumers parked on their event
         self._space: list[anyio.Event] = []  # submitters waiting for queue space
         self._driving = False
-        self._stepping = False
         self._closed = False
-        self._steps = self._decode_rows = self._prefill_tokens = 0
-        self._generated = self._finished = self._cancelled = 0
 
     # -- public -------------------------------------------------------------------------
     def stream(
@@ -201,8 +192,8 @@ class Engine(_Stepping):
         """
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
         req.ignore_eos = bool(ignore_eos)
-        total = int(getattr(self.steps, "kv_blocks_total", 0)) if self._reserve else 0
-        if total and -(-self._budget(req) // self.pool.block_size) > total:
+        total = int(getattr(self.steps, "kv_blocks_total", 0)) if self.scheduler.reserve else 0
+        if total and -(-self.scheduler.budget(req) // self.pool.block_size) > total:
             raise ValueError(
                 f"Engine: prompt ({len(req.prompt)} tokens) plus max_new_tokens ({req.max_new}) "
                 f"needs more KV blocks than the pool's {total} of {self.pool.block_size} "
@@ -256,8 +247,9 @@ class Engine(_Stepping):
     def stats(self) -> EngineStats:
         """Queue, batch and KV occupancy now, and counters since construction."""
         u = self.pool.usage()
+        sc = self.scheduler
         blocks, total = u.blocks_in_use, 0
-        if self._reserve is not None:  # real block counts of the paged cache
+        if sc.reserve is not None:  # real block counts of the paged cache
             blocks = int(getattr(self.steps, "kv_blocks_in_use", blocks))
             total = int(getattr(self.steps, "kv_blocks_total", 0))
         return EngineStats(
@@ -267,12 +259,12 @@ class Engine(_Stepping):
             kv_tokens_in_use=u.tokens_in_use,
             kv_blocks_in_use=blocks,
             max_batch=self.max_batch,
-            steps=self._steps,
-            decode_rows=self._decode_rows,
-            prefill_tokens=self._prefill_tokens,
-            generated_tokens=self._generated,
-            finished=self._finished,
-            cancelled=self._cancelled,
+            steps=sc.steps_run,
+            decode_rows=sc.decode_rows,
+            prefill_tokens=sc.prefill_tokens,
+            generated_tokens=sc.generated,
+            finished=sc.finished,
+            cancelled=sc.cancelled,
             kv_blocks_total=total,
             pending_tokens=self.pending_tokens,
         )
@@ -329,13 +321,13 @@ class Engine(_Stepping):
             err = EngineFailed(str(self._failure))  # one per request: each is raised once
             err.__cause__ = exc
             try:
-                self._finish(req, "error", err)
+                self.scheduler.finish(req, "error", err)
             except Exception:  # releasing the slot failed too: the request still ends
                 log.exception("releasing request %d's slot after the engine failed", req.id)
                 if req in self._active:
                     self._active.remove(req)
                 req.state, req.finish_reason, req.error = _DONE, "error", err
-                self._finished += 1
+                self.scheduler.finished += 1
                 self._notify(req)
         for ev in self._space:
             ev.set()
@@ -374,7 +366,7 @@ class Engine(_Stepping):
             raise TypeError(f"Engine: max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"Engine: max_new_tokens must be >= 0, got {max_new_tokens}")
-        # every sampling argument checked, each error naming it (nn/_args.py)
+        # every sampling argument checked, each error naming it (deviceops.nn._args)
         t, k, p, sd = check_sampling(temperature, top_k, top_p, seed, "Engine")
         if k >= vocab:
             k = 0  # the whole vocabulary: off (and no int32 overflow on the device)
@@ -388,7 +380,7 @@ class Engine(_Stepping):
 
     def _enqueue(self, req: _Request) -> None:
         if req.max_new == 0:  # as CausalLM.generate: nothing to do
-            self._finish(req, "length")
+            self.scheduler.finish(req, "length")
             return
         self._queue.append(req)
         self._wake_driver()
@@ -400,27 +392,10 @@ class Engine(_Stepping):
         req.cancelled = True
         if req.state == _QUEUED:
             self._queue.remove(req)
-            self._finish(req, "cancelled")
+            self.scheduler.finish(req, "cancelled")
             self._space_freed()
-        elif not self._stepping:
-            self._finish(req, "cancelled")
-
-    def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
-        if req.state == _DONE:
-            return
-        if req.slot >= 0:
-            self.steps.release(req.slot)
-            self.pool.release(req.slot)
-            req.slot = -1
-            self._active.remove(req)
-        req.state = _DONE
-        req.finish_reason = reason
-        req.error = error
-        if reason == "cancelled":
-            self._cancelled += 1
-        else:
-            self._finished += 1
-        self._notify(req)
+        elif not self.scheduler.stepping:
+            self.scheduler.finish(req, "cancelled")
 
     async def _wait_space(self) -> None:
         """Wait until the queue may have room; drive a step if nobody else does."""
@@ -428,7 +403,7 @@ class Engine(_Stepping):
             self._driving = True
             try:
                 with anyio.CancelScope(shield=True):
-                    await self._step()
+                    await self.scheduler.step()
             finally:
                 self._driving = False
                 self._wake_driver()
@@ -483,7 +458,7 @@ class Engine(_Stepping):
         try:
             while not req.buf and not req.finished:
                 with anyio.CancelScope(shield=True):
-                    await self._step()
+                    await self.scheduler.step()
                 if not self._active and not self._queue:
                     break
                 await anyio.lowlevel.checkpoint_if_cancelled()

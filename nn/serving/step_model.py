@@ -1,4 +1,4 @@
-"""Adapts a ``CausalLM`` to the engine's :class:`~._requests.StepModel` protocol.
+"""Adapts a ``CausalLM`` to the engine's :class:`~.requests.StepModel` protocol.
 
 The model's step API (documented in :mod:`.model`) enqueues on ``model.device_stream``
 and returns token views without waiting; this adapter awaits the host copy of the
@@ -16,13 +16,13 @@ from typing import Any
 
 from deviceops.scheduling import SingleStream
 
-from ._requests import SamplingParams
+from .requests import SamplingParams
 
 __all__ = ["CausalLMSteps", "step_model"]
 
 
 class CausalLMSteps:
-    """:class:`~._requests.StepModel` over a ``CausalLM``'s cache rows (slots).
+    """:class:`~.requests.StepModel` over a ``CausalLM``'s cache rows (slots).
 
     Args:
         model: the ``CausalLM`` (its step API: ``set_sampling``, ``prefill``, ``decode``,
@@ -157,7 +157,7 @@ def _step_decode(model: Any) -> Any:
 
 
 def step_model(model: Any, *, max_batch: int, max_seq: int) -> CausalLMSteps:
-    """A :class:`~._requests.StepModel` over ``model``'s KV cache slots.
+    """A :class:`~.requests.StepModel` over ``model``'s KV cache slots.
 
     ``max_batch``/``max_seq`` are the engine's wishes; the engine lowers them to the
     model's cache (``model.max_batch`` rows of ``model.max_seq`` positions).

@@ -1,9 +1,10 @@
 """The request side of the serving :class:`~deviceops.nn.Engine`: what a request is, its
 sampling parameters, the per-request async token stream, the errors and the model protocol.
 
-The engine (:mod:`._engine`) schedules :class:`_Request` records; :class:`RequestStream`
-is what a caller iterates; :class:`StepModel` is what the engine needs from a model
-(:func:`~._engine_model.step_model` adapts a ``CausalLM``).
+The engine (:mod:`.engine`, its :mod:`.scheduler`) schedules :class:`_Request` records;
+:class:`RequestStream` is what a caller iterates (:class:`TokenStream` is the iteration it
+shares with a Ray replica's :class:`~.ray_remote.RemoteStream`); :class:`StepModel` is what
+the engine needs from a model (:func:`~.step_model.step_model` adapts a ``CausalLM``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import anyio
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .engine import Engine
 
 __all__ = ["EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats", "RequestStream",
-           "SamplingParams", "StepModel"]
+           "SamplingParams", "StepModel", "TokenStream"]
 
 
 class EngineOverloaded(RuntimeError):
@@ -35,7 +36,7 @@ class EngineFailed(EngineClosed):
 
     Raised to every request it held, queued or running (``__cause__`` is the step's
     error), and by :meth:`~deviceops.nn.Engine.stream` afterwards. Only engines built with
-    ``fail_stop=True`` (one per device behind :class:`~deviceops.nn._router.Router`) fail
+    ``fail_stop=True`` (one per device behind :class:`~deviceops.nn.serving.router.Router`) fail
     this way; a default engine ends the step's requests with the error and goes on.
     """
 
@@ -141,7 +142,62 @@ class EngineStats:
     pending_tokens: int = 0
 
 
-class RequestStream:
+class TokenStream:
+    """The async iteration of one request's new token ids, over a request record with
+    ``buf`` (tokens not yet taken), ``out``, ``finished`` and ``error``, and an owner with
+    ``_cancel(req)``. Iterating ends after the last token (or raises the request's error);
+    ``aclose()``, ``cancel()``, leaving ``async with``, or an error in the consuming task
+    cancels the request. Subclasses say how to wait for news (:meth:`_wait`)."""
+
+    def __init__(self, owner: Any, req: Any) -> None:
+        self._engine = owner
+        self._req = req
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens generated so far."""
+        return list(self._req.out)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> int:
+        req = self._req
+        try:
+            while True:
+                if req.buf:
+                    return int(req.buf.popleft())
+                if req.finished:
+                    if req.error is not None:
+                        raise req.error
+                    raise StopAsyncIteration
+                await self._wait()
+        except (StopAsyncIteration, GeneratorExit):
+            raise
+        except BaseException:
+            self._engine._cancel(req)
+            raise
+
+    async def _wait(self) -> None:
+        """Return once the request may have news (a token or its end)."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Cancel the request (no-op once finished); its slot is freed."""
+        self._engine._cancel(self._req)
+
+    async def aclose(self) -> None:
+        """Same as :meth:`cancel`."""
+        self._engine._cancel(self._req)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._engine._cancel(self._req)
+
+
+class RequestStream(TokenStream):
     """Async iterator of one request's new token ids (from :meth:`Engine.stream`).
 
     The request is queued when the stream is created. Iterating drives the engine; it
@@ -151,9 +207,10 @@ class RequestStream:
     ``"length"`` or ``"cancelled"``; ``tokens`` holds everything generated.
     """
 
+    _req: _Request
+
     def __init__(self, engine: Engine, req: _Request) -> None:
-        self._engine = engine
-        self._req = req
+        super().__init__(engine, req)
 
     @property
     def id(self) -> int:
@@ -166,11 +223,6 @@ class RequestStream:
         return len(self._req.prompt)
 
     @property
-    def tokens(self) -> list[int]:
-        """Tokens generated so far."""
-        return list(self._req.out)
-
-    @property
     def finish_reason(self) -> str | None:
         """``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once finished, else None."""
         req = self._req
@@ -178,39 +230,8 @@ class RequestStream:
             return "cancelled"  # its slot is freed at the end of the step in flight
         return req.finish_reason
 
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> int:
-        req = self._req
-        try:
-            while True:
-                if req.buf:
-                    return req.buf.popleft()
-                if req.finished:
-                    if req.error is not None:
-                        raise req.error
-                    raise StopAsyncIteration
-                await self._engine._progress(req)
-        except (StopAsyncIteration, GeneratorExit):
-            raise
-        except BaseException:
-            self._engine._cancel(req)
-            raise
-
-    async def aclose(self) -> None:
-        """Cancel the request (no-op once finished) and free its slot."""
-        self._engine._cancel(self._req)
-
-    def cancel(self) -> None:
-        """Synchronous :meth:`aclose`."""
-        self._engine._cancel(self._req)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._engine._cancel(self._req)
+    async def _wait(self) -> None:
+        await self._engine._progress(self._req)
 
     def __del__(self) -> None:
         req = self._req

@@ -1,6 +1,6 @@
 """Batch generation over Ray replicas: :func:`batch_generate` (``deviceops.nn.batch_generate``).
 
-A list of prompts is spread over the replicas of a Ray cluster (:mod:`._ray`): each
+A list of prompts is spread over the replicas of a Ray cluster (:mod:`.ray_cluster`): each
 replica keeps about ``1.5 * max_batch`` prompts in flight (its running batch full and a
 few queued behind it), taking the next prompt of the list as one finishes, so a fast
 replica takes more of them. The replicas send each result once, whole (no per-token
@@ -30,9 +30,9 @@ from typing import Any
 
 import anyio
 
-from ._args import check_max_new_tokens, check_sampling
-from ._ray import RayReplicas, ReplicaSpec, init_ray
-from ._requests import EngineClosed, EngineFailed, EngineOverloaded
+from .._args import check_max_new_tokens, check_sampling
+from .ray_cluster import RayReplicas, ReplicaSpec, init_ray
+from .requests import EngineClosed, EngineFailed, EngineOverloaded
 
 __all__ = ["abatch_generate", "batch_generate"]
 
@@ -57,7 +57,7 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
     Args:
         prompts: texts or token-id lists.
         max_new_tokens: new tokens per prompt at most.
-        engines: :class:`~deviceops.nn.Engine` or :class:`~._ray_remote.RemoteEngine` objects.
+        engines: :class:`~deviceops.nn.Engine` or :class:`~.ray_remote.RemoteEngine` objects.
         progress: show a tqdm bar.
         window: prompts in flight per engine (default ``max_batch + max_batch // 2``).
         **sampling: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``.
@@ -67,7 +67,7 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
     """
     from tqdm.auto import tqdm
 
-    from ._ray_remote import RemoteEngine
+    from .ray_remote import RemoteEngine
 
     n = len(prompts)
     results: list[list[int] | None] = [None] * n
@@ -152,7 +152,7 @@ def batch_generate(prompts: Sequence[Prompt], max_new_tokens: int = 32, *,
         model: ``"smollm2"`` or a ``.gguf`` path (on every node).
         ray: ``False``: one local engine; ``True``: the Ray cluster ``RAY_ADDRESS`` names,
             else a local one; a string: that cluster's address (``"auto"``,
-            ``"head:6379"``); a :class:`~._ray.RayReplicas`: its running replicas
+            ``"head:6379"``); a :class:`~.ray_cluster.RayReplicas`: its running replicas
             (kept running afterwards).
         replicas: replicas to start for this call (default: one per cluster GPU, or one on
             the cpu backend); they are stopped at the end.
@@ -181,7 +181,7 @@ def batch_generate(prompts: Sequence[Prompt], max_new_tokens: int = 32, *,
                                 "seed": seed, "stop": stop, "ignore_eos": ignore_eos}
     plist = list(prompts)
     if ray is False:
-        from .serve import load_engine
+        from .cli import load_engine
 
         engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch,
                              max_seq=max_seq)
@@ -192,7 +192,7 @@ def batch_generate(prompts: Sequence[Prompt], max_new_tokens: int = 32, *,
             engine.close()
         return out
 
-    from ._ray_front import RayRouter
+    from .ray_front import RayRouter
 
     own = not isinstance(ray, RayReplicas)
     if isinstance(ray, RayReplicas):

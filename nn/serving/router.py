@@ -2,7 +2,7 @@
 
 ``python -m deviceops.nn.serve --devices 0,1`` loads the model once per device and builds a
 fail-stop :class:`~deviceops.nn.Engine` over each copy, all in one process and one event
-loop; the HTTP layer (:mod:`._http`) asks the :class:`Router` where each request goes.
+loop; the HTTP layer (:mod:`.http`) asks the :class:`Router` where each request goes.
 
 **Routing rule.** A request goes to the serving engine with the least
 :attr:`~deviceops.nn.Engine.pending_tokens`: for every request it holds, queued or
@@ -15,7 +15,7 @@ loop, so two requests arriving together see each other's load.
 
 **Failure.** Per-device engines are built with ``fail_stop=True``: a step that raises (a
 device error) ends every request that engine held, queued or running, with
-:class:`~._requests.EngineFailed` — the HTTP layer answers 503 (``code``
+:class:`~.requests.EngineFailed` — the HTTP layer answers 503 (``code``
 ``"device_failed"``, or an SSE error event for a stream already under way) — and the
 engine is taken out of routing while the other devices keep serving. A device whose
 model failed to load is listed as failed from the start. ``/health`` is 200 while at
@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._engine import Engine
-from ._metrics import DeviceStats
+from .engine import Engine
+from .metrics import DeviceStats
 
 __all__ = ["Replica", "Router"]
 

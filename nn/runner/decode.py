@@ -1,0 +1,142 @@
+"""Decode: one token for each active row of a bucket of cache rows (``bucket`` in 1, 2, 4,
+..., ``max_batch``), run eagerly op by op or as the bucket's CUDA graph, captured once and
+replayed per token (:class:`Decoder`, a part of :class:`~.runner.Runner`, whose
+:meth:`~.runner.Runner.decode_step` documents the behaviour).
+
+Positions, key counts, input tokens and sampling state live in device memory
+(:class:`~.rows.RowState`); the host keeps a shadow of them and uploads it only when a row
+does not continue from the previous step. Every op runs on the runner's stream: graphs are
+captured on it under the runner's own policy and replayed there, so nothing consults the
+default policy, which lives on the default device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import deviceops.kernels as kernels
+from deviceops import DeviceOp, Tensor
+
+from .forward import Thunk, chain, decoder_ops
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+__all__ = ["Decoder"]
+
+
+class Decoder:
+    """The decode step of a runner and its graphs, one per bucket.
+
+    Reads the runner's public parts: ``stream``, ``rows`` (:class:`~.rows.RowState`), ``kv``
+    (:class:`~.paged_kv.BlockTable`), ``cache``, ``arena``, ``logits``, ``arch``,
+    ``weights``, ``buckets`` and ``graph_on``.
+
+    Attributes:
+        graphs: bucket -> its captured graph.
+    """
+
+    def __init__(self, runner: Runner) -> None:
+        self.r = runner
+        self.graphs: dict[int, Any] = {}
+        self._thunks: dict[int, list[Thunk]] = {}
+
+    def step(self, slots: list[int], tokens: list[int], positions: list[int],
+             graph: bool | None) -> Tensor:
+        """One decode step of checked rows: grow their blocks, upload the state if it
+        changed, run the bucket's step; returns the ``(bucket,)`` token view."""
+        r, rows = self.r, self.r.rows
+        bs, rb = r.kv.block_size, r.kv.row_blocks
+        for x, p in zip(slots, positions, strict=True):
+            if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
+                r.kv.grow(x, int(p) + 1, "decode_step")
+        b = next(x for x in r.buckets if x > max(slots))
+        # default: the bucket's graph on both backends (on cpu a replay is one hand-off of the
+        # recorded step to the stream's worker, instead of ~280 op constructions and hand-offs)
+        use_graph = True if graph is None else bool(graph)
+        if use_graph and b not in self.graphs:
+            self.capture(b)
+        want = rows.h_state.copy()
+        active = np.zeros(r.max_batch, bool)
+        fresh = False  # a row that does not continue from the last step (its state must go up)
+        for x, t, p in zip(slots, tokens, positions, strict=True):
+            active[x] = True
+            if not (rows.cont[x] and want[0, x] == p and want[2, x] == 1):
+                fresh = True
+            want[:, x] = (p, p + 1, 1, t)  # a continuing row's token is the one already there
+        idle = ~active[:b]
+        want[2, :b][idle] = 0
+        want[0, :b][idle & (want[0, :b] < rows.idle)] = rows.idle
+        want[1, :b][idle] = 1
+        changed = rows.dirty or fresh or not np.array_equal(want[:3, :b], rows.h_state[:3, :b])
+        if changed:
+            want[3, slots] = tokens  # continuing rows too: the shadow holds their previous input
+            want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
+            rows.upload_state(want)
+            rows.upload_counters()
+            rows.dirty = False
+        if use_graph:
+            self.graphs[b].launch()  # on the stream it was captured on; consults no policy
+        else:
+            self.run_eager(b)
+        # advance the shadow: active rows moved one position and drew one number
+        want[0, slots] += 1
+        want[1, slots] += 1
+        rows.h_counter[slots] += 1
+        rows.h_state = want
+        rows.cont[:] = False
+        rows.cont[slots] = True
+        return rows.tokens[:b]
+
+    def warm_up(self, b: int) -> None:
+        """Run bucket ``b``'s step eagerly with its rows idle (no KV written)."""
+        rows = self.r.rows
+        rows.upload_state(rows.idle_state(b))
+        self.step_op(b).sync_on(self.r.stream)
+        rows.dirty = True  # the warm-up advanced the idle rows' counters
+
+    def capture(self, b: int) -> None:
+        """Warm bucket ``b`` up eagerly (all rows idle) and capture its graph."""
+        self.warm_up(b)
+        self.graphs[b] = self.r.graph_on(self.step_op(b))
+
+    def run_eager(self, b: int) -> None:
+        """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
+        as :meth:`step_op`, each enqueued on the runner's stream as it is built."""
+        s = self.r.stream
+        for make in self.step_ops(b):
+            make().async_on(s)
+
+    def step_op(self, b: int) -> DeviceOp[Any]:
+        """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
+        return chain(self.step_ops(b))
+
+    def step_ops(self, b: int) -> list[Thunk]:
+        """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket)."""
+        th = self._thunks.get(b)
+        if th is None:
+            th = self._thunks[b] = self._build(b)
+        return th
+
+    def _build(self, b: int) -> list[Thunk]:
+        """Embed, layers, final norm, LM head, sample into the token buffer, advance
+        ``start``/``kv_len``."""
+        r, rows = self.r, self.r.rows
+        arch, w = r.arch, r.weights
+        vw = r.arena.views(b, 1)
+        st, kl, inc, tok = rows.start[:b], rows.kv_len[:b], rows.inc[:b], rows.tokens[:b]
+        logits = r.logits[:b]
+        temp, top_k, top_p = rows.temperature[:b], rows.top_k[:b], rows.top_p[:b]
+        seed, counter = rows.seed[:b], rows.counter[:b]
+        th = arch.embed_ops(w, tok, vw["resid"])
+        th += decoder_ops(arch, w, r.cache, vw, r.kv.table[:b], st, kl)
+        th += arch.final_norm_ops(w, vw["down"], vw["resid"], vw["normed"])
+        th += arch.lm_head_ops(w, vw["normed"], logits)
+        th += [
+            lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok),
+            lambda: kernels.add(st, inc, out=st),
+            lambda: kernels.add(kl, inc, out=kl),
+        ]
+        return th

@@ -1,0 +1,271 @@
+"""Runner: one model's device state and its step API (prefill chunk, decode step, sampling).
+
+A runner owns, all allocated once on one stream of one device: the activation arena, the
+**paged** KV cache (a block pool ``(kv_blocks, Hkv, kv_block_size, D)`` per layer) with the
+block table ``(max_batch, max_blocks)`` int32 in device memory (row ``b`` maps cache row
+``b``'s positions to blocks; :mod:`.paged_kv`), the per-row decode and sampling state
+(:mod:`.rows`), the logits buffer and the graphs: one decode graph per batch-size bucket
+(:mod:`.decode`) and one prefill graph per padded chunk length (:mod:`.prefill`). It runs an
+architecture's forward (:mod:`deviceops.nn.models`) over device weights it is given, and
+knows nothing of tokenizers or serving.
+
+Prefill runs the forward over the prompt in chunks of ``prefill_chunk`` tokens; on CUDA
+each chunk is padded to a power of two and replays one graph per padded length (two: a
+chunk at position 0 attends over its own keys, kept contiguous, so flash attention runs its
+contiguous prefill kernel; a later chunk reads the paged cache), whatever the row. Decode
+runs it over the first ``bucket`` cache rows (``bucket`` in 1, 2, 4, ..., ``max_batch``) as
+one CUDA graph per bucket, captured once and replayed per token: positions, key counts, the
+input tokens, and the sampling parameters and counters live in device memory, the graph
+samples the next token straight into the token buffer and advances ``start``/``kv_len``
+itself, so a steady decode step is one ``graph.launch()`` plus reading the chosen tokens.
+
+Step API (what :class:`~deviceops.nn.CausalLM` exposes, what generation and the serving
+engine use; every method enqueues on :attr:`Runner.stream` and returns without waiting):
+
+* ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)``: the row's sampling
+  parameters; resets its random counter (draw ``n`` of a row uses ``(seed, n)``).
+* ``prefill(slot, ids, start=0, *, sample=True) -> Tensor | None``: writes the KV of
+  ``ids`` at positions ``start ..`` of cache row ``slot``; with ``sample`` it samples the
+  next token from the last position's logits into the token buffer and returns that
+  ``(1,)`` int32 view (read it with ``read(view)``). A long prompt may come in several
+  calls (chunks) with growing ``start``.
+* ``decode_step(slots, tokens, positions, *, graph=None) -> Tensor``: one token per row:
+  feeds ``tokens[i]`` at position ``positions[i]`` of row ``slots[i]`` and samples the
+  next one; returns the ``(bucket,)`` token view, row ``slots[i]`` holding row i's token.
+  Rows of the bucket that are not in ``slots`` are inactive: they write no KV (their
+  position is past every block table: skipped), and their sampling counters are restored
+  when they become active. A row continuing from the previous decode step (same slot, next
+  position) must be given the token that step sampled: it is already on the device and is
+  not uploaded again; any other change uploads the row state (one small copy).
+* ``reserve(slot, n_tokens) -> bool``: give the row blocks for positions ``[0, n_tokens)``
+  (it keeps those it has; uploads its block-table row); ``False`` (nothing taken) when
+  the pool has too few free blocks. ``prefill``/``decode_step`` reserve what they write
+  themselves (raising :class:`~.paged_kv.KVCacheFull` when the pool is exhausted), so an
+  explicit reserve is only needed to claim memory up front (the serving engine does).
+* ``release(slot)``: forget the row (it becomes inactive at the next decode step) and give
+  its blocks back to the pool.
+* ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view.
+* ``prefill_logits(ids, slot) -> DeviceOp[Tensor]``: prefill logits of every position
+  (``CausalLM.logits``).
+
+Rows are independent: a row's tokens do not depend on what the other rows hold (up to
+the floating-point differences of different GEMM shapes on the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import deviceops
+from deviceops import DeviceOp, Tensor, _env, api
+from deviceops.scheduling import SingleStream
+
+from .._args import check_sampling
+from ..models import Architecture, LlamaConfig, Weights
+from .decode import Decoder
+from .forward import Arena, buckets, chain
+from .paged_kv import BlockAllocator, BlockTable, KVCache
+from .prefill import Prefiller
+from .rows import RowState
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """The device side of a model: buffers, paged KV, graphs and the step API (module docstring).
+
+    Args:
+        arch: the architecture whose forward runs.
+        config: its hyper-parameters.
+        weights: the device modules (``arch.bind``), on ``device``.
+        device: the device (every op runs on :attr:`stream`, a stream of it).
+        dtype: the activations' dtype (the weights').
+        stream: the stream the weights were uploaded on (the runner's from now on).
+        max_batch, max_seq, prefill_chunk, kv_block_size, kv_blocks: as
+            :class:`~deviceops.nn.CausalLM` takes them (checked there).
+
+    Attributes:
+        stream, policy (``SingleStream(stream)``), arch, config, weights, device, dtype,
+        max_batch, max_seq, prefill_chunk, cache (:class:`~.paged_kv.KVCache`), kv (the
+        :class:`~.paged_kv.BlockTable`), rows (:class:`~.rows.RowState`), arena, logits,
+        buckets, decoder (:class:`~.decode.Decoder`), prefiller
+        (:class:`~.prefill.Prefiller`), contiguous_first_chunk, busy (a generate/stream runs).
+    """
+
+    def __init__(self, arch: Architecture, config: LlamaConfig, weights: Weights, *,
+                 device: deviceops.Device, dtype: str, stream: deviceops.Stream, max_batch: int,
+                 max_seq: int, prefill_chunk: int, kv_block_size: int, kv_blocks: int) -> None:
+        self.arch = arch
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.stream = stream
+        self.policy = SingleStream(stream)
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        self.prefill_chunk = min(prefill_chunk, max_seq)
+        s = stream
+        self.cache = KVCache.allocate(s, layers=config.num_layers, num_blocks=kv_blocks,
+                                      kv_heads=config.num_kv_heads, block_size=kv_block_size,
+                                      head_dim=config.head_dim, dtype=dtype)
+        self.kv = BlockTable(s, max_batch, max_seq, BlockAllocator(kv_blocks, kv_block_size,
+                                                                   reserved=1))
+        self.arena = Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
+        self.logits = api.zeros((max(max_batch, 1), config.vocab_size), dtype).sync_on(s)
+        # an idle row's position: past every table, never written
+        self.rows = RowState(s, max_batch, self.kv.max_blocks * kv_block_size)
+        # a chunk at position 0 attends over its own contiguous keys (flash_attention's
+        # contiguous prefill kernel); DEVICEOPS_NN_PAGED_PREFILL=1: every chunk reads the
+        # paged cache (set before the first prefill)
+        self.contiguous_first_chunk = _env.get("DEVICEOPS_NN_PAGED_PREFILL") != "1"
+        self.buckets = buckets(max_batch)
+        self.decoder = Decoder(self)
+        self.prefiller = Prefiller(self)
+        self.busy = False
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_ids(self, ids: Any, what: str) -> list[int]:
+        """``ids`` as a non-empty list of ints in ``[0, vocab)``, else ``ValueError``."""
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, list | tuple) or not ids:
+            raise ValueError(f"{what}: ids must be a non-empty list of token ids")
+        v = self.config.vocab_size
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < v:
+                raise ValueError(f"{what}: token id {t!r} is not an int in [0, {v})")
+            out.append(int(t))
+        return out
+
+    def check_slot(self, slot: Any, what: str) -> int:
+        """``slot`` as a cache row in ``[0, max_batch)``, else ``ValueError``."""
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer) or not (
+                0 <= slot < self.max_batch):
+            raise ValueError(f"{what}: slot {slot!r} is not a cache row in [0, {self.max_batch})")
+        return int(slot)
+
+    def graph_on(self, op: DeviceOp[Any]) -> Any:
+        """Capture ``op`` into a graph on :attr:`stream`, under :attr:`policy` (a capture
+        resolves the current policy; the default one lives on the default device)."""
+        with deviceops.using(self.policy):
+            return op.graph_on(self.stream)
+
+    # -- step API (module docstring) ------------------------------------------------------------
+    def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0) -> None:
+        """Set row ``slot``'s sampling parameters (device memory) and reset its counter."""
+        slot = self.check_slot(slot, "set_sampling")
+        self.rows.set_sampling(slot, *check_sampling(temperature, top_k, top_p, seed))
+
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        """Give row ``slot`` blocks for positions ``[0, n_tokens)``; ``False`` when too few
+        are free (``ValueError`` for a bad slot or ``n_tokens`` outside ``[0, max_seq]``)."""
+        slot = self.check_slot(slot, "reserve")
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int | np.integer) or not (
+                0 <= n_tokens <= self.max_seq):
+            raise ValueError(f"reserve: n_tokens={n_tokens!r} must be an int in [0, max_seq="
+                             f"{self.max_seq}]")
+        return self.kv.reserve(slot, int(n_tokens))
+
+    def blocks_held(self, slot: int) -> int:
+        """Blocks row ``slot`` holds."""
+        return len(self.kv.row_blocks[self.check_slot(slot, "blocks_held")])
+
+    def release(self, slot: int) -> None:
+        """Forget row ``slot`` and give its blocks back to the pool."""
+        slot = self.check_slot(slot, "release")
+        self.rows.cont[slot] = False
+        self.kv.release(slot)
+
+    def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
+                graph: bool | None = None) -> Tensor | None:
+        """Write the KV of ``ids`` at ``start ..`` of row ``slot``; sample the next token."""
+        slot = self.check_slot(slot, "prefill")
+        ids_l = self.check_ids(list(ids), "prefill")
+        if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
+            raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
+                             f"max_seq={self.max_seq} (start must be an int >= 0)")
+        return self.prefiller.prefill(slot, ids_l, start, sample, graph)
+
+    def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                    *, graph: bool | None = None) -> Tensor:
+        """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``."""
+        n = len(slots)
+        if n == 0 or len(tokens) != n or len(positions) != n:
+            raise ValueError(f"decode_step: slots ({len(slots)}), tokens ({len(tokens)}) and "
+                             f"positions ({len(positions)}) must be non-empty and of equal length")
+        sl = [self.check_slot(x, "decode_step") for x in slots]
+        if len(set(sl)) != n:
+            raise ValueError(f"decode_step: slots {sl} repeat a row")
+        toks = self.check_ids(list(tokens), "decode_step")
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not (
+                    0 <= p < self.max_seq):
+                raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
+                                 f"{self.max_seq})")
+        return self.decoder.step(sl, toks, [int(p) for p in positions], graph)
+
+    def capture_graphs(self, *, graph: bool | None = None) -> int:
+        """Capture every decode bucket's and padded prefill length's graph now; returns how
+        many were captured (none where graphs are not used: ``graph`` default, CUDA only)."""
+        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
+        if not use_graph:
+            return 0
+        # eager runs of the largest shapes first: the stream's kernel workspace reaches its
+        # final size before any capture, so every graph shares one workspace
+        self.decoder.warm_up(self.max_batch)
+        keys = self.prefiller.kinds()
+        for key in reversed(keys):
+            self.prefiller.warm_up(key)
+        n = 0
+        for b in self.buckets:
+            if b not in self.decoder.graphs:
+                self.decoder.capture(b)
+                n += 1
+        for key in keys:
+            if key not in self.prefiller.graphs and self.prefiller.capture(key):
+                n += 1
+        self.stream.synchronize()
+        return n
+
+    def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
+        """The host copy of a token view (run it on :attr:`stream`)."""
+        return api.to_host(view)
+
+    def prefill_logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
+        """Prefill logits of ``ids`` into a fresh ``(len(ids), vocab)`` tensor (a lazy op;
+        the row keeps the blocks it gets)."""
+        ids_l = self.check_ids(list(ids), "logits")
+        slot = self.check_slot(slot, "logits")
+        if len(ids_l) > self.max_seq:
+            raise ValueError(f"logits: {len(ids_l)} tokens exceed max_seq={self.max_seq}")
+        self.kv.grow(slot, len(ids_l), "logits")
+        n, ch, dev, pf = len(ids_l), self.prefill_chunk, self.device, self.prefiller
+
+        def body(out: Tensor) -> DeviceOp[Any]:
+            if out.device is not dev:  # executed on a stream of another device
+                raise deviceops.DeviceError(
+                    f"CausalLM.logits: the op is executing on a stream of {out.device}, but the "
+                    f"model lives on {dev}; run it on the model's stream: "
+                    "op.sync_on(model.device_stream), await op.schedule(model.policy), or "
+                    "inside `with deviceops.using(model.policy):`",
+                    op="CausalLM.logits", device=str(out.device))
+            parts = [(a, ids_l[a:a + ch]) for a in range(0, n, ch)]
+            thunks = [_chunk_thunk(pf, slot, p, a, out) for a, p in parts]
+            return chain(thunks).map(lambda _: out)
+
+        vocab, dtype = self.config.vocab_size, self.dtype
+        # rooted at one of the runner's tensors: a policy that places ops by their data
+        # (MultiDeviceRoundRobin) runs the op on the runner's device
+        return (deviceops.value(self.kv.table)
+                .then(lambda _: api.empty((n, vocab), dtype))
+                .then(body))
+
+
+def _chunk_thunk(pf: Prefiller, slot: int, part: list[int], a: int, out: Tensor) -> Any:
+    return lambda: pf.chunk_op(slot, part, a, [], out)

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP application (Starlette) in front of an :class:`Engine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives
+server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``
+(200 once the model is loaded, 503 while loading or draining), ``GET /metrics``
+(Prometheus text, :mod:`.metrics`).
+
+Every bad request gets 400 and an OpenAI-style JSON error naming the field
+(``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``; parsing,
+validation and the response bodies are :mod:`.openai`, the text of a token stream
+:mod:`.detokenize`); a full
+admission queue gets 429 and a loading or draining server 503, both with
+``Retry-After``. A client that disconnects (streaming or not) cancels its generation,
+which frees its KV slot. The model is loaded in a worker thread after start-up, so
+``/health`` answers 503 until it is ready.
+
+**One engine per device** (``serve --devices``, :mod:`.router`): ``load()`` returns a
+:class:`~.router.Router`; each request goes to the engine with the least pending
+tokens. ``/health`` then lists every engine (``{"status": "ok" | "degraded", "model",
+"engines": [{"device", "state", "load", "running", "queued", "error"}]}``) and is 200 while
+at least one serves (503, status ``"failed"``, when none does). When a device's engine
+fails, its in-flight and queued requests get 503 (``"type": "server_unavailable"``,
+``"code": "device_failed"``, ``Retry-After``; a stream already under way gets that error
+as an SSE event, then ``data: [DONE]``) and new requests go to the other devices.
+Without ``--devices`` the single engine is served on its own (no device labels; a step
+failure is a 500 for the requests in that step, and the engine goes on).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .detokenize import Detokenizer
+from .engine import Engine, EngineClosed, EngineFailed, EngineOverloaded, RequestStream
+from .metrics import CONTENT_TYPE, ServeMetrics
+from .openai import (
+    BadRequest,
+    Job,
+    completion_body,
+    device_failed_message,
+    error_response,
+    finish_reason,
+    parse_request,
+    sse_event,
+    stream_chunk,
+    usage,
+)
+from .router import Replica, Router
+
+__all__ = ["AppState", "BadRequest", "create_app"]
+
+log = logging.getLogger("deviceops.nn.serve")
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class AppState:
+    """What the app knows about its engines: loaded, failed to load, draining.
+
+    ``router`` holds the engine(s) once loaded (:class:`~.router.Router`; one replica
+    without ``--devices``).
+    """
+
+    model_name: str
+    router: Router | None = None
+    load_error: str | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine(self) -> Engine | None:
+        """The first device's engine (the only one without ``--devices``), or ``None``."""
+        return None if self.router is None else self.router.replicas[0].engine
+
+
+def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
+               retry_after: int = 1) -> Starlette:
+    """The Starlette app; ``load()`` runs in a worker thread at start-up.
+
+    Args:
+        load: builds the :class:`Engine` (its ``model`` provides ``encode``, ``decode``
+            and ``apply_chat_template``), or a :class:`~.router.Router` over one engine
+            per device (``serve --devices``; module docstring).
+        model_name: the id clients pass as ``"model"`` and ``/v1/models`` lists.
+        retry_after: seconds sent in ``Retry-After`` with 429/503.
+
+    Returns:
+        The application; ``app.state.serve`` is its :class:`AppState` and
+        ``app.state.metrics`` its :class:`~.metrics.ServeMetrics`.
+    """
+    state = AppState(model_name)
+
+    def engine_stats() -> Any:
+        router = state.router
+        if router is None:
+            return None
+        if router.per_device:
+            return router.device_stats()
+        eng = router.replicas[0].engine
+        return None if eng is None else eng.stats()
+
+    metrics = ServeMetrics(engine_stats)
+
+    async def _load() -> None:
+        try:
+            got = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            state.router = got if isinstance(got, Router) else Router.single(got)
+            if state.router.per_device:
+                log.info("ready: model %s loaded; serving on %s", model_name, ", ".join(
+                    f"{r.device} ({r.state})" for r in state.router.replicas))
+            else:
+                log.info("ready: model %s loaded; serving", model_name)
+        except Exception as exc:  # reported by /health; the server stays up
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("loading the model failed")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_load)
+            try:
+                yield
+            finally:
+                state.draining = True
+                if state.router is not None:
+                    state.router.close()  # whatever is still running is cancelled
+                tg.cancel_scope.cancel()
+
+    def unavailable() -> JSONResponse | None:
+        if state.draining:
+            return error_response(503, "the server is shutting down", kind="server_unavailable",
+                          retry_after=retry_after)
+        if state.router is None:
+            msg = (f"the model failed to load: {state.load_error}" if state.load_error
+                   else "the model is loading")
+            return error_response(503, msg, kind="server_unavailable", retry_after=retry_after)
+        if state.router.per_device and not state.router.serving:
+            return error_response(503, state.router.unavailable_reason(), kind="server_unavailable",
+                          retry_after=retry_after, code="device_failed")
+        return None
+
+    async def health(request: Request) -> Response:
+        router = state.router
+        if router is not None and router.per_device:  # one entry per device's engine
+            serving = len(router.serving)
+            if state.draining:
+                status = "draining"
+            elif serving == 0:
+                status = "failed"
+            else:
+                status = "ok" if serving == len(router.replicas) else "degraded"
+            ok = status in ("ok", "degraded")
+            return JSONResponse(
+                {"status": status, "model": model_name, "engines": router.describe()},
+                status_code=200 if ok else 503,
+                headers=None if ok else {"Retry-After": str(retry_after)})
+        bad = unavailable()
+        if bad is not None:
+            status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+            return JSONResponse({"status": status, "error": state.load_error}, status_code=503,
+                                headers={"Retry-After": str(retry_after)})
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": state.created,
+             "owned_by": "deviceops"}]})
+
+    async def metrics_route(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, chat=True)
+
+    async def _complete(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            resp = await _handle(request, chat)
+        except Exception as exc:  # a bug, not the client's fault: 500, the server goes on
+            log.exception("request failed")
+            resp = error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+        metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    async def _handle(request: Request, chat: bool) -> Response:
+        t0 = time.perf_counter()
+        bad = unavailable()
+        if bad is not None:
+            return bad
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error_response(400, f"malformed JSON body: {exc}")
+        # from here to queueing nothing awaits: the load each engine reports is current
+        router = state.router
+        assert router is not None
+        bad = unavailable()  # an engine may have failed while the body was read
+        if bad is not None:
+            return bad
+        ranked = router.ranked() if router.per_device else router.replicas[:1]
+        assert ranked and ranked[0].engine is not None
+        try:
+            job = parse_request(body, chat, model_name, ranked[0].engine)
+        except BadRequest as exc:
+            return error_response(400, exc.message, exc.param)
+        full: list[EngineOverloaded] = []
+        for replica in ranked:  # least loaded first; the next one when its queue is full
+            engine = replica.engine
+            assert engine is not None
+            try:
+                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
+                                  top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                                  ignore_eos=job.ignore_eos)
+                break
+            except EngineOverloaded as exc:
+                full.append(exc)
+            except EngineFailed:
+                continue  # taken out of service: the next device
+            except EngineClosed:
+                return error_response(503, "the server is shutting down", kind="server_unavailable",
+                              retry_after=retry_after)
+            except (ValueError, TypeError) as exc:
+                return error_response(400, str(exc), "messages" if chat else "prompt")
+        else:
+            if full and len(ranked) == 1:
+                return error_response(429, str(full[0]), kind="rate_limit_exceeded",
+                              retry_after=retry_after)
+            if full:
+                return error_response(429, f"every device's admission queue is full ({len(full)} "
+                                   f"devices); retry later. {full[0]}",
+                              kind="rate_limit_exceeded", retry_after=retry_after)
+            return error_response(503, router.unavailable_reason(), kind="server_unavailable",
+                          retry_after=retry_after, code="device_failed")
+        metrics.prompt_tokens.inc(len(job.ids))
+        request.scope["deviceops.request"] = s  # the access log counts its tokens (serve)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        detok = Detokenizer(engine.model, engine.steps.eos_ids, job.stop)
+        if job.stream:
+            return StreamingResponse(
+                _sse(s, detok, job, chat, rid, t0, replica), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, failed = "", None
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:  # a client that goes away cancels its generation
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                s.cancel()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async for piece in _tokens(s, detok, t0):
+                    text += piece
+            except Exception as exc:  # the step failed: 500, the server goes on
+                failed = exc
+            finally:
+                s.cancel()
+                tg.cancel_scope.cancel()
+        if isinstance(failed, EngineFailed):  # its device failed: retry elsewhere
+            log.error("generation %s failed with device %s: %r", rid, replica.device,
+                      failed.__cause__)
+            return error_response(503, device_failed_message(replica, failed, len(router.serving)),
+                          kind="server_unavailable", retry_after=retry_after,
+                          code="device_failed")
+        if failed is not None:
+            log.error("generation %s failed: %r", rid, failed)
+            return error_response(500, f"generation failed: {failed}", kind="server_error")
+        reason = finish_reason(s, detok.stopped)
+        if reason == "cancelled":
+            return Response(status_code=499)  # nobody is listening
+        return JSONResponse(completion_body(rid, chat, model_name, text, reason, usage(s, job)))
+
+    async def _tokens(s: RequestStream, detok: Detokenizer, t0: float) -> AsyncIterator[str]:
+        """Text pieces as tokens arrive; records TTFT/ITL; stops at a stop string."""
+        last = None
+        try:
+            async for tok in s:
+                now = time.perf_counter()
+                if last is None:
+                    metrics.ttft.observe(now - t0)
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                metrics.generated_tokens.inc()
+                piece = detok.push(tok)
+                if piece:
+                    yield piece
+                if detok.stopped:
+                    s.cancel()
+                    break
+            tail = detok.finish()
+            if tail:
+                yield tail
+        finally:
+            s.cancel()
+            reason = finish_reason(s, detok.stopped)
+            metrics.finished.labels(reason).inc()
+            if last is not None:
+                metrics.duration.observe(time.perf_counter() - t0)
+
+    async def _sse(s: RequestStream, detok: Detokenizer, job: Job, chat: bool, rid: str,
+                   t0: float, replica: Replica) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed completion, ending with ``[DONE]``."""
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, reason: str | None, first: bool = False) -> bytes:
+            return stream_chunk(rid, chat, model_name, created, piece, reason, first)
+
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            try:
+                async for piece in _tokens(s, detok, t0):
+                    yield chunk(piece, None)
+            except EngineFailed as exc:  # its device failed: a 503 error event, then [DONE]
+                log.error("generation %s failed with device %s: %r", rid, replica.device,
+                          exc.__cause__)
+                n = len(state.router.serving) if state.router is not None else 0
+                yield sse_event({"error": {"message": device_failed_message(replica, exc, n),
+                                           "type": "server_unavailable", "param": None,
+                                           "code": "device_failed"}})
+            except Exception as exc:  # the step failed: an error event, then [DONE]
+                log.error("generation %s failed: %r", rid, exc)
+                yield sse_event({"error": {"message": f"generation failed: {exc}",
+                                           "type": "server_error"}})
+            else:
+                yield chunk(None, finish_reason(s, detok.stopped))
+                if job.include_usage:
+                    yield sse_event({"id": rid, "object": obj, "created": created,
+                                     "model": model_name, "choices": [], "usage": usage(s, job)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            s.cancel()  # client gone (generator closed) or done: the slot is freed
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.serve = state
+    app.state.metrics = metrics
+    return app

@@ -1,0 +1,247 @@
+"""The OpenAI side of the HTTP API: request parsing and validation, response and event
+bodies, errors in OpenAI's JSON shape.
+
+:func:`parse_request` turns a ``/v1/completions`` or ``/v1/chat/completions`` body into a
+:class:`Job` or raises :class:`BadRequest` naming the offending field (400,
+``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``, built by
+:func:`error_response`). :func:`completion_body` and :func:`stream_chunk` are the
+responses of :mod:`.http`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from .engine import Engine, EngineFailed, RequestStream
+from .router import Replica
+
+__all__ = ["BadRequest", "Job", "completion_body", "device_failed_message", "error_response",
+           "finish_reason", "parse_request", "sse_event", "stream_chunk", "usage"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class BadRequest(Exception):
+    """A request the server refuses with 400, naming the offending field (``param``)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def error_response(status: int, message: str, param: str | None = None, *,
+           kind: str = "invalid_request_error", retry_after: int | None = None,
+           code: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def device_failed_message(replica: Replica, exc: EngineFailed, serving: int) -> str:
+    cause = exc.__cause__
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+    kind = getattr(replica, "kind", "device")  # "replica" for Ray replicas (serve --ray)
+    return (f"{kind} {replica.device} failed while handling this request ({what}); it was "
+            f"taken out of service and the request was not completed. Retry it: "
+            f"{serving} other {kind}(s) are serving")
+
+
+@dataclass
+class Job:
+    """A validated completion request."""
+
+    ids: list[int]
+    max_tokens: int
+    stream: bool
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool = False
+    include_usage: bool = False
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _text_content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise BadRequest(f"messages[{i}].content", "content must be a string or a list of text parts")
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool, model: Any) -> list[int]:
+    if chat:
+        msgs = body.get("messages")
+        if msgs is None:
+            raise BadRequest("messages", "'messages' is required")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("messages", "'messages' must be a non-empty list of messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}]", "each message must be an object")
+            if m.get("role") not in _ROLES:
+                raise BadRequest(f"messages[{i}].role", f"role must be one of {list(_ROLES)}")
+            clean.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
+        try:
+            return list(model.encode(model.apply_chat_template(clean)))
+        except ValueError as exc:  # no template, or the template refused the conversation
+            raise BadRequest("messages", str(exc)) from exc
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt", "'prompt' is required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt", "'prompt' is empty")
+        return list(model.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [int(t) for t in prompt]
+    raise BadRequest("prompt", "'prompt' must be a non-empty string or list of token ids "
+                               "(one prompt per request)")
+
+
+def parse_request(body: Any, chat: bool, model_name: str, engine: Engine) -> Job:
+    """The :class:`Job` of a request body, or :class:`BadRequest` naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest(None, "the request body must be a JSON object")
+    name = body.get("model")
+    if name is not None and name != model_name:
+        raise BadRequest("model", f"unknown model {name!r}; this server serves "
+                                  f"{model_name!r} (GET /v1/models)")
+    n = body.get("n", 1)
+    if n != 1 or not _is_int(n):
+        raise BadRequest("n", "only n=1 is supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", "'stream' must be a boolean")
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not _is_num(temperature) or not 0.0 <= float(temperature) <= 2.0:
+        raise BadRequest("temperature", f"'temperature' must be a number in [0, 2], got "
+                                        f"{temperature!r}")
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_num(top_p) or not 0.0 < float(top_p) <= 1.0):
+        raise BadRequest("top_p", f"'top_p' must be a number in (0, 1], got {top_p!r}")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise BadRequest("top_k", f"'top_k' must be an integer >= 0, got {top_k!r}")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise BadRequest("seed", f"'seed' must be an integer in [0, 2**63), got {seed!r}")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop] if stop else []
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+        stops = list(stop)
+    else:
+        raise BadRequest("stop", "'stop' must be a string or a list of up to 4 non-empty strings")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos", "'ignore_eos' must be a boolean")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict)
+                                 and isinstance(opts.get("include_usage", False), bool)):
+        raise BadRequest("stream_options", "'stream_options' must be an object like "
+                                           '{"include_usage": true}')
+    include_usage = bool(opts and opts.get("include_usage"))
+    ids = _prompt_ids(body, chat, engine.model)
+    what = "messages" if chat else "prompt"
+    vocab = engine.steps.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise BadRequest(what, f"token ids must be in [0, {vocab})")
+    if not ids:
+        raise BadRequest(what, f"'{what}' encodes to no tokens")
+    room = engine.max_seq - len(ids)
+    if room < 1:
+        raise BadRequest(what, f"the prompt has {len(ids)} tokens; the context is "
+                               f"{engine.max_seq} tokens (shorten it)")
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = min(room, 512 if chat else 16)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise BadRequest(key, f"'{key}' must be an integer >= 1, got {max_tokens!r}")
+    if max_tokens > room:
+        raise BadRequest(key, f"'{key}'={max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                              f"the context of {engine.max_seq} tokens (at most {room})")
+    return Job(ids, int(max_tokens), stream, float(temperature),
+                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
+                include_usage)
+
+
+def finish_reason(s: RequestStream, stopped: bool) -> str:
+    """The OpenAI ``finish_reason``: ``"stop"`` at a stop string, else the stream's."""
+    if stopped:
+        return "stop"
+    return s.finish_reason or "cancelled"
+
+
+def usage(s: RequestStream, job: Job) -> dict[str, int]:
+    """The ``usage`` object: prompt, completion and total tokens."""
+    n = len(s.tokens)
+    return {"prompt_tokens": len(job.ids), "completion_tokens": n,
+            "total_tokens": len(job.ids) + n}
+
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def completion_body(rid: str, chat: bool, model_name: str, text: str, reason: str,
+                    use: dict[str, int]) -> dict[str, Any]:
+    """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response."""
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+            "choices": [choice], "usage": use}
+
+
+def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str | None,
+                 reason: str | None, first: bool = False) -> bytes:
+    """One streamed chunk (``chat.completion.chunk`` / ``text_completion``) as an SSE event;
+    ``first``: the chat stream's opening delta with the assistant role."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if piece:
+            delta["content"] = piece
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+    return sse_event({"id": rid, "object": obj, "created": created, "model": model_name,
+                      "choices": [choice]})

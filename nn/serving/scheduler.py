@@ -1,0 +1,234 @@
+"""The engine's scheduler: the admission queue, the running batch and one step of it.
+
+:class:`Scheduler` is owned by an :class:`~.engine.Engine` (whose docstring describes a
+step). It holds the queued and running requests, the batch rows (:class:`~.slots.SlotPool`)
+and the step model, and runs a step: admit queued requests into free slots (paged: with
+the KV blocks of their whole budget), enqueue the batched decode and this step's prompt
+chunks, then wait for the decode tokens and the prompts' first tokens and deliver them. It
+tells the engine, through the callbacks it is built with, when a request has news for its
+consumer, when the queue has room, and when a fail-stop step failed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from deviceops import DriverError, LaunchError
+
+from .requests import _DECODE, _DONE, _PREFILL, StepModel, _Request
+from .slots import SlotPool
+
+__all__ = ["Scheduler"]
+
+Submit = Callable[..., Callable[[], Awaitable[Any]]]
+
+
+def _lazy(fn: Callable[..., Awaitable[Any]]) -> Submit:
+    """A ``submit_*`` over a plain async step method: it runs when its result is awaited."""
+
+    def submit(*args: Any, **kw: Any) -> Callable[[], Awaitable[Any]]:
+        return lambda: fn(*args, **kw)
+
+    return submit
+
+
+class Scheduler:
+    """Queue, running batch and step of one engine (module docstring).
+
+    Args:
+        steps: the step model.
+        max_batch, max_seq, prefill_chunk, fail_stop: the engine's.
+        notify: called with a request that has new tokens or finished.
+        space_freed: called when a request left the queue (room for a waiting submitter).
+        fail: called with the error of a failed step of a ``fail_stop`` engine.
+
+    Attributes:
+        queue: requests waiting for a slot, in order.
+        active: requests holding a slot (prefill or decode), in admission order.
+        pool: the batch rows.
+        stepping: a step is running.
+        submit_decode, submit_prefill: the step model's pipelined step calls (or lazy ones
+            over its plain async methods).
+        reserve: the step model's ``reserve`` (paged KV), or ``None``.
+        steps_run, decode_rows, prefill_tokens, generated, finished, cancelled: counters.
+    """
+
+    def __init__(self, steps: StepModel, *, max_batch: int, max_seq: int, prefill_chunk: int,
+                 fail_stop: bool, notify: Callable[[_Request], None],
+                 space_freed: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        self.steps = steps
+        self.max_seq = max_seq
+        self.prefill_chunk = prefill_chunk
+        self.fail_stop = fail_stop
+        self._notify = notify
+        self._space_freed = space_freed
+        self._fail = fail
+        self.reserve = getattr(steps, "reserve", None)  # paged KV: blocks at admission
+        self.submit_decode: Submit = getattr(steps, "submit_decode", None) or _lazy(steps.decode_step)
+        self.submit_prefill: Submit = getattr(steps, "submit_prefill", None) or _lazy(steps.prefill)
+        block = int(getattr(steps, "kv_block_size", 16))
+        self.pool = SlotPool(max_batch, max_seq, block_size=block)
+        self.queue: deque[_Request] = deque()
+        self.active: list[_Request] = []
+        self.stepping = False
+        self.steps_run = self.decode_rows = self.prefill_tokens = 0
+        self.generated = self.finished = self.cancelled = 0
+
+    def budget(self, req: _Request) -> int:
+        """Positions ``req`` may fill: its prompt plus ``max_new_tokens``, within ``max_seq``."""
+        return min(len(req.prompt) + req.max_new, self.max_seq)
+
+    def finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
+        """End ``req`` (its slot and KV blocks freed) and tell its consumer."""
+        if req.state == _DONE:
+            return
+        if req.slot >= 0:
+            self.steps.release(req.slot)
+            self.pool.release(req.slot)
+            req.slot = -1
+            self.active.remove(req)
+        req.state = _DONE
+        req.finish_reason = reason
+        req.error = error
+        if reason == "cancelled":
+            self.cancelled += 1
+        else:
+            self.finished += 1
+        self._notify(req)
+
+    async def step(self) -> None:
+        """Admit, decode one token for the running batch, prefill one chunk budget."""
+        self.stepping = True
+        try:
+            for req in [r for r in self.active if r.cancelled]:
+                self.finish(req, "cancelled")
+            self._admit()
+            if not self.active:
+                return
+            self.steps_run += 1
+            try:
+                await self._decode_and_prefill()
+            except Exception as exc:  # a failed step fails every request it touched
+                if self.fail_stop:  # ... and takes a fail-stop engine out of service
+                    self._fail(exc)
+                else:
+                    for req in list(self.active):
+                        self.finish(req, "error", exc)
+        finally:
+            self.stepping = False
+        for req in [r for r in self.active if r.cancelled]:
+            self.finish(req, "cancelled")
+
+    def _admit(self) -> None:
+        """Queued requests, in order, take a slot and (paged) their KV blocks."""
+        while self.queue and self.pool.free:
+            req = self.queue[0]
+            if req.cancelled:
+                self.queue.popleft()
+                self._space_freed()
+                self.finish(req, "cancelled")
+                continue
+            slot = self.pool.acquire()
+            assert slot is not None
+            if self.reserve is not None and not self.reserve(slot, self.budget(req)):
+                self.pool.release(slot)
+                if not self.active:  # nothing will give blocks back: it can never fit
+                    self.queue.popleft()
+                    self._space_freed()
+                    self.finish(req, "error", RuntimeError(
+                        f"Engine: request {req.id} needs KV blocks for {self.budget(req)} "
+                        f"positions and no running request will free any ("
+                        f"{getattr(self.steps, 'kv_blocks_in_use', '?')} blocks held outside "
+                        "the engine?); release them or build the model with more kv_blocks"))
+                    continue
+                return  # wait for blocks (first come, first served)
+            self.queue.popleft()
+            self._space_freed()
+            req.slot, req.state = slot, _PREFILL
+            self.active.append(req)
+
+    async def _decode_and_prefill(self) -> None:
+        """Enqueue the decode step, then the prompt chunks of this step's budget, then wait:
+        the device runs them back to back while the host waits once for the decode tokens
+        (read before the prefill work in stream order) and then for the prompts' first
+        tokens. A step model without ``submit_*`` runs them one after another."""
+        rows = [r for r in self.active if r.state == _DECODE]
+        dec = None
+        if rows:
+            dec = self.submit_decode(
+                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
+            )
+        chunks = self._submit_prefills()
+        if dec is not None:
+            toks = await dec()
+            self.decode_rows += len(rows)
+            for req, tok in zip(rows, toks, strict=True):
+                req.pos += 1
+                self._deliver(req, int(tok))
+        for req, n, last, wait in chunks:
+            try:
+                tok = await wait()
+            except Exception as exc:  # this request's prefill failed: only it ends
+                if self._device_failed(exc):
+                    raise  # ... unless the device did: the whole step fails
+                self.finish(req, "error", exc)
+                continue
+            req.prefilled += n
+            self.prefill_tokens += n
+            if req.slot >= 0:
+                self.pool.set_length(req.slot, req.prefilled)
+            if last:
+                if tok is None:
+                    raise RuntimeError("StepModel.prefill(last=True) returned no token")
+                req.state, req.pos = _DECODE, len(req.prompt)
+                self._deliver(req, int(tok))
+
+    def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
+        """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
+        budget = self.prefill_chunk
+        out: list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]] = []
+        for req in [r for r in self.active if r.state == _PREFILL]:
+            if budget <= 0:
+                break
+            if req.cancelled:
+                continue
+            n = min(len(req.prompt) - req.prefilled, budget)
+            start = req.prefilled
+            last = start + n == len(req.prompt)
+            try:
+                wait = self.submit_prefill(
+                    req.slot, req.prompt[start : start + n], start, req.params, last=last
+                )
+            except Exception as exc:  # refused before anything was enqueued: only it ends
+                if self._device_failed(exc):
+                    raise
+                self.finish(req, "error", exc)
+                continue
+            budget -= n
+            out.append((req, n, last, wait))
+        return out
+
+    def _device_failed(self, exc: BaseException) -> bool:
+        """A fail-stop engine treats a launch or driver error of one request as the device's."""
+        return self.fail_stop and isinstance(exc, (LaunchError, DriverError))
+
+    def _deliver(self, req: _Request, tok: int) -> None:
+        if req.cancelled:
+            return
+        now = time.perf_counter()
+        if req.t_first is None:
+            req.t_first = now
+        req.out.append(tok)
+        req.buf.append(tok)
+        req.last = tok
+        self.generated += 1
+        self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
+        if (tok in self.steps.eos_ids and not req.ignore_eos) or tok in req.stop:
+            self.finish(req, "stop")
+        elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
+            self.finish(req, "length")
+        else:
+            self._notify(req)
