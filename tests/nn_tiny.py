@@ -156,22 +156,28 @@ def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
 
-def reference_logits(w: dict[str, Any], ids: list[int]) -> np.ndarray:
-    """float64 Llama forward of ``ids`` (positions 0..L-1): logits ``(L, V)``."""
+def reference_logits(w: dict[str, Any], ids: list[int],
+                     dims: dict[str, Any] | None = None) -> np.ndarray:
+    """float64 Llama forward of ``ids`` (positions 0..L-1): logits ``(L, V)``.
+
+    ``dims``: ``heads``, ``kv_heads``, ``eps``, ``theta``, ``layers`` (default :data:`DIMS`).
+    A q/k/v projection bias in ``w`` (``...q_proj.bias``) is added."""
+    dims = DIMS if dims is None else dims
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
-    nh, nkv, eps, th = DIMS["heads"], DIMS["kv_heads"], DIMS["eps"], DIMS["theta"]
+    nh, nkv, eps, th = dims["heads"], dims["kv_heads"], dims["eps"], dims["theta"]
     e = w["model.embed_tokens.weight"]
     d = e.shape[1] // nh
     x = e[np.asarray(ids)]
     n = len(ids)
     pos = np.arange(n, dtype=np.float64)
     mask = np.triu(np.full((n, n), -np.inf), 1)
-    for i in range(DIMS["layers"]):
+    for i in range(dims["layers"]):
         p = f"model.layers.{i}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, nh, d)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, nkv, d)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, nkv, d)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T + w.get(p + "self_attn.q_proj.bias", 0.0))
+        k = (h @ w[p + "self_attn.k_proj.weight"].T + w.get(p + "self_attn.k_proj.bias", 0.0))
+        v = (h @ w[p + "self_attn.v_proj.weight"].T + w.get(p + "self_attn.v_proj.bias", 0.0))
+        q, k, v = q.reshape(n, nh, d), k.reshape(n, nkv, d), v.reshape(n, nkv, d)
         q, k = _rope(q, pos, th), _rope(k, pos, th)
         out = np.empty((n, nh, d))
         for hh in range(nh):
@@ -190,11 +196,12 @@ def reference_logits(w: dict[str, Any], ids: list[int]) -> np.ndarray:
     return np.asarray(x @ head.T)
 
 
-def reference_greedy(held: dict[str, np.ndarray], ids: list[int], n: int) -> list[int]:
+def reference_greedy(held: dict[str, np.ndarray], ids: list[int], n: int,
+                     dims: dict[str, Any] | None = None) -> list[int]:
     """``n`` greedy tokens after ``ids`` from the float64 reference (:func:`reference_logits`)."""
     seq, out = list(ids), []
     for _ in range(n):
-        tok = int(np.argmax(reference_logits(held, seq)[-1]))
+        tok = int(np.argmax(reference_logits(held, seq, dims)[-1]))
         out.append(tok)
         seq.append(tok)
     return out

@@ -4,6 +4,17 @@ errors/dtypes -> backend -> streams, tensors, launch -> DeviceOp  are the core; 
 api, kernels, the async bridge, graphs and nn sit above it and reach it through its
 public names or the hooks of ``deviceops._hooks``. Imports under ``if TYPE_CHECKING:`` (type
 names only) are allowed.
+
+``deviceops.nn`` (issue 32) reaches the rest of the library only through its public API:
+``deviceops`` (public names, and ``deviceops._env`` for environment knobs),
+``deviceops.api``, ``deviceops.kernels``, ``deviceops.scheduling`` and ``deviceops.graphs``;
+the one exception is ``nn/_precompile.py`` (see ``NN_PRIVATE_OK``). Inside ``nn`` the layers
+go bottom to top: ``layers`` < ``models`` (architectures) < ``runner`` (device state, step
+API) < the model layer (``tokenizer``, ``checkpoint``, ``model``, ``static_batch``,
+``load``) < ``serving``. ``models`` imports only ``layers`` and itself; ``runner`` only
+``layers``, ``models``, ``_args`` and itself; nothing below ``serving`` imports it (the
+package ``__init__`` re-exports the serving names lazily, through ``importlib``; the
+``serve`` entry module is the command, part of serving).
 """
 
 from __future__ import annotations
@@ -162,3 +173,103 @@ def test_extension_interface_exports_what_it_lists() -> None:
 
     missing = [n for n in ext.__all__ if not hasattr(ext, n)]
     assert not missing and ext.__doc__ and "launch" in ext.__doc__
+
+
+NN = ROOT / "nn"
+NN_FILES = sorted(str(p.relative_to(NN)) for p in NN.rglob("*.py"))
+NN_PUBLIC = ("deviceops", "deviceops.api", "deviceops.kernels", "deviceops.scheduling",
+             "deviceops.graphs", "deviceops._env")
+# the precompile command's workload compiles every GEMM variant through kernels' own
+# variant list and compiler (deviceops/precompile.py is its entry point)
+NN_PRIVATE_OK = {"_precompile.py"}
+
+
+def _nn_module_imports(rel: str) -> list[tuple[int, str, list[str]]]:
+    """``(line, absolute module, names)`` of every import of ``nn/<rel>`` outside ``if
+    TYPE_CHECKING:``, relative imports resolved against the file's package."""
+    parts = ["deviceops", "nn", *rel[:-3].split("/")]
+    package = parts if parts[-1] == "__init__" else parts[:-1]
+    if package[-1] == "__init__":
+        package = package[:-1]
+    out: list[tuple[int, str, list[str]]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for n in node.orelse:
+                visit(n)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, []) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                if node.module:
+                    out.append((node.lineno, ".".join([*base, node.module]), names))
+                else:  # "from . import x": x is a module of the package (or a name of it)
+                    out.extend((node.lineno, ".".join([*base, n]), []) for n in names)
+            else:
+                out.append((node.lineno, node.module or "", names))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse((NN / rel).read_text()))
+    return out
+
+
+def _nn_layer(module: str) -> str:
+    """The nn layer a ``deviceops.nn...`` module belongs to."""
+    parts = module.split(".")[2:]
+    head = parts[0] if parts else "__init__"
+    if head in ("layers", "models", "runner", "serving", "_args"):
+        return head
+    return "serving" if head == "serve" else "model"
+
+
+NN_MAY_IMPORT = {  # layer -> the nn layers it may import
+    "layers": {"layers"},
+    "_args": {"_args"},
+    "models": {"layers", "models"},
+    "runner": {"layers", "models", "runner", "_args"},
+    "model": {"layers", "models", "runner", "_args", "model"},
+    "serving": {"layers", "models", "runner", "_args", "model", "serving"},
+}
+
+
+@pytest.mark.parametrize("rel", NN_FILES)
+def test_nn_reaches_deviceops_through_its_public_api(rel: str) -> None:
+    bad = []
+    for line, mod, names in _nn_module_imports(rel):
+        if not mod.startswith("deviceops") or mod.startswith("deviceops.nn"):
+            continue
+        if rel in NN_PRIVATE_OK:
+            continue
+        if mod not in NN_PUBLIC:
+            bad.append(f"line {line}: {mod}")
+        elif mod == "deviceops":
+            bad += [f"line {line}: from deviceops import {n}" for n in names
+                    if n.startswith("_") and n != "_env"]
+    assert not bad, f"nn/{rel} imports private deviceops modules ({NN_PUBLIC} only): {bad}"
+
+
+@pytest.mark.parametrize("rel", NN_FILES)
+def test_nn_layers_import_only_those_below(rel: str) -> None:
+    own = _nn_layer("deviceops.nn." + rel[:-3].replace("/", "."))
+    if rel == "__init__.py":
+        own = "model"  # re-exports the model layer; serving only lazily (importlib)
+    allowed = NN_MAY_IMPORT[own]
+    bad = [f"line {line}: {mod} ({_nn_layer(mod)})"
+           for line, mod, _ in _nn_module_imports(rel)
+           if mod.startswith("deviceops.nn") and _nn_layer(mod) not in allowed]
+    assert not bad, f"nn/{rel} ({own} layer) imports layers above it: {bad}"
+
+
+def test_importing_nn_does_not_import_serving() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, deviceops.nn as nn; nn.CausalLM; "
+            "bad = [m for m in sys.modules if m.startswith(('deviceops.nn.serving', "
+            "'starlette', 'uvicorn', 'ray'))]; assert not bad, bad; "
+            "assert nn.Engine.__module__ == 'deviceops.nn.serving.engine'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
