@@ -1,4 +1,4 @@
-"""The cpu backend's float32 kernel paths (issue 35, item 1: ``kernels/_cpu_fast.py``).
+"""The cpu backend's float32 kernel paths (issue 35, item 1: ``kernels/*/_cpu.py``).
 
 Every fast path is compared with the float64 reference that stays the tests' oracle, on odd
 shapes, within about one output ulp of each dtype (float32 paths accumulate in float32, as

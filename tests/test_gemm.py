@@ -310,7 +310,7 @@ def test_skinny_tma_persistent_grid_gives_each_block_the_same_tile_count(batch: 
 
 
 def test_tma_launch_packs_maps_pointers_and_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The TMA kernels' launch (kernels/_tma.py) without a GPU: one map per (key index,
+    """The TMA kernels' launch (kernels/runtime/_tma.py) without a GPU: one map per (key index,
     geometry), then the three pointers and the typed scalars; a repeated pointer set reuses its
     packed block, a fresh pointer encodes only the maps that changed."""
     import ctypes

@@ -1,5 +1,5 @@
-"""Bound launches and kernel specs, the parts that need no GPU (kernels/_replay.py,
-kernels/_spec.py): what a recording maps to, when a record is stale, recorder hygiene, and
+"""Bound launches and kernel specs, the parts that need no GPU (kernels/runtime/_replay.py,
+kernels/runtime/_spec.py): what a recording maps to, when a record is stale, recorder hygiene, and
 the plan key (statics, signatures, aliasing). tests/test_replay_gpu.py checks replays
 against fresh executions on a GPU."""
 

@@ -1,4 +1,4 @@
-"""Bound launches (kernels/_replay.py) on a GPU: a replay equals a fresh execution, bit for bit.
+"""Bound launches (kernels/runtime/_replay.py) on a GPU: a replay equals a fresh execution, bit for bit.
 
 For every replayable launcher, at decode and prefill sizes and on each code path (GEMM
 skinny/GEMV/sm_90/split-K, attention split-KV/prefill/paged): the op runs once (recorded),
