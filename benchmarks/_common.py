@@ -497,6 +497,6 @@ def raw_kernels(cp: Any) -> dict[str, Any]:
 def launch_geometry(n: int) -> tuple[tuple[int], tuple[int]]:
     """(grid, block) deviceops' elementwise kernels use for ``n`` contiguous elements.
 
-    One block of 256 threads per 1024-element tile (``kernels/_elementwise.py``).
+    One block of 256 threads per 1024-element tile (``kernels/elementwise/``).
     """
     return (max(1, -(-n // 1024)),), (256,)

@@ -409,7 +409,7 @@ class CudaBackend(Backend):
         """Compile ``source`` with NVRTC for ``device`` into a :class:`cupy.RawModule`.
 
         Options are ``--gpu-architecture=sm_<cc><arch_suffix> -std=c++17 *options``
-        (as ``deviceops.kernels._module.load_module`` passes them); caching is the
+        (as ``deviceops.kernels.runtime._module.load_module`` passes them); caching is the
         caller's business (CuPy also caches NVRTC output on disk).
         """
         if device.kind != "cuda":

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["launch", "ordered", "set_launch_recorder"]
 
-# While a kernel op's body is being recorded for replay (deviceops.kernels._replay), each
+# While a kernel op's body is being recorded for replay (deviceops.kernels.runtime._replay), each
 # launch appends the storages it reads and writes here (set_launch_recorder).
 _recorder: list[tuple[list[Storage], list[Storage]]] | None = None
 

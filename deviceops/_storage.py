@@ -55,7 +55,7 @@ class Storage:
         # [writes of this memory that have run] (cpu backend: counted by the worker as each
         # writing task finishes; a task reading it sees the count of the writes before it).
         # A cell for the same reason as ``fail``. The cpu GEMM keys its float32 weight
-        # copies by it (deviceops.kernels._cpu_fast).
+        # copies by it (the kernel families' ``_cpu`` modules).
         self.ver: list[int] = [0]
 
     @property

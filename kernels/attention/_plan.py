@@ -61,7 +61,7 @@ BULK_MIN_STEPS = 8
 BULK_STAGES = 2
 
 #: sm_90 kernel configurations by padded head dim: (BN keys per tile, NWG warpgroups of 64
-#: query rows, NSTAGE K/V buffers). Measured on H100, see benchmarks/RESULTS-attention.md.
+#: query rows, NSTAGE K/V buffers). Measured on H100 (benchmarks/RESULTS.md, attention).
 SM90_CONFIGS: dict[int, tuple[int, int, int]] = {
     64: (64, 4, 4),
     128: (96, 3, 3),
@@ -150,7 +150,7 @@ def plan_splitkv(
     if split and lq <= DECODE_MAX_LQ and lk > min_steps * _block_step(d, warps):
         # Round down: a grid just past a whole number of waves leaves a nearly empty last
         # wave (H100, B8 Lk32k GQA 32/8 D128: 17 splits = 1088 blocks 380 us; the same
-        # kernel at 16 x 2048 keys = 1024 blocks 354.5 us, benchmarks/RESULTS-attention.md).
+        # kernel at 16 x 2048 keys = 1024 blocks 354.5 us).
         want = max(1, blocks_per_sm * n_sm * 4 // (warps * base_blocks))
         n_split = min(want, _num_splits_upper(lk))
     return gt, n_hchunk, n_split
@@ -177,7 +177,7 @@ def splitkv_warps(
 
     Blocks of more than 4 warps need 16-bit data, at most 4 heads per block and their
     per-warp partials within 32 KiB of shared memory. Measured on H100 (every decode-table
-    point, ``tools/attn_warps_sweep_gpu.py``, benchmarks/RESULTS.md), with ``P`` the
+    point of ``benchmarks/attention.py --decode-tables``), with ``P`` the
     (batch row, kv head, query, head chunk) pairs and ``R = 16 n_sm`` the resident warps:
 
     * a cache of at most ``SPLIT_MIN_STEPS`` 4-warp steps: 8 warps, unsplit;
@@ -275,8 +275,8 @@ def splitkv_cluster(n_split: int, cc: int, d: int, forced: int | None = None, gr
     Otherwise (sm_90) the split blocks of a row group form one thread-block cluster and
     merge through distributed shared memory (no workspace traffic, no second kernel), with
     the split rounded down to a power of two of at most ``CLUSTER_MAX``. The planner's rule,
-    from an H100 sweep of the decode tables (``tools/attn_cluster_gpu.py``,
-    benchmarks/RESULTS.md): head dim at most 64 and a planned split of 2 to
+    from an H100 sweep of the decode tables (``benchmarks/attention.py --decode-tables``
+    under each ``AttentionOverride(cluster=...)``): head dim at most 64 and a planned split of 2 to
     ``2 * CLUSTER_MAX`` (SmolLM2 B8 Lk1k 11.3 -> 10.0 us, B1 Lk512 7.6 -> 6.9 us); head dim
     128 keeps the combine kernel (GQA 32/8 B8 Lk4k 52.8 -> 65.7 us in clusters of 8). A longer
     split is capped to a cluster only while the capped grid, ``groups`` row groups (blocks

@@ -28,7 +28,7 @@ SM90_CONFIGS: dict[str, tuple[int, int, int]] = {
 }
 GEMV_MAX_M = 8  # f16/bf16 with at most this many rows, b not transposed -> gemm_gemv
 # On sm_90 the GEMV serves M = 1, and M <= 4 for weights of at most this many elements; the
-# TMA tiles are faster above (H100, tools/gemv_gpu.py: M = 8 4096x4096 64.4 vs 18.9 us).
+# TMA tiles are faster above (H100, ``benchmarks/gemm.py --m 8``: M = 8 4096x4096 64.4 vs 18.9 us).
 _GEMV_SMALL_WEIGHT = 1 << 21
 SKINNY_MAX_M = 64  # f16/bf16 with at most this many rows, trans_b -> gemm_skinny
 _SKINNY_SMALL_BYTES = 8 << 20  # skinny: a weight below this is latency bound (one load round)
@@ -70,7 +70,7 @@ def _splits_for(tiles: int, kt_total: int, n_sm: int) -> int:
 _SM90_EFF = {"128x256": 1.0, "128x128": 0.9, "64x128": 0.65}
 _SM_FLOPS_PER_US = 5.5e6  # per-SM dense bf16 rate, about 730 TFLOP/s / 132
 _SPLIT_FIXED_US = 1.0  # extra launch + partial round trip of split-K
-# No split-K from this many rows (per batch) up: measured on H100 (tools/gemm_sweep_gpu.py),
+# No split-K from this many rows (per batch) up: measured on H100 (``benchmarks/gemm.py`` under each ``GemmOverride``),
 # one slice beat every split at M = 128..512 of the SmolLM2 and
 # 8B prefill shapes (128x768x768 bf16 6.50 vs 7.63 us, 128x4096x4096 16.0 vs 24.7 us,
 # 512x576x1536 8.40 vs 10.07 us): the partial round trip costs more than the model says.
@@ -294,7 +294,7 @@ def gemv_config(m: int, n: int, k: int, cc: int) -> tuple[int, int, int, int]:
     SM, each slice keeping at least 128 rows (one step of the block's row groups); the next
     step's rows are prefetched when a block of a cluster of at most 4 has at least 1024 rows
     (with 8 slices the prefetch lost: 1x4096x4096 16.7 -> 21.2 us). Measured on H100
-    (``tools/gemv_gpu.py``, benchmarks/RESULTS.md). Other GPUs: one slice.
+    (``benchmarks/gemm.py --m 1``). Other GPUs: one slice.
     """
     lpr = 8 if n <= 1024 else 16
     strips = _cdiv(n, 8 * lpr)
