@@ -106,7 +106,7 @@ def decoder_ops(arch: Architecture, w: Weights, cache: KVCache, vw: dict[str, An
     """Thunks of every decoder layer over the views ``vw`` (input: the embedded tokens in
     ``vw['resid']``); ``table``: the rows' block-table rows ``(B, max_blocks)``; ``first``:
     a prompt chunk at position 0 (attention over its own contiguous keys,
-    ``vw['fresh']``). The final norm is :meth:`~.models.Architecture.final_norm_ops`."""
+    ``vw['fresh']``). The final norm is :meth:`~deviceops.nn.models.Architecture.final_norm_ops`."""
     th: list[Thunk] = []
     for i, layer in enumerate(w.layers):
         kc, vc = cache.layer(i)

@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["SCOPE_KEY", "AccessLog", "ListeningFilter", "request_line"]
 
-SCOPE_KEY = "deviceops.request"  # the RequestStream of a generation request (set by _http)
+SCOPE_KEY = "deviceops.request"  # the RequestStream of a generation request (set by :mod:`.http`)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

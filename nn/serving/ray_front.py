@@ -352,7 +352,7 @@ def add_admin_routes(app: Any, token: str | None) -> None:
     """Add ``GET``/``POST /admin/replicas`` to a ``serve --ray`` app (module docstring).
 
     Args:
-        app: the Starlette app of :func:`~._http.create_app` (its router a :class:`RayRouter`
+        app: the Starlette app of :func:`~.http.create_app` (its router a :class:`RayRouter`
             once loaded).
         token: the bearer token the route requires; ``None`` or empty: the route answers 403.
     """

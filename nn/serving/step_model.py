@@ -1,6 +1,6 @@
 """Adapts a ``CausalLM`` to the engine's :class:`~.requests.StepModel` protocol.
 
-The model's step API (documented in :mod:`.model`) enqueues on ``model.device_stream``
+The model's step API (documented in :mod:`deviceops.nn.runner.runner`) enqueues on ``model.device_stream``
 and returns token views without waiting; this adapter awaits the host copy of the
 sampled tokens as a :class:`~deviceops.DeviceFuture` scheduled on that same stream, so
 the event loop runs while the step is on the device (or on the cpu backend's worker
@@ -139,7 +139,7 @@ async def _none() -> None:
 
 def _step_decode(model: Any) -> Any:
     """The model's batched decode step: ``decode_step``, or ``decode(slots, tokens, positions)``
-    (the step API's name in :mod:`.model`; the text ``decode(ids)`` takes one argument)."""
+    (the step API's name in :mod:`deviceops.nn.model`; the text ``decode(ids)`` takes one argument)."""
     for name in ("decode_step", "decode"):
         fn = getattr(model, name, None)
         if fn is None:
