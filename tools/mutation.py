@@ -70,11 +70,11 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/scheduler.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py"],
     "nn/serving/slots.py": ["tests/test_engine.py", "tests/test_small_contracts.py"],
     "nn/runner/paged_kv.py": [*_PAGED_TESTS, "tests/test_small_contracts.py"],
-    "kernels/_rope_reference.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
+    "kernels/transformer/_reference.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
                                    "tests/test_transformer_kernels.py"],
-    "kernels/_attention_reference.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
+    "kernels/attention/_reference.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
                                         "tests/test_attention.py"],
-    "kernels/_sampling.py": ["tests/test_sampling_effects.py", "tests/test_nn_tiny.py",
+    "kernels/sampling/op.py": ["tests/test_sampling_effects.py", "tests/test_nn_tiny.py",
                              "tests/test_transformer_kernels.py"],
     "deviceops/_combinators.py": [*_ERROR_TESTS, "tests/test_ops.py", "tests/test_scheduling.py",
                                   "tests/test_multi_device.py", "tests/test_properties.py",
@@ -86,9 +86,10 @@ MODULES: dict[str, list[str]] = {
     "deviceops/_copies.py": ["tests/test_multi_device.py", "tests/test_api.py",
                              "tests/test_hazards.py", "tests/test_small_contracts.py"],
     # the cpu backend's float32 kernel paths (its paged KV writes and reads among them)
-    "kernels/_cpu_fast.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
-                             "tests/test_transformer_kernels.py", "tests/test_attention.py",
-                             "tests/test_nn_tiny.py"],
+    "kernels/transformer/_cpu.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
+                                    "tests/test_transformer_kernels.py", "tests/test_nn_tiny.py"],
+    "kernels/attention/_cpu.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",
+                                  "tests/test_attention.py", "tests/test_nn_tiny.py"],
 }
 
 # cosmic-ray operators used (its full set also swaps every arithmetic operator for every
@@ -125,7 +126,7 @@ _HTTP_STREAM = ("                s = engine.stream(job.ids, job.max_tokens, temp
                 "                                  ignore_eos=job.ignore_eos)")
 _KV_WRITE = ("                k_cache[blk, :, p % s_len] = k[b, i]\n"
              "                v_cache[blk, :, p % s_len] = v[b, i]")
-# the cpu float32 path's decode branch (a few tokens: plain indexing), kernels/_cpu_fast.py
+# the cpu float32 path's decode branch (a few tokens: plain indexing), kernels/transformer/_cpu.py
 _FAST_WRITE = ("                    k_cache[blk_, :, p_ % s_len] = k[bi_, i_]\n"
                "                    v_cache[blk_, :, p_ % s_len] = v[bi_, i_]")
 _SAMPLING = ("tests/test_sampling_effects.py",)
@@ -149,32 +150,32 @@ NAMED: list[Named] = [
     Named("Engine: ignores top_k/top_p", "nn/serving/engine.py",
           "params = SamplingParams(t, k, p, ", "params = SamplingParams(t, 0, 1.0, ", _SAMPLING),
     Named("paged KV (references): decode K/V one slot early at a block's last slot",
-          "kernels/_rope_reference.py", _KV_WRITE,
+          "kernels/transformer/_reference.py", _KV_WRITE,
           "                o = p % s_len - (1 if l_ == 1 and p % s_len == s_len - 1 else 0)\n"
           "                k_cache[blk, :, o] = k[b, i]\n"
           "                v_cache[blk, :, o] = v[b, i]", _PAGED, _REFERENCE),
-    Named("paged KV (references): V dropped at block ends", "kernels/_rope_reference.py",
+    Named("paged KV (references): V dropped at block ends", "kernels/transformer/_reference.py",
           _KV_WRITE,
           "                k_cache[blk, :, p % s_len] = k[b, i]\n"
           "                if p % s_len != s_len - 1:\n"
           "                    v_cache[blk, :, p % s_len] = v[b, i]", _PAGED, _REFERENCE),
-    Named("paged KV (references): K dropped at block ends", "kernels/_rope_reference.py",
+    Named("paged KV (references): K dropped at block ends", "kernels/transformer/_reference.py",
           _KV_WRITE,
           "                if p % s_len != s_len - 1:\n"
           "                    k_cache[blk, :, p % s_len] = k[b, i]\n"
           "                v_cache[blk, :, p % s_len] = v[b, i]", _PAGED, _REFERENCE),
     Named("paged KV (references): attention reads the next block-table entry at block ends",
-          "kernels/_attention_reference.py",
+          "kernels/attention/_reference.py",
           "        ids = block_table[bi, :n_blk].astype(np.int64)",
           "        ids = block_table[bi, :n_blk].astype(np.int64)\n"
           "        if n_blk > 1 and int(lens[bi]) % bs == 0:\n"
           "            ids = np.roll(ids, 1)", _PAGED, _REFERENCE),
     Named("paged KV (cpu float32 path): decode K/V one slot early at a block's last slot",
-          "kernels/_cpu_fast.py", _FAST_WRITE,
+          "kernels/transformer/_cpu.py", _FAST_WRITE,
           "                    o_ = p_ % s_len - (1 if l_ == 1 and p_ % s_len == s_len - 1 else 0)\n"
           "                    k_cache[blk_, :, o_] = k[bi_, i_]\n"
           "                    v_cache[blk_, :, o_] = v[bi_, i_]", _PAGED),
-    Named("paged KV (cpu float32 path): V dropped at block ends", "kernels/_cpu_fast.py",
+    Named("paged KV (cpu float32 path): V dropped at block ends", "kernels/transformer/_cpu.py",
           _FAST_WRITE,
           "                    k_cache[blk_, :, p_ % s_len] = k[bi_, i_]\n"
           "                    if p_ % s_len != s_len - 1:\n"
