@@ -72,7 +72,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _async_pacing as _pacing
 from . import _hooks, _offload
-from ._async_pacing import _WINDOW_S, _admission, _park, _Slice, _weak, configure_await
+from ._async_pacing import (
+    _WINDOW_S,
+    _admission,
+    _park,
+    _Slice,
+    _weak,
+    cold_lock,
+    configure_await,
+)
 from ._backend import program_loads as _loads
 from ._context import guard, refuse_nested
 
@@ -184,15 +192,18 @@ async def await_op(op: DeviceOp[T]) -> T:
         fut = op.schedule()
         if _loads[0] != before:  # a warm key compiled after all: cold again
             _offload.note_inline(op, before)
+        parked = _register(fut, sl, lib)
     else:  # an op not yet seen complete without a compile: enqueued off the loop's thread
-        fut = await _offload.schedule_off_loop(op, key)
+        try:
+            async with cold_lock(sl):
+                while sl.pressured:
+                    await _admission(sl, retry=True)
+                fut = await _offload.schedule_off_loop(op, key)
+                parked = _register(fut, sl, lib)
+        except BaseException:
+            op._consume()  # (no-op once enqueued) cancelled before: nothing ran, no warning
+            raise
         t0 = _perf()
-    _stats[0] += 1
-    ev = fut._event
-    parked = None
-    if fut._exc is None and ev is not None and not ev.query() and not _spin(ev):
-        _stats[1] += 1
-        parked = _park(ev, sl, lib)
     dt = _perf() - t0  # the enqueue (and registration): this task's share of the pass
     sl.cost += 0.1 * (dt - sl.cost)
     sl.used += dt
@@ -202,6 +213,16 @@ async def await_op(op: DeviceOp[T]) -> T:
 
 
 _perf = time.perf_counter
+
+
+def _register(fut: Any, sl: _Slice, lib: str) -> Any:
+    """Count an enqueued await; return what to await for its wake-up (``None``: complete)."""
+    _stats[0] += 1
+    ev = fut._event
+    if fut._exc is None and ev is not None and not ev.query() and not _spin(ev):
+        _stats[1] += 1
+        return _park(ev, sl, lib)
+    return None
 
 
 async def await_future(fut: DeviceFuture[T]) -> T:

@@ -64,8 +64,9 @@ def configure_await(
 class _Slice:
     """Enqueue budget of one event loop for the current pass, and the tasks queued for it."""
 
-    __slots__ = ("_loop_ref", "cost", "depth", "last_drain", "last_n", "lib", "lock", "notified",
-                 "open", "pressured", "ready", "retry", "used", "waiters", "wake_cost", "window")
+    __slots__ = ("_loop_ref", "cold", "cost", "depth", "last_drain", "last_n", "lib", "lock",
+                 "notified", "open", "pressured", "ready", "retry", "used", "waiters", "wake_cost",
+                 "window")
 
     def __init__(self, lib: str, loop: Any) -> None:
         self.used = 0.0
@@ -88,6 +89,8 @@ class _Slice:
         # back-pressure: this loop's parked awaits per stream id, and the streams at the cap
         self.depth: dict[int, int] = {}
         self.pressured: set[int] = set()
+        # first-use (compiling) awaits enqueue off the loop one at a time (:func:`cold_lock`)
+        self.cold: Any = None
 
     @property
     def loop(self) -> Any:
@@ -289,3 +292,23 @@ def _park(ev: Any, sl: _Slice, lib: str) -> Awaitable[Any]:
     _parked(sl, sid)
     ev.when_complete(_Wakeup(sl, wake_trio))
     return done.wait()
+
+
+def cold_lock(sl: _Slice) -> Any:
+    """The loop's lock around a first-use await's off-loop enqueue and its registration.
+
+    An await whose op compiles on first use is enqueued from a worker thread; while it is
+    there, other tasks run. Taking these one at a time per loop, with the back-pressure check
+    inside the lock, keeps every such await counted before the next one decides whether the
+    stream is at its cap (a burst of first-use awaits would otherwise all pass the check).
+    """
+    lock = sl.cold
+    if lock is None:
+        if sl.lib == "asyncio":
+            lock = asyncio.Lock()
+        else:
+            import trio
+
+            lock = trio.Lock()
+        sl.cold = lock
+    return lock

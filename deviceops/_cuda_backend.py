@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,16 @@ _EVENT_POOL_MAX = 4096
 # CuPy event could already be destroyed. An int has no finalizer: a handle is
 # destroyed exactly once, by us.
 _event_pools: dict[int, list[int]] = {}
+
+# The CuPy streams new_stream() makes live as long as the process and are reused: a dead
+# CudaStream hands its stream back. A cupy.cuda.Stream destroys its CUDA stream in __del__, and
+# the garbage collector runs the finalizers of every object of an unreachable cycle before it
+# sees that one of them, a Storage parking its memory until the streams that used it are done
+# (deviceops._storage), made a stream reachable again: that stream would be used after its
+# destruction (a segfault in the next sweep). Held here, a stream is never in such a cycle.
+# A stream reused while a resurrected CudaStream still names it only orders more work after.
+_made_natives: list[Any] = []
+_idle_natives: dict[int, list[Any]] = {}
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -275,7 +286,16 @@ class CudaBackend(Backend):
 
     def new_stream(self, device: Device) -> Stream:
         program_loads[1] = 1  # a GPU is in use: programs may compile (see deviceops._offload)
-        return CudaStream(device)
+        idle = _idle_natives.setdefault(device.index, [])
+        try:
+            native = idle.pop()
+        except IndexError:
+            native = None
+        stream = CudaStream(device, native)
+        if native is None:
+            _made_natives.append(stream.native)
+        weakref.finalize(stream, idle.append, stream.native)
+        return stream
 
     def wrap_stream(self, device: Device, native: Any) -> Stream:
         program_loads[1] = 1

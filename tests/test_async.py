@@ -266,13 +266,31 @@ async def test_many_concurrent_awaits_with_ticker(dev: deviceops.Device) -> None
     print(f"ticker worst gap {max(ticks) * 1e3:.2f} ms over {len(ticks)} ticks, {count} awaits")
 
 
-async def test_back_pressure_caps_awaits_in_flight_per_stream(dev: deviceops.Device) -> None:
+@pytest.mark.parametrize("first_use", [False, True], ids=["warm", "first_use"])
+async def test_back_pressure_caps_awaits_in_flight_per_stream(
+    dev: deviceops.Device, first_use: bool, request: pytest.FixtureRequest
+) -> None:
     """With the stream held busy, at most ``max_in_flight`` awaited ops are enqueued on it.
 
     The rest wait in the loop's admission queue (so the loop never blocks in a
     full driver queue), all complete with correct results, and the cap lifts.
+    ``first_use``: the process compiles programs and the op was never seen warm, so each
+    await is enqueued off the loop's thread (what a GPU's first use of a kernel does); the
+    cap holds for those too.
     """
-    from deviceops import _async
+    from deviceops import _async, _offload
+    from deviceops._backend import program_loads
+
+    if first_use:
+        saved = list(program_loads)
+        program_loads[1] = 1
+        _offload.reset()
+
+        def restore() -> None:
+            program_loads[:] = saved
+            _offload.reset()
+
+        request.addfinalizer(restore)
 
     cap, count = 8, 60
     s = dev.new_stream()
@@ -282,6 +300,10 @@ async def test_back_pressure_caps_awaits_in_flight_per_stream(dev: deviceops.Dev
     slow_copy(dst, src, 0.0).sync_on(s)  # compile outside the measured window
     xs = [api.full((4,), float(i)).sync_on(s) for i in range(count)]
     zs = [api.full((4,), 1.0).sync_on(s) for i in range(count)]
+    # compile saxpy before the stream is held: a first use compiles and loads its module off
+    # the loop, and a module load waits for the held stream (the gate would open only at its
+    # 30 s timeout)
+    kernels.saxpy(zs[0], 0.0, xs[0]).sync_on(s)
     before = deviceops.configure_await()
     deviceops.configure_await(max_in_flight=cap)
     peak = 0

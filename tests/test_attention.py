@@ -10,6 +10,7 @@ in CI, the CUDA kernels on a GPU machine (kv_len, paged KV, float32, graph repla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -43,6 +44,9 @@ for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
 
 def _attn(**fields: Any) -> Any:
     """The variant under test with ``fields`` replaced, installed for a ``with`` block."""
+    cur = _override.active(AttentionOverride)  # nested blocks add to the enclosing one
+    if cur is not None:
+        return overrides(dataclasses.replace(cur, **fields))
     return overrides(AttentionOverride(**{**_variant, **fields}))
 
 

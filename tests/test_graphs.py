@@ -181,3 +181,41 @@ def test_launch_is_ordered_after_other_streams(dev: deviceops.Device) -> None:
     g.launch()
     g.synchronize()
     np.testing.assert_array_equal(to_np(out), 8.0)
+
+
+@pytest.mark.gpu
+def test_streams_outlive_a_collected_cycle_of_graph_streams_and_tensors() -> None:
+    """A graph, its stream and the tensors it used, dropped together as cyclic garbage, then an
+    allocation's sweep of parked memory: the streams it records events on are still alive.
+
+    (Regression: the collector ran CuPy's stream finalizer, destroying the CUDA stream, before a
+    tensor's finalizer parked its memory on that stream; the next sweep used it and crashed.)
+    """
+    import gc
+
+    from deviceops._tensor import parked_count, sweep
+
+    dev = deviceops.device(0)
+
+    def build() -> None:
+        scope: dict[str, Any] = {}
+        stream = dev.new_stream()
+        w = api.from_host(np.ones((64, 32), np.float32)).sync_on(stream)
+        a, b = deviceops.zip(api.full((1024,), 3.0), api.arange(1024, dtype=deviceops.float32)).sync()  # two streams
+        token = api.zeros((1, 64)).sync_on(stream)
+        out = api.zeros((1, 32)).sync_on(stream)
+        kernels.gemm(token, w, out=out).sync_on(stream)
+        g = kernels.gemm(token, w, out=out).graph_on(stream)
+        g.update(api.memcpy(token, api.ones((1, 64))))
+        g.launch()
+        g.synchronize()
+        kernels.add(a, b).sync_on(stream)  # a and b read on a stream that did not make them
+        scope.update(stream=stream, w=w, a=a, b=b, token=token, out=out, g=g, scope=scope)
+
+    build()
+    gc.collect()
+    assert parked_count() > 0  # memory waits on streams that are now otherwise unreferenced
+    sweep()
+    s = dev.new_stream()
+    y = kernels.add(api.ones((8,)), api.ones((8,))).sync_on(s)
+    np.testing.assert_array_equal(to_np(y), np.full(8, 2.0, np.float32))
