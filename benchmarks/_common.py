@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from deviceops import _env
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import deviceops
@@ -85,7 +87,7 @@ INJECT_ENV = "DEVICEOPS_BENCH_INJECT_ERROR"
 def _inject() -> bool:
     """``DEVICEOPS_BENCH_INJECT_ERROR=1``: every reference is corrupted before the comparison
     (:func:`check_equal`, :func:`check_close`), to show the checks can fail."""
-    return os.environ.get(INJECT_ENV, "") not in ("", "0")
+    return _env.get(INJECT_ENV) not in ("", "0")
 
 
 def _corrupt(want: np.ndarray) -> np.ndarray:

@@ -3,7 +3,7 @@
 The one place a ``DEVICEOPS_*`` variable is named: library code reads a knob through
 :func:`get`, which refuses a name this table does not list, so an undocumented knob cannot
 creep in. ``python -c "from deviceops import _env; print(_env.describe())"`` prints the
-table (the README's "Environment" section is generated from the same rows).
+table; the README's "Environment" section is that table (a test keeps the two equal).
 
 This module sits at the bottom of the layers (it imports nothing from the package).
 """
@@ -58,6 +58,17 @@ KNOBS: tuple[Knob, ...] = (
          "answers, so a GPU run cannot pass by skipping."),
     Knob("DEVICEOPS_ADMIN_TOKEN", "",
          "Bearer token for the server's admin routes (`--admin-token` overrides)."),
+    Knob("DEVICEOPS_PROPERTY_EXAMPLES", "400",
+         "Tests: examples per property-based test of fresh random programs (`-m slow`)."),
+    Knob("DEVICEOPS_ATTN_VARIANT", "",
+         "Tests: run `tests/test_attention.py` under an attention override, e.g. "
+         "`min_steps=0 bulk=2` (the knobs are listed in that file)."),
+    Knob("DEVICEOPS_BENCH_INJECT_ERROR", "0",
+         "Benchmarks: `1` corrupts every reference before the checks, to show they fail."),
+    Knob("DEVICEOPS_MUTATION_DIR", "/tmp/deviceops-mutation",
+         "`tools/mutation.py`: where the mutated copies of the tree are made."),
+    Knob("DEVICEOPS_VENV", ".venv",
+         "`scripts/test.sh`, `scripts/demo.sh`: the virtual environment they make and use."),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -80,5 +91,6 @@ def get(name: str) -> str:
 def describe() -> str:
     """The knobs as a Markdown table (name, default, meaning)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | `{k.default}` | {k.meaning} |" for k in KNOBS]
+    rows += [f"| `{k.name}` | {f'`{k.default}`' if k.default else 'unset'} | {k.meaning} |"
+             for k in KNOBS]
     return "\n".join(rows)

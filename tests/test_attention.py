@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import ml_dtypes
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 import deviceops
-from deviceops import api, kernels
+from deviceops import _env, api, kernels
 from deviceops._errors import DTypeError, ShapeError
 from deviceops.kernels import attention as attn
 from deviceops.kernels.attention import AttentionOverride
@@ -35,7 +34,7 @@ from .conftest import to_np
 _KNOBS = {"min_steps": "split_min_steps", "target": "split_blocks_per_sm", "warps": "split_warps",
           "cluster": "cluster", "bulk": "bulk_stages"}
 _variant: dict[str, Any] = {}
-for _tok in os.environ.get("DEVICEOPS_ATTN_VARIANT", "").split():
+for _tok in _env.get("DEVICEOPS_ATTN_VARIANT").split():
     _k, _, _v = _tok.partition("=")
     if _k not in _KNOBS:
         raise ValueError(f"DEVICEOPS_ATTN_VARIANT: unknown knob {_tok!r}; use {sorted(_KNOBS)}")

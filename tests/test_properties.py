@@ -17,7 +17,6 @@ Python interpreter evaluates the same program. Every op left unconsumed at the e
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import deviceops  # noqa: E402
-from deviceops import DeviceOp, Tensor, api  # noqa: E402
+from deviceops import DeviceOp, Tensor, _env, api  # noqa: E402
 from deviceops._context import ExecutionContext  # noqa: E402
 from deviceops._launch import launch  # noqa: E402
 from deviceops.kernels import KernelOp  # noqa: E402
@@ -301,7 +300,7 @@ def _streams_clean(policy: Any) -> None:
 # README's testing section) draws fresh ones each time: DEVICEOPS_PROPERTY_EXAMPLES of them.
 SETTINGS = settings(max_examples=60, deadline=5000, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-FRESH = settings(max_examples=int(os.environ.get("DEVICEOPS_PROPERTY_EXAMPLES", "400")),
+FRESH = settings(max_examples=int(_env.get("DEVICEOPS_PROPERTY_EXAMPLES")),
                  deadline=5000, derandomize=False, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

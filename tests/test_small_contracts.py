@@ -454,3 +454,28 @@ def test_memcpy_is_placed_on_its_destination_and_to_host_checks_the_device() -> 
             np.testing.assert_array_equal(to_np(x1), v)
     with pytest.raises(deviceops.DeviceError, match=r"to_host: .* is on cpu:1"):
         api.to_host(x1).sync_on(d0.new_stream())
+
+
+def test_readme_environment_table_is_the_knob_table() -> None:
+    """The README's "Environment" table is ``deviceops._env.describe()`` verbatim, and every
+    ``DEVICEOPS_*`` name the product's code mentions is a listed knob."""
+    import re
+    from pathlib import Path
+
+    from deviceops import _env
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    m = re.search(r"<!-- env-table -->\n(.*?)\n<!-- /env-table -->", readme, re.S)
+    assert m, "README.md has no <!-- env-table --> block"
+    assert m.group(1) == _env.describe(), "README's Environment table differs from deviceops/_env.py"
+    listed = {k.name for k in _env.KNOBS}
+    used: set[str] = set()
+    for folder in ("deviceops", "scheduling", "graphs", "kernels", "nn", "benchmarks", "tools",
+                   "scripts", "tests"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".sh") and "__pycache__" not in path.parts:
+                used |= set(re.findall(r"DEVICEOPS_[A-Z0-9_]+", path.read_text()))
+    assert used - listed == set(), f"knobs not in deviceops/_env.py: {sorted(used - listed)}"
+    with pytest.raises(KeyError, match="not a deviceops environment knob"):
+        _env.get("DEVICEOPS_" + "NO_SUCH_KNOB")  # (split: the scan above must not see it)

@@ -4,7 +4,8 @@
 #   OUT=out bash tools/gpu.sh <step> [<step> ...]
 #
 # Steps:
-#   tests          the whole suite on one GPU, in parallel groups (kernels, nn/serve, the rest),
+#   tests          the whole suite on one GPU, in parallel groups (attention, other kernels,
+#                  nn/serve, the rest),
 #                  then the files with timing assertions alone; DEVICEOPS_REQUIRE_GPU=1
 #   tests-multi    the whole suite on a two-GPU machine: the multi-device files see both GPUs
 #                  (DEVICEOPS_REQUIRE_GPU=2), the other groups are pinned to one GPU each
@@ -101,7 +102,7 @@ need_gguf() { [ -n "$GGUF" ] || { echo "$1: no /tmp/wts/model.gguf (carry .w1, t
 
 # files with timing assertions run alone, after the parallel groups
 SERIAL="test_streams test_scheduling test_async test_benchmarks test_examples test_backend"
-KERNELS="test_attention test_gemm test_replay_gpu test_transformer_kernels test_kernel_ops test_elementwise"
+KERNELS="test_gemm test_replay_gpu test_transformer_kernels test_kernel_ops test_elementwise"  # test_attention: a group of its own
 MULTI="test_multi_device test_nn_devices test_serve_devices"
 
 for step in "$@"; do case "$step" in
@@ -110,10 +111,11 @@ precompile)
     timeout 120 python3 tools/gemm_precompile.py -j "$(nproc)" > "$OUT/precompile.log" 2>&1
     echo "precompile rc=$?"; tail -2 "$OUT/precompile.log"; t precompile ;;
 tests|tests-multi)
-    g1=""; g2=""; g3=""; gm=""; ser=""
+    g1=""; g2=""; g3=""; gm=""; ser=""; ga="tests/test_attention.py"
     for f in tests/test_*.py; do
         b=$(basename "$f" .py)
-        if [[ " $SERIAL " == *" $b "* ]]; then ser="$ser $f"
+        if [ "$b" = test_attention ]; then continue
+        elif [[ " $SERIAL " == *" $b "* ]]; then ser="$ser $f"
         elif [[ " $MULTI " == *" $b "* ]]; then gm="$gm $f"
         elif [[ " $KERNELS " == *" $b "* ]]; then g1="$g1 $f"
         elif [[ "$b" == test_nn_* || "$b" == test_serve_* || "$b" == test_soak || "$b" == test_engine* ]]; then g2="$g2 $f"
@@ -122,16 +124,18 @@ tests|tests-multi)
     if [ "$step" = tests-multi ]; then
         ( DEVICEOPS_REQUIRE_GPU=2 timeout "$T_TESTS" $PYT $gm $ser > "$OUT/t_multi.log" 2>&1 ) &
         ( CUDA_VISIBLE_DEVICES=0 timeout "$T_TESTS" $PYT $g1 > "$OUT/t_kernels.log" 2>&1 ) &
+        ( CUDA_VISIBLE_DEVICES=0 timeout "$T_TESTS" $PYT $ga > "$OUT/t_attention.log" 2>&1 ) &
         ( CUDA_VISIBLE_DEVICES=1 timeout "$T_TESTS" $PYT $g2 > "$OUT/t_nn.log" 2>&1 ) &
         ( CUDA_VISIBLE_DEVICES=1 timeout "$T_TESTS" $PYT $g3 > "$OUT/t_rest.log" 2>&1 ) &
         wait
-        for g in t_multi t_kernels t_nn t_rest; do summary $g; done
+        for g in t_multi t_kernels t_attention t_nn t_rest; do summary $g; done
     else
         ( timeout "$T_TESTS" $PYT $g1 > "$OUT/t_kernels.log" 2>&1 ) &
+        ( timeout "$T_TESTS" $PYT $ga > "$OUT/t_attention.log" 2>&1 ) &
         ( timeout "$T_TESTS" $PYT $g2 $gm > "$OUT/t_nn.log" 2>&1 ) &
         ( timeout "$T_TESTS" $PYT $g3 > "$OUT/t_rest.log" 2>&1 ) &
         wait
-        for g in t_kernels t_nn t_rest; do summary $g; done
+        for g in t_kernels t_attention t_nn t_rest; do summary $g; done
         timeout "$T_TESTS" $PYT $ser > "$OUT/t_serial.log" 2>&1; summary t_serial
     fi
     t "$step" ;;

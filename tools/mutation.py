@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from deviceops import _env
+
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.json"
 PACKAGES = {"deviceops": "deviceops", "deviceops.scheduling": "scheduling",
@@ -596,8 +598,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per test run at least")
-    p.add_argument("--workdir", default=os.environ.get("DEVICEOPS_MUTATION_DIR",
-                                                       "/tmp/deviceops-mutation"))
+    p.add_argument("--workdir", default=_env.get("DEVICEOPS_MUTATION_DIR"))
     p.add_argument("--markdown", default=None, help="write the table as markdown here")
     p.add_argument("--rerun-survivors", action="store_true",
                    help="run the survivors of earlier runs again (after strengthening tests)")
