@@ -56,6 +56,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_REQUIRE_GPU", "",
          "Tests: `1` (or a device count) makes GPU tests fail instead of skip when no GPU "
          "answers, so a GPU run cannot pass by skipping."),
+    Knob("DEVICEOPS_API_KEY", "",
+         "API keys the server requires (`Authorization: Bearer KEY`), comma-separated; "
+         "`serve --api-key` overrides."),
     Knob("DEVICEOPS_ADMIN_TOKEN", "",
          "Bearer token for the server's admin routes (`--admin-token` overrides)."),
     Knob("DEVICEOPS_PROPERTY_EXAMPLES", "400",

@@ -177,6 +177,67 @@ class TextCodec:
         return str(self.tokenizer.decode([int(i) for i in ids],
                                          skip_special_tokens=bool(skip_special_tokens)))
 
+    def encode_untrusted(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token strings read as plain text: what a user
+        types (``<|im_start|>`` inside a message) cannot become a control token. (BOS as
+        :meth:`encode`.)"""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_untrusted: text must be a str, got {type(text).__name__}")
+        ids = [int(i) for i in self._plain().encode(text, add_special_tokens=False).ids]
+        if self.config.add_bos_token and self.config.bos_token_id is not None:
+            ids = [self.config.bos_token_id, *ids]
+        return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **extra: Any) -> list[int]:
+        """Token ids of a conversation through the chat template, where only the template
+        emits control tokens: a message whose content holds a special token's text has that
+        content tokenised as plain text. Conversations without such text get exactly
+        ``encode(apply_chat_template(messages))``.
+
+        Raises:
+            ValueError: as :meth:`apply_chat_template`.
+        """
+        if self.chat_template is None:
+            raise ValueError("apply_chat_template: this checkpoint has no chat template")
+        specials = self._special_texts()
+        if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)
+                   for m in messages):
+            return self.encode(self.chat_template.render(messages, **extra))
+        # render with a marker in place of each content, then tokenise the template's text
+        # (control tokens matched) and the contents (plain text) piece by piece
+        marks = [f"\x00deviceops-content-{i}\x00" for i in range(len(messages))]
+        text = self.chat_template.render(
+            [{**m, "content": marks[i]} if isinstance(m.get("content"), str) else m
+             for i, m in enumerate(messages)], **extra)
+        ids = self.encode("") if self.config.add_bos_token else []
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("content"), str) or marks[i] not in text:
+                continue
+            head, _, text = text.partition(marks[i])
+            ids += self.tokenizer.encode(head, add_special_tokens=False).ids
+            ids += self._plain().encode(m["content"], add_special_tokens=False).ids
+        ids += self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [int(i) for i in ids]
+
+    def _special_texts(self) -> list[str]:
+        got = getattr(self, "_specials", None)
+        if got is None:
+            got = [str(t.content) for t in self.tokenizer.get_added_tokens_decoder().values()
+                   if t.special]
+            self._specials: list[str] = got
+        return got
+
+    def _plain(self) -> Any:
+        """A copy of the tokenizer that reads special-token strings as text (built once)."""
+        got = getattr(self, "_plain_tok", None)
+        if got is None:
+            from tokenizers import Tokenizer
+
+            got = Tokenizer.from_str(self.tokenizer.to_str())
+            got.encode_special_tokens = True
+            self._plain_tok: Any = got
+        return got
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
         """The prompt text of a conversation (the model's template, ``add_generation_prompt=True``).
 

@@ -277,3 +277,60 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+@pytest.mark.slow
+def test_sigterm_past_the_drain_time_ends_16_streams_with_a_final_chunk(tmp_path: Any) -> None:
+    """``serve --drain-timeout 1``, 16 streams generating 400 tokens each, SIGTERM: every
+    client gets a final chunk (``finish_reason`` ``abort``, or ``stop``/``length`` if it
+    finished in time) and ``data: [DONE]``, and the server exits 0."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    env = dict(os.environ, DEVICEOPS_DEVICE="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deviceops.nn.serve", "--device", "cpu", "--port", str(port),
+         "--max-batch", "16", "--max-seq", "512", "--drain-timeout", "1",
+         "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "server never became healthy"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        events: list[list[Any]] = [[] for _ in range(16)]
+
+        def client(i: int) -> None:
+            body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 400, "stream": True,
+                    "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events[i].extend(sse_events([line]))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
+        for t in threads:
+            t.start()
+        while sum(bool(e) for e in events) < 16:
+            assert time.monotonic() < deadline, [len(e) for e in events]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        for t in threads:
+            t.join(timeout=30)
+        assert rc == 0, (tmp_path / "server.log").read_text()
+        for ev in events:
+            assert ev[-1] == "[DONE]", ev[-3:]
+            assert ev[-2]["choices"][0]["finish_reason"] in ("abort", "stop", "length"), ev[-2]
+        assert any(ev[-2]["choices"][0]["finish_reason"] == "abort" for ev in events)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()

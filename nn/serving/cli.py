@@ -40,6 +40,7 @@ See :mod:`.ray_front`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import os
@@ -55,7 +56,9 @@ from deviceops import _env
 
 from .access_log import AccessLog, ListeningFilter
 from .engine import Engine
+from .guard import Exposure, TimedH11Protocol
 from .http import create_app
+from .openai import Limits
 from .router import Replica, Router
 
 __all__ = ["load_engine", "load_engines", "main", "parse_devices"]
@@ -235,14 +238,32 @@ def parse_devices(text: str, *, cuda_count: int | None = None) -> list[str]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server; a shutdown signal also marks the app as draining (503s)."""
+    """uvicorn's server; a shutdown signal also marks the app as draining (503s), and the
+    generations still running ``drain_s`` later are ended with a final chunk
+    (``finish_reason: "abort"``) and ``[DONE]`` before uvicorn closes the connections."""
 
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, drain_s: float) -> None:
         super().__init__(config)
         self._app = app
+        self._drain_s = drain_s
+        self._abort_armed = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._app.state.serve.draining = True
+        state = self._app.state.serve
+        state.draining = True
+        if not self._abort_armed:
+            self._abort_armed = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                def abort() -> None:
+                    n = state.abort_streams()
+                    if n:
+                        log.info("drain time over: %d generation(s) ended with "
+                                 "finish_reason 'abort'", n)
+                loop.call_later(self._drain_s, abort)
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
@@ -295,6 +316,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="with --ray: times Ray restarts a replica that died (-1: always)")
     p.add_argument("--replica-cpus", type=float, default=1.0,
                    help="with --ray: CPUs Ray reserves per replica")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeat for several keys; "
+                        "None: $DEVICEOPS_API_KEY, comma-separated; /health stays open)")
+    p.add_argument("--allowed-hosts", default=None, metavar="LIST",
+                   help="Host header names accepted, comma-separated ('*': any); None: "
+                        "loopback names when bound to a loopback address, else any")
+    p.add_argument("--cors-origins", default=None, metavar="LIST",
+                   help="origins a browser may call from, comma-separated; None: no CORS")
+    p.add_argument("--max-body-mb", type=float, default=4.0,
+                   help="largest request body (413 above)")
+    p.add_argument("--max-messages", type=int, default=4096,
+                   help="most chat messages in one request (400 above)")
+    p.add_argument("--max-prompt-chars", type=int, default=1_000_000,
+                   help="most prompt characters in one request, checked before tokenising")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request head")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request may take to send its body (408 above)")
+    p.add_argument("--keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection is kept")
     p.add_argument("--admin-token", default=None,
                    help="with --ray: bearer token of POST /admin/replicas (add or remove "
                         "replicas while serving); None: $DEVICEOPS_ADMIN_TOKEN, and without "
@@ -340,7 +381,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
 
     name = "smollm2" if args.model == "smollm2" else os.path.basename(args.model)
-    app = create_app(load, model_name=name)
+    keys = args.api_key or [k.strip() for k in _env.get("DEVICEOPS_API_KEY").split(",")]
+    try:
+        exposure = Exposure.for_bind(
+            args.host, api_keys=[k for k in keys if k],
+            allowed_hosts=None if args.allowed_hosts is None else args.allowed_hosts.split(","),
+            max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout,
+            cors_origins=tuple(o.strip() for o in (args.cors_origins or "").split(",")
+                               if o.strip()))
+    except ValueError as exc:
+        p.error(str(exc))
+    TimedH11Protocol.header_timeout_s = args.header_timeout
+    app = create_app(load, model_name=name, exposure=exposure,
+                     limits=Limits(max_messages=args.max_messages,
+                                   max_prompt_chars=args.max_prompt_chars))
     if args.ray is not None:
         from .ray_cluster import init_ray
         from .ray_front import add_admin_routes
@@ -354,12 +408,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("connecting to Ray (%s) failed: %s", args.ray or "a new local cluster", exc)
             return 1
     # one log line per request (method, path, status, tokens, time), instead of uvicorn's
+    # (the streams still running at the drain time get their final chunk first: a margin)
     config = uvicorn.Config(AccessLog(app), host=args.host, port=args.port,
-                            log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+                            log_level=args.log_level, http=TimedH11Protocol,
+                            timeout_keep_alive=max(1, round(args.keep_alive)),
+                            timeout_graceful_shutdown=args.drain_timeout + 5, access_log=False)
     # (uvicorn configured its loggers just now) "running on" would read as "ready"
     logging.getLogger("uvicorn.error").addFilter(ListeningFilter())
-    server = _Server(config, app)
+    server = _Server(config, app, args.drain_timeout)
     server.run()
     log.info("server stopped")
     return 0 if server.started else 1

@@ -28,7 +28,6 @@ failure is a 500 for the requests in that step, and the engine goes on).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -40,16 +39,21 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .detokenize import Detokenizer
 from .engine import Engine, EngineClosed, EngineFailed, EngineOverloaded, RequestStream
+from .guard import Exposure, Guard, InvalidJSON, parse_json
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .openai import (
     BadRequest,
     Job,
+    Limits,
     completion_body,
     device_failed_message,
     error_response,
@@ -65,9 +69,6 @@ __all__ = ["AppState", "BadRequest", "create_app"]
 
 log = logging.getLogger("deviceops.nn.serve")
 
-_ROLES = ("system", "user", "assistant", "tool")
-
-
 @dataclass
 class AppState:
     """What the app knows about its engines: loaded, failed to load, draining.
@@ -80,7 +81,19 @@ class AppState:
     router: Router | None = None
     load_error: str | None = None
     draining: bool = False
+    aborting: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    live: set[RequestStream] = field(default_factory=set)
+
+    def abort_streams(self) -> int:
+        """End every generation still running (shutdown past its drain time): each stream
+        gets a final chunk with ``finish_reason: "abort"`` and ``[DONE]``; a non-streamed
+        one its text so far. Returns how many were ended."""
+        self.aborting = True
+        live = list(self.live)
+        for s in live:
+            s.cancel()
+        return len(live)
 
     @property
     def engine(self) -> Engine | None:
@@ -89,7 +102,8 @@ class AppState:
 
 
 def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
-               retry_after: int = 1) -> Starlette:
+               retry_after: int = 1, exposure: Exposure | None = None,
+               limits: Limits | None = None, tokenize_threads: int = 4) -> Starlette:
     """The Starlette app; ``load()`` runs in a worker thread at start-up.
 
     Args:
@@ -98,6 +112,11 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             per device (``serve --devices``; module docstring).
         model_name: the id clients pass as ``"model"`` and ``/v1/models`` lists.
         retry_after: seconds sent in ``Retry-After`` with 429/503.
+        exposure: keys, hosts, body limit and CORS (:class:`~.guard.Exposure`; default: any
+            host, no key, 4 MB JSON bodies).
+        limits: messages and prompt characters accepted (:class:`~.openai.Limits`).
+        tokenize_threads: worker threads that parse, template and tokenise requests at
+            once (the event loop never does).
 
     Returns:
         The application; ``app.state.serve`` is its :class:`AppState` and
@@ -115,6 +134,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         return None if eng is None else eng.stats()
 
     metrics = ServeMetrics(engine_stats)
+    limits = limits or Limits()
+    tokenizing = anyio.CapacityLimiter(tokenize_threads)
 
     async def _load() -> None:
         try:
@@ -206,21 +227,31 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         if bad is not None:
             return bad
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error_response(400, f"malformed JSON body: {exc}")
-        # from here to queueing nothing awaits: the load each engine reports is current
+            raw = await request.body()
+        except ClientDisconnect:
+            log.info("%s: the client closed the connection while sending the body (499)",
+                     request.url.path)
+            return Response(status_code=499)
         router = state.router
         assert router is not None
         bad = unavailable()  # an engine may have failed while the body was read
         if bad is not None:
             return bad
+        first = router.ranked() if router.per_device else router.replicas[:1]
+        assert first and first[0].engine is not None
+        try:  # decoding, templating, tokenising in a worker thread: the loop goes on serving
+            job = await anyio.to_thread.run_sync(_parse, raw, chat, first[0].engine,
+                                                 limiter=tokenizing)
+        except InvalidJSON as exc:
+            return error_response(400, f"malformed JSON body: {exc}")
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, exc.param, code=exc.code)
+        # from here to queueing nothing awaits: the load each engine reports is current
+        bad = unavailable()
+        if bad is not None:
+            return bad
         ranked = router.ranked() if router.per_device else router.replicas[:1]
         assert ranked and ranked[0].engine is not None
-        try:
-            job = parse_request(body, chat, model_name, ranked[0].engine)
-        except BadRequest as exc:
-            return error_response(400, exc.message, exc.param)
         full: list[EngineOverloaded] = []
         for replica in ranked:  # least loaded first; the next one when its queue is full
             engine = replica.engine
@@ -250,6 +281,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return error_response(503, router.unavailable_reason(), kind="server_unavailable",
                           retry_after=retry_after, code="device_failed")
         metrics.prompt_tokens.inc(len(job.ids))
+        state.live.add(s)
         request.scope["deviceops.request"] = s  # the access log counts its tokens (serve)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         detok = Detokenizer(engine.model, engine.steps.eos_ids, job.stop)
@@ -283,10 +315,22 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         if failed is not None:
             log.error("generation %s failed: %r", rid, failed)
             return error_response(500, f"generation failed: {failed}", kind="server_error")
+        state.live.discard(s)
         reason = finish_reason(s, detok.stopped)
-        if reason == "cancelled":
+        if reason == "cancelled" and state.aborting:
+            reason = "abort"  # shut down past the drain time: the text so far
+        elif reason == "cancelled":
             return Response(status_code=499)  # nobody is listening
         return JSONResponse(completion_body(rid, chat, model_name, text, reason, usage(s, job)))
+
+    def _parse(raw: bytes, chat: bool, engine: Engine) -> Job:
+        # a key "role" is the only way these bytes appear in JSON text (inside a string the
+        # quotes are escaped): too many messages are refused before decoding builds them
+        n = raw.count(b'"role"')
+        if chat and n > limits.max_messages:
+            raise BadRequest("messages", f"{n} messages; this server accepts at most "
+                             f"{limits.max_messages} (serve --max-messages)")
+        return parse_request(parse_json(raw), chat, model_name, engine, limits)
 
     async def _tokens(s: RequestStream, detok: Detokenizer, t0: float) -> AsyncIterator[str]:
         """Text pieces as tokens arrive; records TTFT/ITL; stops at a stop string."""
@@ -343,22 +387,57 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                 yield sse_event({"error": {"message": f"generation failed: {exc}",
                                            "type": "server_error"}})
             else:
-                yield chunk(None, finish_reason(s, detok.stopped))
+                reason = finish_reason(s, detok.stopped)
+                yield chunk(None, "abort" if reason == "cancelled" and state.aborting else reason)
                 if job.include_usage:
                     yield sse_event({"id": rid, "object": obj, "created": created,
                                      "model": model_name, "choices": [], "usage": usage(s, job)})
             yield b"data: [DONE]\n\n"
         finally:
+            state.live.discard(s)
             s.cancel()  # client gone (generator closed) or done: the slot is freed
+
+    async def model_route(request: Request) -> Response:
+        mid = request.path_params["model_id"]
+        if mid != model_name:
+            return error_response(404, f"The model {mid!r} does not exist; this server serves "
+                                  f"{model_name!r}", "model", code="model_not_found")
+        return JSONResponse({"id": model_name, "object": "model", "created": state.created,
+                             "owned_by": "deviceops"})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status == 404:
+            msg = f"no route {request.method} {request.url.path}; see GET /v1/models"
+            return error_response(404, msg, code="unknown_url")
+        if status == 405:
+            return error_response(405, f"{request.method} is not allowed on "
+                                  f"{request.url.path}", code="method_not_allowed")
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        return error_response(status, str(detail), kind="invalid_request_error"
+                              if status < 500 else "server_error")
+
+    def guard_status(path: str, status: int) -> None:
+        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(
+            path, "other")
+        metrics.requests.labels(endpoint, str(status)).inc()
 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_route, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    exposure = exposure or Exposure()
+    middleware = [Middleware(Guard, exposure=exposure, on_status=guard_status)]
+    if exposure.cors_origins:  # outermost: a browser's preflight carries no key
+        middleware.insert(0, Middleware(
+            CORSMiddleware, allow_origins=list(exposure.cors_origins),
+            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: http_error})
     app.state.serve = state
     app.state.metrics = metrics
     return app

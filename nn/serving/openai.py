@@ -20,19 +20,43 @@ from starlette.responses import JSONResponse
 from .engine import Engine, EngineFailed, RequestStream
 from .router import Replica
 
-__all__ = ["BadRequest", "Job", "completion_body", "device_failed_message", "error_response",
+__all__ = ["BadRequest", "Job", "Limits", "completion_body", "device_failed_message", "error_response",
            "finish_reason", "parse_request", "sse_event", "stream_chunk", "usage"]
 
-_ROLES = ("system", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: Fields accepted with an effect, or (``user``, ``parallel_tool_calls``) without one by
+#: their meaning; every other field is refused with a 400 naming it.
+_KNOWN = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
+    "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos",
+    "user", "tools", "tool_choice", "parallel_tool_calls",
+    # checked below: refused unless they ask for nothing
+    "best_of", "suffix", "echo", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
+    "frequency_penalty", "response_format",
+})
 
 
 class BadRequest(Exception):
-    """A request the server refuses with 400, naming the offending field (``param``)."""
+    """A request the server refuses (400 unless ``status`` says), naming the offending field
+    (``param``); ``code`` is OpenAI's error code where it has one."""
 
-    def __init__(self, param: str | None, message: str) -> None:
+    def __init__(self, param: str | None, message: str, *, status: int = 400,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may hold, checked before anything is tokenised (``serve`` flags
+    ``--max-messages``, ``--max-prompt-chars``)."""
+
+    max_messages: int = 4096
+    max_prompt_chars: int = 1_000_000
 
 
 def error_response(status: int, message: str, param: str | None = None, *,
@@ -76,34 +100,101 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _text_content(content: Any, i: int) -> str:
+def _text_content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
         for p in content:
             if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
+                raise BadRequest(where, "only text content parts are supported")
             parts.append(p["text"])
         return "".join(parts)
-    raise BadRequest(f"messages[{i}].content", "content must be a string or a list of text parts")
+    raise BadRequest(where, "content must be a string or a list of text parts")
 
 
-def _prompt_ids(body: dict[str, Any], chat: bool, model: Any) -> list[int]:
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise BadRequest(where, "tool_calls must be a non-empty list")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), str)):
+            raise BadRequest(f"{where}[{j}]", 'each tool call must be {"id": ..., "type": '
+                             '"function", "function": {"name": str, "arguments": str}}')
+    return [dict(c) for c in calls]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """One chat message, checked; ``developer`` is rendered as ``system``."""
+    if not isinstance(m, dict):
+        raise BadRequest(f"messages[{i}]", "each message must be an object")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise BadRequest(f"messages[{i}].role", f"role must be one of {list(_ROLES)}")
+    content = m.get("content")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if content is None:
+            content = ""
+    elif content is None:
+        raise BadRequest(f"messages[{i}].content", "content is required (it may be null only "
+                         "in an assistant message with tool_calls)")
+    out["content"] = _text_content(content, f"messages[{i}].content")
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"messages[{i}].tool_call_id", "a tool message needs the "
+                             "tool_call_id it answers")
+        out["tool_call_id"] = m["tool_call_id"]
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the template renders (``None``: none), refusing what needs constrained
+    decoding (``tool_choice`` ``required`` or a named function)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise BadRequest("tool_choice", "tool_choice 'required' or a named function needs "
+                         "grammar-constrained decoding, which this server does not do; use "
+                         "'auto' (the model may answer in text) or 'none'")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise BadRequest("tools", 'tools must be a list of {"type": "function", "function": '
+                         '{"name": str, "description": str, "parameters": object}}')
+    return None if choice == "none" or not tools else tools
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool, model: Any, limits: Limits) -> list[int]:
+    """Token ids of the prompt; text a client sends is tokenised with special tokens read as
+    plain text (only the chat template emits control tokens; a completions prompt that needs
+    them is sent as token ids)."""
     if chat:
         msgs = body.get("messages")
         if msgs is None:
             raise BadRequest("messages", "'messages' is required")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("messages", "'messages' must be a non-empty list of messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadRequest(f"messages[{i}]", "each message must be an object")
-            if m.get("role") not in _ROLES:
-                raise BadRequest(f"messages[{i}].role", f"role must be one of {list(_ROLES)}")
-            clean.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
+        if len(msgs) > limits.max_messages:
+            raise BadRequest("messages", f"{len(msgs)} messages; this server accepts at most "
+                             f"{limits.max_messages} (serve --max-messages)")
+        clean = [_message(m, i) for i, m in enumerate(msgs)]
+        chars = sum(len(m["content"]) for m in clean)
+        if chars > limits.max_prompt_chars:
+            raise BadRequest("messages", f"{chars} characters of content; this server accepts "
+                             f"at most {limits.max_prompt_chars} (serve --max-prompt-chars)")
+        tools = _tools(body)
+        extra = {} if tools is None else {"tools": tools}
         try:
+            if hasattr(model, "encode_chat"):
+                return list(model.encode_chat(clean, **extra))
             return list(model.encode(model.apply_chat_template(clean)))
         except ValueError as exc:  # no template, or the template refused the conversation
             raise BadRequest("messages", str(exc)) from exc
@@ -115,24 +206,68 @@ def _prompt_ids(body: dict[str, Any], chat: bool, model: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt", "'prompt' is empty")
-        return list(model.encode(prompt))
+        if len(prompt) > limits.max_prompt_chars:
+            raise BadRequest("prompt", f"{len(prompt)} characters; this server accepts at most "
+                             f"{limits.max_prompt_chars} (serve --max-prompt-chars)")
+        encode = getattr(model, "encode_untrusted", model.encode)
+        return list(encode(prompt))
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return [int(t) for t in prompt]
     raise BadRequest("prompt", "'prompt' must be a non-empty string or list of token ids "
                                "(one prompt per request)")
 
 
-def parse_request(body: Any, chat: bool, model_name: str, engine: Engine) -> Job:
-    """The :class:`Job` of a request body, or :class:`BadRequest` naming the field."""
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """400 for every field this server would otherwise have to ignore."""
+    unknown = sorted(k for k in body if k not in _KNOWN)
+    if unknown:
+        raise BadRequest(unknown[0], f"unrecognized request argument(s): {', '.join(unknown)}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_num(v) or not -2.0 <= float(v) <= 2.0):
+            raise BadRequest(key, f"'{key}' must be a number in [-2, 2], got {v!r}")
+    fmt = body.get("response_format")
+    asked = {
+        "best_of": body.get("best_of") not in (None, 1),
+        "suffix": body.get("suffix") not in (None, ""),
+        "echo": body.get("echo") not in (None, False),
+        "logprobs": body.get("logprobs") not in (None, False) if chat
+        else body.get("logprobs") is not None,
+        "top_logprobs": body.get("top_logprobs") is not None,
+        "logit_bias": bool(body.get("logit_bias")),
+        "presence_penalty": bool(body.get("presence_penalty")),
+        "frequency_penalty": bool(body.get("frequency_penalty")),
+        "response_format": fmt is not None and fmt != {"type": "text"},
+    }
+    for key, bad in asked.items():
+        if bad:
+            raise BadRequest(key, f"'{key}' is not supported by this server yet; leave it "
+                             "out (the request was not run)", code="unsupported_parameter")
+
+
+def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
+                  limits: Limits | None = None) -> Job:
+    """The :class:`Job` of a request body, or :class:`BadRequest` naming the field.
+
+    Tokenises the prompt: call it off the event loop (:mod:`.http` runs it in a worker
+    thread).
+    """
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
     name = body.get("model")
     if name is not None and name != model_name:
-        raise BadRequest("model", f"unknown model {name!r}; this server serves "
-                                  f"{model_name!r} (GET /v1/models)")
-    n = body.get("n", 1)
-    if n != 1 or not _is_int(n):
-        raise BadRequest("n", "only n=1 is supported")
+        raise BadRequest("model", f"The model {name!r} does not exist; this server serves "
+                         f"{model_name!r} (GET /v1/models)", status=404, code="model_not_found")
+    _refuse_unsupported(body, chat)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise BadRequest("n", f"'n'={n!r}: only one choice per request is supported (n=1)")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise BadRequest("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("user", "'user' must be a string")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream", "'stream' must be a boolean")
@@ -169,7 +304,7 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine) -> Job
         raise BadRequest("stream_options", "'stream_options' must be an object like "
                                            '{"include_usage": true}')
     include_usage = bool(opts and opts.get("include_usage"))
-    ids = _prompt_ids(body, chat, engine.model)
+    ids = _prompt_ids(body, chat, engine.model, limits or Limits())
     what = "messages" if chat else "prompt"
     vocab = engine.steps.vocab_size
     if any(not 0 <= t < vocab for t in ids):

@@ -1,0 +1,349 @@
+"""What stands between the network and the OpenAI routes: keys, hosts, bodies, timeouts.
+
+A server bound to a port is reachable by more than its intended clients: a web page in a
+browser on the same machine can reach ``127.0.0.1`` through DNS rebinding (a foreign
+``Host`` header) or a plain form post (``text/plain``, no CORS preflight), and anyone on
+the network can send a 100 MB body or hold a connection open without finishing its
+headers. :class:`Guard` is a pure ASGI middleware that refuses all of those before a
+route runs, in OpenAI's error shape::
+
+    {"error": {"message": ..., "type": ..., "param": null, "code": ...}}
+
+| check | refusal |
+|---|---|
+| ``Host`` not in ``allowed_hosts`` (default: loopback names when bound to loopback) | 400 ``host_not_allowed`` |
+| ``Authorization: Bearer <key>`` missing or not one of ``api_keys`` (``/health`` open) | 401 ``invalid_api_key`` |
+| a request body whose ``Content-Type`` is not ``application/json`` | 415 ``unsupported_media_type`` |
+| a body over ``max_body_bytes`` (declared or streamed) | 413 ``request_too_large`` |
+| a body not complete within ``body_timeout_s`` | 408 ``request_timeout`` |
+| the client goes away while uploading | no response; counted as 499, one log line |
+
+The body is read here (bounded) and handed to the route from memory, so a route never
+waits on a slow upload. :func:`parse_json` turns bytes into a request object and refuses
+what would otherwise surface as a 500 deeper in: invalid UTF-8, nesting deeper than
+:data:`MAX_DEPTH`, lone surrogates (``"a\\ud800b"``) in any string.
+
+:class:`TimedH11Protocol` is uvicorn's HTTP/1.1 protocol with one addition: a connection
+that has not sent a complete request head within ``header_timeout_s`` of opening (or of
+its previous response) is closed, so idle and half-sent connections do not pile up.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "TimedH11Protocol",
+           "openai_error_body", "parse_json"]
+
+log = logging.getLogger("deviceops.nn.serve")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+MAX_DEPTH = 64
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def openai_error_body(message: str, kind: str, code: str | None,
+                      param: str | None = None) -> dict[str, Any]:
+    """An error object in OpenAI's shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """Who may reach the server and with what (the ``serve`` flags of the same names).
+
+    Attributes:
+        api_keys: accepted bearer keys; empty: no key needed.
+        allowed_hosts: accepted ``Host`` names (no port), ``("*",)`` for any.
+        max_body_bytes: largest request body.
+        body_timeout_s: time allowed to upload a body once the head has arrived.
+        cors_origins: origins a browser may call from (empty: no CORS headers at all).
+        open_paths: paths served without a key (monitoring).
+    """
+
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ("*",)
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
+    open_paths: frozenset[str] = field(default_factory=lambda: frozenset({"/health"}))
+
+    @classmethod
+    def for_bind(cls, bind_host: str, *, api_keys: Iterable[str] = (),
+                 allowed_hosts: Iterable[str] | None = None, **kw: Any) -> Exposure:
+        """The defaults for a server bound to ``bind_host``: loopback names only when it is
+        a loopback address, any host otherwise (unless ``allowed_hosts`` says)."""
+        keys = tuple(k for k in api_keys if k)
+        hosts: tuple[str, ...]
+        if allowed_hosts is None:
+            loop = bind_host in LOOPBACK_HOSTS or bind_host.startswith("127.")
+            hosts = (*LOOPBACK_HOSTS, bind_host) if loop else ("*",)
+        else:
+            hosts = tuple(h.strip().lower() for h in allowed_hosts if h.strip())
+            if not hosts:
+                raise ValueError("allowed_hosts is empty: name at least one host, or '*'")
+        return cls(api_keys=keys, allowed_hosts=tuple(dict.fromkeys(hosts)), **kw)
+
+    def host_ok(self, host_header: str) -> bool:
+        if "*" in self.allowed_hosts:
+            return True
+        return _host_name(host_header) in self.allowed_hosts
+
+    def key_ok(self, authorization: str) -> bool:
+        if not self.api_keys:
+            return True
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        given = token.strip().encode()
+        # every key compared, in constant time, so timing says nothing about which matched
+        return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])
+
+
+def _host_name(header: str) -> str:
+    h = header.strip().lower()
+    if h.startswith("["):  # [::1]:8000
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware enforcing an :class:`Exposure` on every HTTP request.
+
+    Args:
+        app: the application behind it.
+        exposure: the rules.
+        on_status: called with ``(path, status)`` for each request the guard answers
+            itself (and ``499`` for an upload the client abandoned), for metrics.
+    """
+
+    def __init__(self, app: ASGIApp, exposure: Exposure,
+                 on_status: Callable[[str, int], None] | None = None) -> None:
+        self.app = app
+        self.exposure = exposure
+        self.on_status = on_status
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        try:
+            self._check_head(scope)
+            if scope.get("method") in _BODY_METHODS:
+                body = await self._read_body(scope, receive)
+                receive = _replay(body, receive)
+        except _Refused as r:
+            self._count(path, r.status)
+            await _send_json(send, r.status, openai_error_body(r.message, r.kind, r.code),
+                             {"connection": "close"} if r.status in (408, 413) else None)
+            return
+        except _Disconnected:
+            self._count(path, 499)
+            log.info("%s %s: the client closed the connection while sending the body (499)",
+                     scope.get("method"), path)
+            return
+        await self.app(scope, receive, send)
+
+    def _count(self, path: str, status: int) -> None:
+        if self.on_status is not None:
+            self.on_status(path, status)
+
+    def _check_head(self, scope: Scope) -> None:
+        ex = self.exposure
+        headers = _headers(scope)
+        host = headers.get("host", "")
+        if not ex.host_ok(host):
+            raise _Refused(400, f"Host {host!r} is not allowed; the server accepts "
+                           f"{', '.join(ex.allowed_hosts)} (serve --allowed-hosts)",
+                           "invalid_request_error", "host_not_allowed")
+        if scope.get("path") not in ex.open_paths and not ex.key_ok(
+                headers.get("authorization", "")):
+            raise _Refused(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                           "<key>' with a key the server was started with (serve --api-key)",
+                           "invalid_request_error", "invalid_api_key")
+        if scope.get("method") in _BODY_METHODS:
+            ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                raise _Refused(415, f"Content-Type must be application/json, got "
+                               f"{ctype or 'none'!r}", "invalid_request_error",
+                               "unsupported_media_type")
+            declared = headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > ex.max_body_bytes:
+                raise self._too_large()
+
+    def _too_large(self) -> _Refused:
+        return _Refused(413, f"request body over the server's limit of "
+                        f"{self.exposure.max_body_bytes} bytes", "invalid_request_error",
+                        "request_too_large")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.exposure.body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise _Disconnected
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > self.exposure.max_body_bytes:
+                        raise self._too_large()
+                    parts.append(chunk)
+                    if not msg.get("more_body", False):
+                        return b"".join(parts)
+        except TimeoutError:
+            raise _Refused(408, f"the request body did not arrive within "
+                           f"{self.exposure.body_timeout_s:g} s", "invalid_request_error",
+                           "request_timeout") from None
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1")
+            for k, v in scope.get("headers", ())}
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the disconnect, when it comes
+
+    return replay
+
+
+async def _send_json(send: Send, status: int, obj: Any,
+                     extra: dict[str, str] | None = None) -> None:
+    raw = json.dumps(obj).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
+
+
+class InvalidJSON(ValueError):
+    """A body :func:`parse_json` refuses; the message says why (a 400)."""
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a request body, refusing what the routes must never see. Costs a walk over
+    the decoded object: call it off the event loop for large bodies.
+
+    Raises:
+        InvalidJSON: not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, or a
+            string holding a lone surrogate.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidJSON(f"the body is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise InvalidJSON(f"JSON nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise InvalidJSON(f"the body is not valid JSON ({e})") from None
+    _check(obj)
+    return obj
+
+
+def _check(obj: Any) -> None:
+    """Depth and strings of a decoded body, iteratively (no recursion to exhaust)."""
+    stack = [(obj, 0)]
+    while stack:
+        o, depth = stack.pop()
+        if isinstance(o, str):
+            _check_text(o)
+        elif isinstance(o, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise InvalidJSON(f"JSON nested deeper than {MAX_DEPTH} levels")
+            if isinstance(o, dict):
+                for k, v in o.items():
+                    _check_text(k)
+                    stack.append((v, depth + 1))
+            else:
+                stack.extend((v, depth + 1) for v in o)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidJSON(f"a string holds a lone surrogate (U+{ord(s[e.start]):04X} at "
+                          f"index {e.start}); send valid Unicode") from None
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that closes a connection whose request head does not arrive
+    within :attr:`header_timeout_s` (after opening, or after its previous response)."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._head_timer: Any = None
+        self._arm()
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._expire,
+                                                    self.cycle)
+
+    def _expire(self, cycle: Any) -> None:
+        self._head_timer = None
+        if self.cycle is cycle and self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._between_requests():
+            self._arm()  # bytes of a head that is not complete yet: the clock runs
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._head_timer is not None:  # a new clock for the next request's head
+            self._head_timer.cancel()
+            self._head_timer = None
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
