@@ -62,7 +62,7 @@ def test_allocating_ops_stay_correct_with_reuse() -> None:
 
 
 def test_elementwise_memo_holds_no_user_tensor() -> None:
-    """The elementwise launch memo (the last launch per kernel) keeps pointers and the packed
+    """The elementwise last-launch plans (one per kernel and device) keep pointers and the packed
     launch, never a storage: dropping the output frees it (issue 12 item 4)."""
     import gc
     import weakref

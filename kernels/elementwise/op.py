@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,7 +64,7 @@ from ..runtime._spec import KernelSpec
 from ._check import _binary_check, _saxpy_check, _saxpy_scalar, _scalar_arg
 from ._cpu import _cpu_task, activation_cpu, swiglu_cpu
 from ._cuda import _driver_args, _submit, _tile_of, activation_cuda, softmax_cuda, swiglu_cuda
-from ._plan import _alloc_memo, _EwPlan, _recall, _remember
+from ._plan import _EwPlan, _recall, _remember, recall_alloc, remember_alloc
 from ._reference import gelu_reference, silu_reference, softmax_reference, swiglu_reference
 
 __all__ = ["add", "gelu", "mul", "saxpy", "silu", "softmax", "swiglu"]
@@ -125,8 +124,8 @@ class _ElementwiseOp(KernelOp):
                 ordered(stream, (a[0]._storage, a[1]._storage), (w._storage,), plan.ln,
                         plan.grid, plan.block, (w._array.data.ptr, *plan.args), stream.native.ptr)
                 return w
-            # the launch plan of an identical earlier launch (see _memo); the storages come
-            # from this op's own arguments (the memo holds none)
+            # the launch plan of an identical earlier launch (see ._plan); the storages come
+            # from this op's own arguments (the plan holds none)
             a = self._args
             if self._name == "saxpy":
                 w_arg, xt = a
@@ -184,8 +183,8 @@ class _ElementwiseOp(KernelOp):
         rs: tuple[Storage, ...] = (x._storage, ws) if y is None else (x._storage, y._storage)
         ordered(stream, rs, (ws,), _submit, stream, ln, grid, block, args)
         if not self._deferred and y is not None and self._args[2] is None:  # allocated out
-            _alloc_memo[name] = (weakref.ref(x), weakref.ref(y), _EwPlan(
-                stream.device, ln, grid, block, args[1:], (wa.shape, wa.dtype)))
+            remember_alloc(name, x, y, _EwPlan(stream.device, ln, grid, block, args[1:],
+                                               (wa.shape, wa.dtype)))
         elif not self._deferred and type(w_arg) in (Tensor, Partition):
             _remember(name, w, x, y, self._a, _EwPlan(stream.device, ln, grid, block, args),
                       _tile_of(w_arg))
@@ -240,10 +239,9 @@ def saxpy(z: Any, a: float, x: Any) -> KernelOp:
 def _binary(name: str, x: Any, y: Any, out: Any) -> KernelOp:
     if type(x) is Tensor and type(y) is Tensor:
         if out is None:
-            m = _alloc_memo.get(name)  # (_recall_alloc, written out: the hot path)
-            if m is not None and m[0]() is x and m[1]() is y:
-                # the inputs of the last allocating launch: validated
-                return _ElementwiseOp(name, (x, y, None), 0.0, False, m[2])
+            plan = recall_alloc(name, x, y)
+            if plan is not None:  # the inputs of the last allocating launch: validated
+                return _ElementwiseOp(name, (x, y, None), 0.0, False, plan)
         to = type(out)
         plan = (_recall(name, out, x, y, 0.0) if to is Tensor else
                 _recall(name, out.tensor, x, y, 0.0, out.tile_shape) if to is Partition else None)
