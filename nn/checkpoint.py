@@ -234,6 +234,7 @@ def assemble_parts(parts: list[Path], target: Path, *, sha256: str, size: int, w
                         n += len(chunk)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         if n != size or digest.hexdigest() != sha256:
             raise ValueError(f"{what}: the installed parts concatenate to {n} bytes with sha256 "
                              f"{digest.hexdigest()}, not the expected {size} bytes with sha256 "

