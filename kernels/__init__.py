@@ -9,7 +9,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``norms``       | ``rms_norm``, ``add_rms_norm``, ``layer_norm``                     |
 | ``elementwise`` | ``saxpy``, ``add``, ``mul``, ``softmax``, ``gelu``, ``silu``, ``swiglu`` |
 | ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``                       |
-| ``sampling``    | ``sample``                                                         |
+| ``sampling``    | ``sample``, ``penalize``, ``logprobs``                             |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
 
 Every family has the same parts, under the same names (where the part exists):
@@ -46,7 +46,7 @@ from .lookup.op import argmax, embedding
 from .norms.op import add_rms_norm, layer_norm, rms_norm
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
-from .sampling.op import sample
+from .sampling.op import logprobs, penalize, sample
 from .transformer.op import merge_heads, rope, rope_kv_write
 
 __all__ = [
@@ -59,9 +59,11 @@ __all__ = [
     "gelu",
     "gemm",
     "layer_norm",
+    "logprobs",
     "matmul",
     "merge_heads",
     "mul",
+    "penalize",
     "reserve_workspace",
     "rms_norm",
     "rope",

@@ -10,6 +10,9 @@ queued, and a bad one raises an error naming it, its value and what is accepted.
 | ``top_p`` | ``None`` or a real number in (0, 1] (1 = off) | float |
 | ``seed`` | ``None`` or an int in [0, 2**63) (not a str: ``"5"`` is refused) | int64 |
 | ``stop`` | ``None`` or a list/tuple/set of token ids (ints) | frozenset |
+| ``presence_penalty``, ``frequency_penalty`` | ``None`` or a real number in [-2, 2] (0 = off) | float |
+| ``logit_bias`` | ``None`` or a mapping token id (int in [0, vocab)) -> real number in [-100, 100] | sorted tuple of pairs |
+| ``logprobs`` | ``None`` (off) or an int in [0, 20]: the top log-probabilities per token | int or None |
 
 NumPy integers and floats count as ints and reals; bools never do.
 """
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_max_new_tokens", "check_sampling", "check_stop"]
+__all__ = ["check_adjustments", "check_max_new_tokens", "check_sampling", "check_stop"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -106,3 +109,43 @@ def check_stop(stop: Any, what: str = "") -> frozenset[int]:
     if bad:
         raise ValueError(f"{pre}stop ids must be ints, got {_kind(bad[0])}")
     return frozenset(int(s) for s in stop)
+
+
+def check_adjustments(presence_penalty: Any, frequency_penalty: Any, logit_bias: Any,
+                      logprobs: Any, vocab: int, what: str = ""
+                      ) -> tuple[float, float, tuple[tuple[int, float], ...], int | None]:
+    """Validate OpenAI's logits adjustments and ``logprobs`` (module table).
+
+    Returns:
+        ``(presence, frequency, bias, logprobs)``: floats, the bias as ``((id, value), ...)``
+        sorted by id without zero values, ``None`` or the int.
+
+    Raises:
+        ValueError: an argument of the wrong type or out of range; the message names it.
+    """
+    pre = _pre(what)
+    out: list[float] = []
+    for name, v in (("presence_penalty", presence_penalty),
+                    ("frequency_penalty", frequency_penalty)):
+        x = 0.0 if v is None else v
+        if not _is_real(x) or not -2.0 <= float(x) <= 2.0:
+            raise ValueError(f"{pre}{name}={_kind(v)} must be None or a number in [-2, 2]")
+        out.append(float(x))
+    bias: list[tuple[int, float]] = []
+    if logit_bias is not None:
+        if not hasattr(logit_bias, "items"):
+            raise ValueError(f"{pre}logit_bias={_kind(logit_bias)} must be None or a mapping "
+                             "token id -> bias")
+        for k, v in logit_bias.items():
+            if not _is_int(k) or not 0 <= int(k) < vocab:
+                raise ValueError(f"{pre}logit_bias: token id {_kind(k)} is not an int in "
+                                 f"[0, {vocab})")
+            if not _is_real(v) or not -100.0 <= float(v) <= 100.0:
+                raise ValueError(f"{pre}logit_bias[{int(k)}]={_kind(v)} must be a number in "
+                                 "[-100, 100]")
+            if float(v) != 0.0:
+                bias.append((int(k), float(v)))
+    n = logprobs
+    if n is not None and (not _is_int(n) or not 0 <= n <= 20):
+        raise ValueError(f"{pre}logprobs={_kind(logprobs)} must be None or an int in [0, 20]")
+    return out[0], out[1], tuple(sorted(bias)), None if n is None else int(n)

@@ -264,10 +264,20 @@ class CausalLM(TextCodec):
 
     # -- step API (deviceops.nn.runner.runner's docstring) -----------------------------------
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int = 0) -> None:
-        """Set row ``slot``'s sampling parameters (device memory) and reset its counter."""
+                     seed: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     logit_bias: Any = None, logprobs: bool = False) -> None:
+        """Set row ``slot``'s sampling parameters (device memory) and reset its counter;
+        OpenAI's penalties, ``logit_bias`` (token id -> bias) and ``logprobs`` as
+        :meth:`~deviceops.nn.runner.Runner.set_sampling` takes them."""
         self.runner.set_sampling(slot, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed)
+                                 seed=seed, presence_penalty=presence_penalty,
+                                 frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                                 logprobs=logprobs)
+
+    def read_logprobs(self, n: int) -> DeviceOp[tuple[np.ndarray, np.ndarray]]:
+        """Host copies of rows ``0 .. n-1`` of the log-probability buffers
+        (:meth:`~deviceops.nn.runner.Runner.read_logprobs`)."""
+        return self.runner.read_logprobs(n)
 
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Give row ``slot`` blocks for positions ``[0, n_tokens)`` (keeping those it holds).

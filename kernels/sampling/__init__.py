@@ -1,14 +1,18 @@
-"""The sampling family: ``sample`` (temperature, top-k, top-p, a counter-based device RNG).
+"""The sampling family: ``sample`` (temperature, top-k, top-p, a counter-based device RNG),
+``penalize`` (presence/frequency penalties, logit bias) and ``logprobs`` (the sampled token's
+log-probability and the top-k).
 
 | part             | module              | what                                                    |
 |------------------|---------------------|---------------------------------------------------------|
 | op               | :mod:`.op`          | ``sample``: public signature and checks, the KernelSpec |
 | CUDA launcher    | :mod:`._cuda`       | ``sampling.cu`` loading and launch                      |
-| reference        | :mod:`._reference`  | float64 NumPy oracle (the cpu backend runs it), the RNG |
-| sources          | ``sampling.cu``     |                                                         |
+| reference        | :mod:`._reference`  | float64 NumPy oracles (the cpu backend's sample), the RNG |
+| cpu              | :mod:`._cpu`        | float32 paths of ``penalize`` and ``logprobs``          |
+| sources          | ``sampling.cu``, ``logits.cu`` |                                              |
 """
 
-from ._reference import sample_reference, uniform
-from .op import sample
+from ._reference import logprobs_reference, penalize_reference, sample_reference, uniform
+from .op import MAX_TOP, logprobs, penalize, sample
 
-__all__ = ["sample", "sample_reference", "uniform"]
+__all__ = ["MAX_TOP", "logprobs", "logprobs_reference", "penalize", "penalize_reference", "sample",
+           "sample_reference", "uniform"]

@@ -1,4 +1,5 @@
-"""Token sampling on CUDA: ``sample<T>`` of ``sampling.cu``, one block per row of logits."""
+"""Token sampling on CUDA: ``sample<T>`` of ``sampling.cu``, one block per row of logits;
+``penalize<T>`` and ``logprobs<T>`` of ``logits.cu``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from ..runtime._rows import CTYPE, kernel_function
 
-__all__ = ["sample_cuda"]
+__all__ = ["logprobs_cuda", "penalize_cuda", "sample_cuda"]
 
 _SOURCE = "sampling/sampling.cu"
 _NAMES = tuple(f"sample<{c}>" for c in CTYPE.values())
@@ -25,6 +26,44 @@ def sample_cuda(device_index: int, oa: Any, ca: Any, la: Any, ta: Any, ka: Any, 
     b, v = la.shape
     fn = kernel_function(device_index, _SOURCE, f"sample<{CTYPE[la.dtype]}>", _NAMES)
     args = (oa, ca, la, ta, ka, pa, sa, np.int32(v))
+    threads = _threads(v)
+
+    def cuda(native: Any) -> None:
+        if b > 0:
+            fn((b,), (threads,), args, stream=native)
+
+    return cuda
+
+
+_LOGITS_SOURCE = "sampling/logits.cu"
+_LOGITS_NAMES = tuple(f"{k}<{c}>" for k in ("penalize", "logprobs") for c in CTYPE.values())
+
+
+def penalize_cuda(device_index: int, la: Any, ca: Any, ba: Any, pa: Any, fa: Any,
+                  ma: Any) -> Any:
+    """A ``cuda(native_stream)`` launch function of ``penalize`` (CuPy arrays: logits, read
+    and written in place, counts, bias, presence, frequency, mode)."""
+    b, v = la.shape
+    fn = kernel_function(device_index, _LOGITS_SOURCE, f"penalize<{CTYPE[la.dtype]}>",
+                         _LOGITS_NAMES)
+    args = (la, ca, ba, pa, fa, ma, np.int32(v))
+    gx = min(-(-v // 256), 64)
+
+    def cuda(native: Any) -> None:
+        if b > 0:
+            fn((gx, b), (256,), args, stream=native)
+
+    return cuda
+
+
+def logprobs_cuda(device_index: int, oa: Any, ia: Any, ca: Any, la: Any, ta: Any,
+                  ma: Any) -> Any:
+    """A ``cuda(native_stream)`` launch function of ``logprobs`` (CuPy arrays: values out,
+    ids out, counts, logits, tokens, mode)."""
+    b, v = la.shape
+    fn = kernel_function(device_index, _LOGITS_SOURCE, f"logprobs<{CTYPE[la.dtype]}>",
+                         _LOGITS_NAMES)
+    args = (oa, ia, ca, la, ta, ma, np.int32(v), np.int32(ia.shape[1]))
     threads = _threads(v)
 
     def cuda(native: Any) -> None:

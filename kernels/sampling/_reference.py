@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sample_reference", "uniform"]
+__all__ = ["logprobs_reference", "penalize_reference", "sample_reference", "top_order", "uniform"]
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -80,3 +80,58 @@ def sample_reference(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndar
     return out
 
 
+
+
+def penalize_reference(logits: np.ndarray, counts: np.ndarray, bias: np.ndarray,
+                       presence: np.ndarray, frequency: np.ndarray, mode: np.ndarray) -> np.ndarray:
+    """float64 penalised logits, rounded to ``logits.dtype``; rows without ``mode & 1`` are
+    returned unchanged.
+
+    Row b with ``mode[b] & 1``: ``x + bias - (presence * (count > 0) + frequency * count)``
+    (OpenAI's presence/frequency penalties and ``logit_bias``), with ``presence`` and
+    ``frequency`` read as float32 values.
+    """
+    out = logits.copy()
+    for b in np.nonzero(np.asarray(mode) & 1)[0]:
+        c = counts[b].astype(np.float64)
+        pen = np.where(c > 0, float(np.float32(presence[b])) + float(np.float32(frequency[b])) * c,
+                       0.0)
+        out[b] = (logits[b].astype(np.float64) + bias[b].astype(np.float64) - pen).astype(
+            logits.dtype)
+    return out
+
+
+def top_order(row: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest values of ``row``, largest first, ties by lower index."""
+    order = np.lexsort((np.arange(row.shape[0]), -row))
+    return order[:k]
+
+
+def logprobs_reference(logits: np.ndarray, tokens: np.ndarray, mode: np.ndarray,
+                       counts: np.ndarray, values: np.ndarray, ids: np.ndarray) -> None:
+    """float64 oracle of :func:`~.op.logprobs`: fills ``values`` ``(B, K + 1)`` and ``ids``
+    ``(B, K)`` of the rows with ``mode & 2`` and counts the token of the rows with
+    ``mode & 1`` (in place; other rows untouched).
+
+    ``values[b, 0]`` is ``log_softmax(logits[b])[tokens[b]]``; ``values[b, 1 + j]`` and
+    ``ids[b, j]`` the ``j``-th largest log-probability and its token (ties: lower id first;
+    past the vocabulary: ``-inf`` and ``-1``).
+    """
+    k = ids.shape[1]
+    v = logits.shape[1]
+    for b in range(logits.shape[0]):
+        md, tok = int(mode[b]), int(tokens[b])
+        if md & 1 and 0 <= tok < v:
+            counts[b, tok] += 1
+        if not md & 2:
+            continue
+        x = logits[b].astype(np.float64)
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x - m).sum()))
+        lp = x - lse
+        order = top_order(x, k)
+        values[b, 0] = lp[tok] if 0 <= tok < v else -np.inf
+        values[b, 1:] = -np.inf
+        ids[b, :] = -1
+        values[b, 1:1 + order.size] = lp[order]
+        ids[b, :order.size] = order

@@ -1,4 +1,6 @@
-"""Token sampling over logits: temperature, top-k, top-p and a counter-based device RNG.
+"""Token sampling over logits: temperature, top-k, top-p and a counter-based device RNG;
+around it, OpenAI's logits adjustments (:func:`penalize`: presence and frequency penalties,
+``logit_bias``) and the sampled token's log-probability with the top-K (:func:`logprobs`).
 
 CUDA source: ``sampling.cu`` (``sample<T>``, one block per row, :mod:`._cuda`); the ``cpu``
 backend runs :func:`._reference.sample_reference` (float64). Both draw the row's uniform number from the same
@@ -29,12 +31,17 @@ from deviceops.extend import (
 
 from ..runtime._builder import Body, check_out, noop
 from ..runtime._checks import MultiCheck, Outputs
+from ..runtime._cpu import reference_mode
 from ..runtime._op import KernelOp
 from ..runtime._spec import KernelSpec
-from ._cuda import sample_cuda
-from ._reference import sample_reference
+from ._cpu import logprobs_cpu, penalize_cpu
+from ._cuda import logprobs_cuda, penalize_cuda, sample_cuda
+from ._reference import logprobs_reference, penalize_reference, sample_reference
 
-__all__ = ["sample"]
+__all__ = ["logprobs", "penalize", "sample"]
+
+#: The largest ``k`` of :func:`logprobs` (OpenAI's ``top_logprobs`` goes to 20).
+MAX_TOP = 20
 
 def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, counter: Any, *,
            out: Any = None) -> KernelOp:
@@ -125,3 +132,166 @@ def _sample_parts() -> tuple[MultiCheck, Body]:
 _SAMPLE = KernelSpec("sample", ("logits", "temperature", "top_k", "top_p", "seed", "counter", "out"),
                      _sample_parts, outputs=True, replay=True)
 
+
+
+def penalize(logits: Any, counts: Any, bias: Any, presence: Any, frequency: Any,
+             mode: Any) -> KernelOp:
+    """OpenAI's presence/frequency penalties and logit bias, in place, on the rows that ask.
+
+    Row ``b`` with ``mode[b] & 1``: ``logits[b] = (logits[b] + bias[b]) - (presence[b] *
+    (counts[b] > 0) + frequency[b] * counts[b])``, computed in float32 and stored rounded to
+    the logits' dtype; every other row is not touched (on CUDA its blocks return after
+    reading ``mode[b]``).
+
+    Args:
+        logits: ``(B, V)`` float32/float16/bfloat16, C-contiguous.
+        counts: int32 ``(B, V)``: how often each token was generated so far.
+        bias: float32 ``(B, V)``: added to the logits (OpenAI's ``logit_bias``, dense).
+        presence, frequency: float32 ``(B,)``.
+        mode: int32 ``(B,)``; bit 0 turns the row's adjustment on.
+
+    Returns:
+        A :class:`KernelOp` producing ``logits`` (adjusted in place) in the form given.
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    return _PENALIZE.op((logits, counts, bias, presence, frequency, mode))
+
+
+def logprobs(logits: Any, tokens: Any, mode: Any, counts: Any, *, k: int = MAX_TOP,
+             out: Any = None, ids_out: Any = None) -> KernelOp:
+    """The sampled tokens' log-probabilities and the top ``k``; counts the tokens.
+
+    Row ``b`` with ``mode[b] & 1``: ``counts[b, tokens[b]] += 1`` (in place). Row ``b``
+    with ``mode[b] & 2``: ``out[b, 0] = log_softmax(logits[b])[tokens[b]]`` and, for ``j <
+    k``, ``out[b, 1 + j]`` / ``ids_out[b, j]`` the ``j``-th largest log-probability of the
+    row and its token (value descending, ties by lower id; ``-inf`` / ``-1`` past the
+    vocabulary). The log-softmax is over the logits as given, computed in float32 (the max,
+    then the log of the sum of ``exp(x - max)``). Rows without those bits are not written.
+    The CUDA kernel (one block per row) makes ``1 + k`` passes over a row that asks and
+    returns at once for the others.
+
+    Args:
+        logits: ``(B, V)`` float32/float16/bfloat16, C-contiguous.
+        tokens: int32 ``(B,)`` (the tokens sampled from ``logits``).
+        mode: int32 ``(B,)``: bit 0 counts, bit 1 computes.
+        counts: int32 ``(B, V)``, advanced in place.
+        k: ``0 .. 20`` (static).
+        out: float32 ``(B, k + 1)``; allocated if ``None`` (rows not asking: uninitialised).
+        ids_out: int32 ``(B, k)``; allocated if ``None``.
+
+    Returns:
+        A :class:`KernelOp` producing ``(out, ids_out)`` in the form given.
+
+    Raises:
+        ValueError: ``k`` outside ``[0, 20]``. ShapeError, DTypeError: before any launch.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP:
+        raise ValueError(f"logprobs: k={k!r} must be an int in [0, {MAX_TOP}]")
+    return _LOGPROBS.op((logits, tokens, mode, counts, out, ids_out), (k,))
+
+
+def _rows(name: str, ts: Mapping[str, Tensor | None]) -> tuple[int, int]:
+    """The logits' ``(B, V)``, checked."""
+    lt = ts["logits"]
+    assert lt is not None
+    if lt.dtype not in FLOATING:
+        raise DTypeError(f"{name}: logits have dtype {lt.dtype}; supported: float32, "
+                         "float16, bfloat16", op=name)
+    if lt.ndim != 2 or lt.shape[1] < 1 or lt.shape[1] > 2**31 - 1:
+        raise ShapeError(f"{name}: logits have shape {lt.shape}; expected (B, V), 1 <= V < "
+                         "2**31", op=name)
+    return lt.shape[0], lt.shape[1]
+
+
+def _args(name: str, ts: Mapping[str, Tensor | None], specs: tuple[tuple[str, Any, bool], ...],
+          b: int, v: int) -> None:
+    """Each named tensor is ``(B,)`` (or ``(B, V)`` where the flag says) of its dtype."""
+    for key, dt, wide in specs:
+        t = ts[key]
+        assert t is not None
+        shape = (b, v) if wide else (b,)
+        if t.shape != shape:
+            raise ShapeError(f"{name}: {key} has shape {t.shape}, expected {shape} (the logits' "
+                             f"rows{' and vocabulary' if wide else ''})", op=name)
+        if t.dtype != dt:
+            raise DTypeError(f"{name}: {key} has dtype {t.dtype}; it must be {dt}", op=name)
+        if wide and not t.array.flags.c_contiguous:
+            raise ShapeError(f"{name}: {key} must be C-contiguous", op=name)
+
+
+def _penalize_parts() -> tuple[MultiCheck, Body]:
+    name = "penalize"
+
+    def check(ts: Mapping[str, Tensor | None]) -> Outputs:
+        b, v = _rows(name, ts)
+        lt = ts["logits"]
+        assert lt is not None
+        if not lt.array.flags.c_contiguous:
+            raise ShapeError(f"{name}: logits must be C-contiguous", op=name)
+        _args(name, ts, (("counts", int32, True), ("bias", float32, True),
+                         ("presence", float32, False), ("frequency", float32, False),
+                         ("mode", int32, False)), b, v)
+        return {}
+
+    def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
+        lt = ts["logits"]
+        ct, bt, pt, ft, mt = (ts[k] for k in ("counts", "bias", "presence", "frequency", "mode"))
+        la, ca, ba, pa, fa, ma = (t.array for t in (lt, ct, bt, pt, ft, mt))
+
+        if reference_mode():
+            def cpu() -> None:
+                la[...] = penalize_reference(la, ca, ba, pa, fa, ma)
+        else:
+            def cpu() -> None:
+                penalize_cpu(la, ca, ba, pa, fa, ma, la)
+
+        cuda: Any = noop
+        if not ctx.device.is_cpu:
+            cuda = penalize_cuda(ctx.device.index, la, ca, ba, pa, fa, ma)
+        launch(ctx, name, (lt, ct, bt, pt, ft, mt), (lt,), cpu, cuda)
+
+    return check, body
+
+
+def _logprobs_parts(k: int) -> tuple[MultiCheck, Body]:
+    name = "logprobs"
+
+    def check(ts: Mapping[str, Tensor | None]) -> Outputs:
+        b, v = _rows(name, ts)
+        _args(name, ts, (("tokens", int32, False), ("mode", int32, False),
+                         ("counts", int32, True)), b, v)
+        check_out(name, ts["out"], (b, k + 1), float32, f"the token's and the top {k} "
+                  "log-probabilities of each row")
+        ids = ts["ids_out"]
+        if ids is not None and (ids.shape != (b, k) or ids.dtype != int32):
+            raise ShapeError(f"{name}: ids_out has shape {ids.shape} {ids.dtype}, expected "
+                             f"({b}, {k}) int32", op=name)
+        return {"out": ((b, k + 1), float32), "ids_out": ((b, k), int32)}
+
+    def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
+        lt, tt, mt, ct, o, it = (ts[x] for x in ("logits", "tokens", "mode", "counts", "out",
+                                                 "ids_out"))
+        la, ta, ma, ca, oa, ia = (t.array for t in (lt, tt, mt, ct, o, it))
+        fn = logprobs_reference if reference_mode() else logprobs_cpu
+
+        def cpu() -> None:
+            fn(la, ta, ma, ca, oa, ia)
+
+        cuda: Any = noop
+        if not ctx.device.is_cpu:
+            cuda = logprobs_cuda(ctx.device.index, oa, ia, ca, la, ta, ma)
+        launch(ctx, name, (lt, tt, mt, ct), (ct, o, it), cpu, cuda)
+
+    return check, body
+
+
+def _both(v: dict[str, Any]) -> tuple[Any, Any]:
+    return v["out"], v["ids_out"]
+
+
+_PENALIZE = KernelSpec("penalize", ("logits", "counts", "bias", "presence", "frequency", "mode"),
+                       _penalize_parts, returns="logits", outputs=True, replay=True)
+_LOGPROBS = KernelSpec("logprobs", ("logits", "tokens", "mode", "counts", "out", "ids_out"),
+                       _logprobs_parts, returns=_both, outputs=True, replay=True)

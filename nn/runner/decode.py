@@ -8,6 +8,18 @@ Positions, key counts, input tokens and sampling state live in device memory
 does not continue from the previous step. Every op runs on the runner's stream: graphs are
 captured on it under the runner's own policy and replayed there, so nothing consults the
 default policy, which lives on the default device.
+
+**Two variants per bucket.** A step whose active rows ask for no feature (penalties, logit
+bias, log-probabilities: :mod:`.rows`) runs the *plain* step, unchanged: embed, layers, LM
+head, ``sample``. A step where at least one active row asks runs the *feature* step, the
+same ops plus :func:`~deviceops.kernels.penalize` before ``sample`` and
+:func:`~deviceops.kernels.logprobs` after it, both gated per row by the state's ``live`` row
+(the row's feature bits while active, else 0). Its graph (:attr:`Decoder.feature_graphs`) is
+captured the first time a bucket needs it, once per model (a warm-up run and a capture,
+inside that step). Cost: rows asking nothing pay nothing while no row of the batch asks;
+in a feature step each of them costs one early-returning block per kernel (two launches more
+per step); a row that asks pays one elementwise pass over its logits (penalties, bias) and
+``1 + 20`` passes (log-probabilities and the top 20) per token.
 """
 
 from __future__ import annotations
@@ -35,13 +47,15 @@ class Decoder:
     ``weights``, ``buckets`` and ``graph_on``.
 
     Attributes:
-        graphs: bucket -> its captured graph.
+        graphs: bucket -> its captured plain graph.
+        feature_graphs: bucket -> its captured feature graph (module docstring).
     """
 
     def __init__(self, runner: Runner) -> None:
         self.r = runner
         self.graphs: dict[int, Any] = {}
-        self._thunks: dict[int, list[Thunk]] = {}
+        self.feature_graphs: dict[int, Any] = {}
+        self._thunks: dict[tuple[int, bool], list[Thunk]] = {}
 
     def step(self, slots: list[int], tokens: list[int], positions: list[int],
              graph: bool | None) -> Tensor:
@@ -53,11 +67,13 @@ class Decoder:
             if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
                 r.kv.grow(x, int(p) + 1, "decode_step")
         b = next(x for x in r.buckets if x > max(slots))
+        feat = bool(rows.h_features[slots].any())
+        graphs = self.feature_graphs if feat else self.graphs
         # default: the bucket's graph on both backends (on cpu a replay is one hand-off of the
         # recorded step to the stream's worker, instead of ~280 op constructions and hand-offs)
         use_graph = True if graph is None else bool(graph)
-        if use_graph and b not in self.graphs:
-            self.capture(b)
+        if use_graph and b not in graphs:
+            self.capture(b, feat)
         want = rows.h_state.copy()
         active = np.zeros(r.max_batch, bool)
         fresh = False  # a row that does not continue from the last step (its state must go up)
@@ -65,12 +81,16 @@ class Decoder:
             active[x] = True
             if not (rows.cont[x] and want[0, x] == p and want[2, x] == 1):
                 fresh = True
-            want[:, x] = (p, p + 1, 1, t)  # a continuing row's token is the one already there
+            # a continuing row's token is the one already there
+            want[:, x] = (p, p + 1, 1, t, rows.h_features[x])
         idle = ~active[:b]
         want[2, :b][idle] = 0
+        want[4, :b][idle] = 0
         want[0, :b][idle & (want[0, :b] < rows.idle)] = rows.idle
         want[1, :b][idle] = 1
-        changed = rows.dirty or fresh or not np.array_equal(want[:3, :b], rows.h_state[:3, :b])
+        keep = [0, 1, 2, 4]  # every row but the tokens
+        changed = rows.dirty or fresh or not np.array_equal(want[keep, :b],
+                                                            rows.h_state[keep, :b])
         if changed:
             want[3, slots] = tokens  # continuing rows too: the shadow holds their previous input
             want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
@@ -78,9 +98,9 @@ class Decoder:
             rows.upload_counters()
             rows.dirty = False
         if use_graph:
-            self.graphs[b].launch()  # on the stream it was captured on; consults no policy
+            graphs[b].launch()  # on the stream it was captured on; consults no policy
         else:
-            self.run_eager(b)
+            self.run_eager(b, feat)
         # advance the shadow: active rows moved one position and drew one number
         want[0, slots] += 1
         want[1, slots] += 1
@@ -90,39 +110,41 @@ class Decoder:
         rows.cont[slots] = True
         return rows.tokens[:b]
 
-    def warm_up(self, b: int) -> None:
+    def warm_up(self, b: int, feat: bool = False) -> None:
         """Run bucket ``b``'s step eagerly with its rows idle (no KV written)."""
         rows = self.r.rows
         rows.upload_state(rows.idle_state(b))
-        self.step_op(b).sync_on(self.r.stream)
+        self.step_op(b, feat).sync_on(self.r.stream)
         rows.dirty = True  # the warm-up advanced the idle rows' counters
 
-    def capture(self, b: int) -> None:
-        """Warm bucket ``b`` up eagerly (all rows idle) and capture its graph."""
-        self.warm_up(b)
-        self.graphs[b] = self.r.graph_on(self.step_op(b))
+    def capture(self, b: int, feat: bool = False) -> None:
+        """Warm bucket ``b`` up eagerly (all rows idle) and capture its plain or feature graph."""
+        self.warm_up(b, feat)
+        graph = self.r.graph_on(self.step_op(b, feat))
+        (self.feature_graphs if feat else self.graphs)[b] = graph
 
-    def run_eager(self, b: int) -> None:
+    def run_eager(self, b: int, feat: bool = False) -> None:
         """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
         as :meth:`step_op`, each enqueued on the runner's stream as it is built."""
         s = self.r.stream
-        for make in self.step_ops(b):
+        for make in self.step_ops(b, feat):
             make().async_on(s)
 
-    def step_op(self, b: int) -> DeviceOp[Any]:
+    def step_op(self, b: int, feat: bool = False) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
-        return chain(self.step_ops(b))
+        return chain(self.step_ops(b, feat))
 
-    def step_ops(self, b: int) -> list[Thunk]:
-        """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket)."""
-        th = self._thunks.get(b)
+    def step_ops(self, b: int, feat: bool = False) -> list[Thunk]:
+        """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket and
+        variant)."""
+        th = self._thunks.get((b, feat))
         if th is None:
-            th = self._thunks[b] = self._build(b)
+            th = self._thunks[(b, feat)] = self._build(b, feat)
         return th
 
-    def _build(self, b: int) -> list[Thunk]:
-        """Embed, layers, final norm, LM head, sample into the token buffer, advance
-        ``start``/``kv_len``."""
+    def _build(self, b: int, feat: bool) -> list[Thunk]:
+        """Embed, layers, final norm, LM head, (feature step: ``penalize``) sample into the
+        token buffer, (feature step: ``logprobs``), advance ``start``/``kv_len``."""
         r, rows = self.r, self.r.rows
         arch, w = r.arch, r.weights
         vw = r.arena.views(b, 1)
@@ -134,8 +156,21 @@ class Decoder:
         th += decoder_ops(arch, w, r.cache, vw, r.kv.table[:b], st, kl)
         th += arch.final_norm_ops(w, vw["down"], vw["resid"], vw["normed"])
         th += arch.lm_head_ops(w, vw["normed"], logits)
+        def draw() -> DeviceOp[Any]:
+            return kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok)
+
+        if feat:
+            live = rows.live[:b]
+            pres, freq, counts, bias, lpv, lpi = (t[:b] for t in rows.feature_buffers()[1:])
+            th += [
+                lambda: kernels.penalize(logits, counts, bias, pres, freq, live),
+                draw,
+                lambda: kernels.logprobs(logits, tok, live, counts, k=lpi.shape[1], out=lpv,
+                                         ids_out=lpi),
+            ]
+        else:
+            th.append(draw)
         th += [
-            lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok),
             lambda: kernels.add(st, inc, out=st),
             lambda: kernels.add(kl, inc, out=kl),
         ]

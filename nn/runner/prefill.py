@@ -5,6 +5,12 @@ paged cache), whatever the row: ids, positions, the row's block-table row and sa
 parameters go to device buffers the graph reads (:class:`Prefiller`, a part of
 :class:`~.runner.Runner`, whose :meth:`~.runner.Runner.prefill` documents the behaviour).
 Every op runs on the runner's stream.
+
+A row with features (penalties, logit bias, log-probabilities: :mod:`.rows`) draws its
+first token with the eager sampling ops (``penalize``, ``sample``, ``logprobs`` over the
+last position's logits, reading the row's own feature buffers); on the graph path the
+chunk's graph still runs the forward (its own draw is discarded). Rows without features
+take the unchanged paths.
 """
 
 from __future__ import annotations
@@ -131,6 +137,7 @@ class Prefiller:
         if start + tp > rows.idle or g is None:
             return False
         s, c = r.stream, r.prefill_chunk
+        tail = self._sample_ops(slot) if draw and rows.h_features[slot] else None
         i32 = np.zeros(c + 4 + r.kv.max_blocks, np.int32)
         i32[:t] = part
         temp, top_k, top_p, seed = rows.h_sampling[slot]
@@ -148,7 +155,10 @@ class Prefiller:
             self.capture(key)
         else:
             g.launch()
-        api.memcpy(rows.tokens[slot:slot + 1], self.token).async_on(s)
+        if tail is not None:  # the row's own draw, with its features, from the graph's logits
+            chain(tail).async_on(s)
+        else:
+            api.memcpy(rows.tokens[slot:slot + 1], self.token).async_on(s)
         return True
 
     def graph_op(self, tp: int, first: bool) -> DeviceOp[Any]:
@@ -197,11 +207,21 @@ class Prefiller:
         return chain([*th, *tail])
 
     def _sample_ops(self, slot: int) -> list[Thunk]:
-        """Thunks sampling row ``slot``'s next token from the prefill logits (counter restored)."""
-        rows, logits = self.r.rows, self.r.logits
+        """Thunks sampling row ``slot``'s next token from the prefill logits (counter restored;
+        with the row's features: penalised and biased first, log-probabilities after)."""
+        rows, logits = self.r.rows, self.r.logits[0:1]
         rg = slice(slot, slot + 1)
         cnt = np.array([rows.h_counter[slot]], np.int64)
-        return [lambda: api.memcpy(rows.counter[rg], api.from_host(cnt)),
-                lambda: kernels.sample(logits[0:1], rows.temperature[rg], rows.top_k[rg],
-                                       rows.top_p[rg], rows.seed[rg], rows.counter[rg],
-                                       out=rows.tokens[rg])]
+        th: list[Thunk] = [lambda: api.memcpy(rows.counter[rg], api.from_host(cnt))]
+        def draw() -> DeviceOp[Any]:
+            return kernels.sample(logits, rows.temperature[rg], rows.top_k[rg], rows.top_p[rg],
+                                  rows.seed[rg], rows.counter[rg], out=rows.tokens[rg])
+
+        if not rows.h_features[slot]:
+            return [*th, draw]
+        feats, pres, freq, counts, bias, lpv, lpi = (t[rg] for t in rows.feature_buffers())
+        return [*th,
+                lambda: kernels.penalize(logits, counts, bias, pres, freq, feats),
+                draw,
+                lambda: kernels.logprobs(logits, rows.tokens[rg], feats, counts,
+                                         k=lpi.shape[1], out=lpv, ids_out=lpi)]

@@ -22,8 +22,12 @@ itself, so a steady decode step is one ``graph.launch()`` plus reading the chose
 Step API (what :class:`~deviceops.nn.CausalLM` exposes, what generation and the serving
 engine use; every method enqueues on :attr:`Runner.stream` and returns without waiting):
 
-* ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)``: the row's sampling
-  parameters; resets its random counter (draw ``n`` of a row uses ``(seed, n)``).
+* ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0, presence_penalty=0.0,
+  frequency_penalty=0.0, logit_bias=None, logprobs=False)``: the row's sampling parameters;
+  resets its random counter (draw ``n`` of a row uses ``(seed, n)``) and, with penalties or
+  a bias, its token counts. Penalties and bias adjust the row's logits on the device before
+  each draw; ``logprobs`` makes each draw also write the token's log-probability and the
+  top 20 (:mod:`.rows`, ``read_logprobs``).
 * ``prefill(slot, ids, start=0, *, sample=True) -> Tensor | None``: writes the KV of
   ``ids`` at positions ``start ..`` of cache row ``slot``; with ``sample`` it samples the
   next token from the last position's logits into the token buffer and returns that
@@ -45,6 +49,10 @@ engine use; every method enqueues on :attr:`Runner.stream` and returns without w
 * ``release(slot)``: forget the row (it becomes inactive at the next decode step) and give
   its blocks back to the pool.
 * ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view.
+* ``read_logprobs(n) -> DeviceOp[(values, ids)]``: host copies of rows ``0 .. n-1`` of the
+  log-probability buffers (``(n, 21)`` float32: the sampled token's, then the top 20; ``(n,
+  20)`` int32 ids), as the last draw of each row that asks for them wrote them; enqueue it
+  right after the step whose tokens it goes with.
 * ``prefill_logits(ids, slot) -> DeviceOp[Tensor]``: prefill logits of every position
   (``CausalLM.logits``).
 
@@ -63,7 +71,7 @@ import deviceops
 from deviceops import DeviceOp, Tensor, _env, api
 from deviceops.scheduling import SingleStream
 
-from .._args import check_sampling
+from .._args import check_adjustments, check_sampling
 from ..models import Architecture, LlamaConfig, Weights
 from .decode import Decoder
 from .forward import Arena, buckets, chain
@@ -117,7 +125,7 @@ class Runner:
         self.arena = Arena(s, config, max(max_batch, self.prefill_chunk), dtype)
         self.logits = api.zeros((max(max_batch, 1), config.vocab_size), dtype).sync_on(s)
         # an idle row's position: past every table, never written
-        self.rows = RowState(s, max_batch, self.kv.max_blocks * kv_block_size)
+        self.rows = RowState(s, max_batch, self.kv.max_blocks * kv_block_size, config.vocab_size)
         # a chunk at position 0 attends over its own contiguous keys (flash_attention's
         # contiguous prefill kernel); DEVICEOPS_NN_PAGED_PREFILL=1: every chunk reads the
         # paged cache (set before the first prefill)
@@ -157,10 +165,18 @@ class Runner:
 
     # -- step API (module docstring) ------------------------------------------------------------
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0,
-                     top_p: float = 1.0, seed: int = 0) -> None:
-        """Set row ``slot``'s sampling parameters (device memory) and reset its counter."""
+                     top_p: float = 1.0, seed: int = 0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, logit_bias: Any = None,
+                     logprobs: bool = False) -> None:
+        """Set row ``slot``'s sampling parameters and features (device memory) and reset its
+        counter (and, with penalties or a bias, its token counts); ``ValueError`` for a bad
+        argument (``deviceops.nn._args``), before anything is uploaded."""
         slot = self.check_slot(slot, "set_sampling")
-        self.rows.set_sampling(slot, *check_sampling(temperature, top_k, top_p, seed))
+        sampling = check_sampling(temperature, top_k, top_p, seed)
+        pres, freq, bias, _ = check_adjustments(presence_penalty, frequency_penalty, logit_bias,
+                                                None, self.config.vocab_size, "set_sampling")
+        self.rows.set_sampling(slot, *sampling)
+        self.rows.set_features(slot, pres, freq, bias, bool(logprobs))
 
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Give row ``slot`` blocks for positions ``[0, n_tokens)``; ``False`` when too few
@@ -236,6 +252,12 @@ class Runner:
     def read(self, view: Tensor) -> DeviceOp[np.ndarray]:
         """The host copy of a token view (run it on :attr:`stream`)."""
         return api.to_host(view)
+
+    def read_logprobs(self, n: int) -> DeviceOp[tuple[np.ndarray, np.ndarray]]:
+        """Host copies of rows ``0 .. n-1`` of the log-probability buffers (module docstring;
+        run it on :attr:`stream`)."""
+        lpv, lpi = self.rows.feature_buffers()[5:]
+        return deviceops.zip(api.to_host(lpv[:n]), api.to_host(lpi[:n]))
 
     def prefill_logits(self, ids: Sequence[int], *, slot: int = 0) -> DeviceOp[Tensor]:
         """Prefill logits of ``ids`` into a fresh ``(len(ids), vocab)`` tensor (a lazy op;

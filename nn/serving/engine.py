@@ -56,12 +56,13 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from .._args import check_sampling, check_stop
+from .._args import check_adjustments, check_sampling, check_stop
 from .requests import (
     _DONE,
     _QUEUED,
@@ -182,15 +183,33 @@ class Engine:
         stop: Sequence[int] | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Any = None,
+        logprobs: int | None = None,
     ) -> RequestStream:
         """Queue one request; return the async iterator of its new token ids.
 
         Same arguments as ``CausalLM.generate`` (one prompt); ``ignore_eos`` (for load
-        tests) generates past EOS up to ``max_new_tokens``. Raises before queueing:
-        ``ValueError``/``TypeError`` for bad arguments (a prompt longer than ``max_seq``), :class:`EngineOverloaded` when the admission
-        queue is full, :class:`EngineClosed` after :meth:`close`.
+        tests) generates past EOS up to ``max_new_tokens``. OpenAI's ``presence_penalty`` /
+        ``frequency_penalty`` (in [-2, 2], over the tokens generated so far), ``logit_bias``
+        (token id -> bias in [-100, 100]) and ``logprobs`` (``None`` or 0..20 top
+        alternatives; the stream's :attr:`~.requests.RequestStream.logprobs`) need a step
+        model that declares them (``sampling_features``; a ``CausalLM`` does). Raises before
+        queueing: ``ValueError``/``TypeError`` for bad arguments (a prompt longer than
+        ``max_seq``, a feature the step model lacks), :class:`EngineOverloaded` when the
+        admission queue is full, :class:`EngineClosed` after :meth:`close`.
         """
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
+        pres, freq, bias, lp = check_adjustments(presence_penalty, frequency_penalty, logit_bias,
+                                                 logprobs, self.steps.vocab_size, "Engine")
+        req.params = replace(req.params, presence_penalty=pres, frequency_penalty=freq,
+                             logit_bias=bias, logprobs=lp)
+        lacking = sorted(req.params.features() - self.sampling_features)
+        if lacking:
+            raise ValueError(f"Engine: {', '.join(lacking)} not supported by this model "
+                             f"({type(self.steps).__name__} declares "
+                             f"{sorted(self.sampling_features)})")
         req.ignore_eos = bool(ignore_eos)
         total = int(getattr(self.steps, "kv_blocks_total", 0)) if self.scheduler.reserve else 0
         if total and -(-self.scheduler.budget(req) // self.pool.block_size) > total:
@@ -243,6 +262,12 @@ class Engine:
             return [t async for t in s]
         finally:
             s.cancel()
+
+    @property
+    def sampling_features(self) -> frozenset[str]:
+        """The optional sampling features the step model honours (``presence_penalty``,
+        ``frequency_penalty``, ``logit_bias``, ``logprobs``; its ``sampling_features``)."""
+        return frozenset(getattr(self.steps, "sampling_features", ()))
 
     def stats(self) -> EngineStats:
         """Queue, batch and KV occupancy now, and counters since construction."""

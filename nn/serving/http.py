@@ -49,6 +49,7 @@ from starlette.routing import Route
 from .detokenize import Detokenizer
 from .engine import Engine, EngineClosed, EngineFailed, EngineOverloaded, RequestStream
 from .guard import Exposure, Guard, InvalidJSON, parse_json
+from .logprobs import Entry, choice_logprobs
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .openai import (
     BadRequest,
@@ -259,7 +260,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             try:
                 s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
                                   top_k=job.top_k, top_p=job.top_p, seed=job.seed,
-                                  ignore_eos=job.ignore_eos)
+                                  ignore_eos=job.ignore_eos, **job.features())
                 break
             except EngineOverloaded as exc:
                 full.append(exc)
@@ -289,7 +290,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return StreamingResponse(
                 _sse(s, detok, job, chat, rid, t0, replica), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, failed = "", None
+        text, failed, entries = "", None, []
         async with anyio.create_task_group() as tg:
             async def watch() -> None:  # a client that goes away cancels its generation
                 while (await request.receive())["type"] != "http.disconnect":
@@ -299,8 +300,9 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
 
             tg.start_soon(watch)
             try:
-                async for piece in _tokens(s, detok, t0):
+                async for piece, got in _tokens(s, detok, job, t0):
                     text += piece
+                    entries += got
             except Exception as exc:  # the step failed: 500, the server goes on
                 failed = exc
             finally:
@@ -321,7 +323,9 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             reason = "abort"  # shut down past the drain time: the text so far
         elif reason == "cancelled":
             return Response(status_code=499)  # nobody is listening
-        return JSONResponse(completion_body(rid, chat, model_name, text, reason, usage(s, job)))
+        lp = None if job.logprobs is None else choice_logprobs(entries, detok.decode, chat)
+        return JSONResponse(completion_body(rid, chat, model_name, text, reason, usage(s, job),
+                                            lp))
 
     def _parse(raw: bytes, chat: bool, engine: Engine) -> Job:
         # a key "role" is the only way these bytes appear in JSON text (inside a string the
@@ -332,9 +336,14 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                              f"{limits.max_messages} (serve --max-messages)")
         return parse_request(parse_json(raw), chat, model_name, engine, limits)
 
-    async def _tokens(s: RequestStream, detok: Detokenizer, t0: float) -> AsyncIterator[str]:
-        """Text pieces as tokens arrive; records TTFT/ITL; stops at a stop string."""
+    async def _tokens(s: RequestStream, detok: Detokenizer, job: Job, t0: float
+                      ) -> AsyncIterator[tuple[str, list[Entry]]]:
+        """Text pieces as tokens arrive, each with the log-probability entries of the tokens
+        consumed since the previous piece (with ``logprobs``; :mod:`.logprobs`); records
+        TTFT/ITL; stops at a stop string."""
         last = None
+        pending: list[Entry] = []
+        i = 0
         try:
             async for tok in s:
                 now = time.perf_counter()
@@ -344,15 +353,22 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                     metrics.itl.observe(now - last)
                 last = now
                 metrics.generated_tokens.inc()
+                offset = len(detok.text)
                 piece = detok.push(tok)
+                if job.logprobs is not None and tok not in detok.eos:
+                    tl = s.logprob(i)
+                    if tl is not None:
+                        pending.append((tl, offset))
+                i += 1
                 if piece:
-                    yield piece
+                    yield piece, pending
+                    pending = []
                 if detok.stopped:
                     s.cancel()
                     break
             tail = detok.finish()
-            if tail:
-                yield tail
+            if tail or pending:
+                yield tail, pending
         finally:
             s.cancel()
             reason = finish_reason(s, detok.stopped)
@@ -366,15 +382,18 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str | None, reason: str | None, first: bool = False) -> bytes:
-            return stream_chunk(rid, chat, model_name, created, piece, reason, first)
+        def chunk(piece: str | None, reason: str | None, first: bool = False,
+                  entries: list[Entry] | None = None) -> bytes:
+            lp = None if job.logprobs is None or entries is None else choice_logprobs(
+                entries, detok.decode, chat)
+            return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp)
 
         try:
             if chat:
                 yield chunk(None, None, first=True)
             try:
-                async for piece in _tokens(s, detok, t0):
-                    yield chunk(piece, None)
+                async for piece, got in _tokens(s, detok, job, t0):
+                    yield chunk(piece, None, entries=got)
             except EngineFailed as exc:  # its device failed: a 503 error event, then [DONE]
                 log.error("generation %s failed with device %s: %r", rid, replica.device,
                           exc.__cause__)

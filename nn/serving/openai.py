@@ -30,10 +30,10 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _KNOWN = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
     "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos",
-    "user", "tools", "tool_choice", "parallel_tool_calls",
+    "user", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
+    "logit_bias", "presence_penalty", "frequency_penalty",
     # checked below: refused unless they ask for nothing
-    "best_of", "suffix", "echo", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
-    "frequency_penalty", "response_format",
+    "best_of", "suffix", "echo", "response_format",
 })
 
 
@@ -90,6 +90,24 @@ class Job:
     stop: list[str]
     ignore_eos: bool = False
     include_usage: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top log-probabilities per token (0: the token's only)
+
+    def features(self) -> dict[str, Any]:
+        """The engine arguments of the optional features this job asks for (only those, so
+        an engine without them is never handed one)."""
+        out: dict[str, Any] = {}
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 def _is_int(v: Any) -> bool:
@@ -231,18 +249,74 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         "best_of": body.get("best_of") not in (None, 1),
         "suffix": body.get("suffix") not in (None, ""),
         "echo": body.get("echo") not in (None, False),
-        "logprobs": body.get("logprobs") not in (None, False) if chat
-        else body.get("logprobs") is not None,
-        "top_logprobs": body.get("top_logprobs") is not None,
-        "logit_bias": bool(body.get("logit_bias")),
-        "presence_penalty": bool(body.get("presence_penalty")),
-        "frequency_penalty": bool(body.get("frequency_penalty")),
         "response_format": fmt is not None and fmt != {"type": "text"},
     }
     for key, bad in asked.items():
         if bad:
             raise BadRequest(key, f"'{key}' is not supported by this server yet; leave it "
                              "out (the request was not run)", code="unsupported_parameter")
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The top log-probabilities asked for per token (``None``: no ``logprobs``)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if top is not None:
+            raise BadRequest("top_logprobs", "'top_logprobs' is a chat parameter; completions "
+                             "take 'logprobs': N (0 .. 20)")
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
+            raise BadRequest("logprobs", f"'logprobs' must be an integer in [0, 20], got {lp!r}")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise BadRequest("logprobs", f"'logprobs' must be a boolean, got {lp!r}")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= 20:
+            raise BadRequest("top_logprobs", f"'top_logprobs' must be an integer in [0, 20], "
+                             f"got {top!r}")
+        if not lp:
+            raise BadRequest("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if lp else None
+
+
+def _logit_bias(body: dict[str, Any], vocab: int) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: bias}`` (JSON keys are strings of ids)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("logit_bias", "'logit_bias' must be an object mapping token ids to "
+                         "biases in [-100, 100]")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        try:
+            t = int(k)
+        except ValueError:
+            t = -1
+        if not 0 <= t < vocab or str(t) != str(k).strip():
+            raise BadRequest("logit_bias", f"'logit_bias' key {k!r} is not a token id in "
+                             f"[0, {vocab})")
+        if not _is_num(v) or not -100.0 <= float(v) <= 100.0:
+            raise BadRequest("logit_bias", f"'logit_bias' value {v!r} for token {t} must be a "
+                             "number in [-100, 100]")
+        out[t] = float(v)
+    return out or None
+
+
+def _features(body: dict[str, Any], chat: bool, engine: Engine) -> dict[str, Any]:
+    """Penalties, ``logit_bias`` and ``logprobs``, checked, refused with
+    ``unsupported_parameter`` when asked of an engine whose model does not honour them."""
+    vocab = engine.steps.vocab_size
+    got = {"presence_penalty": float(body.get("presence_penalty") or 0.0),
+           "frequency_penalty": float(body.get("frequency_penalty") or 0.0),
+           "logit_bias": _logit_bias(body, vocab), "logprobs": _logprobs(body, chat)}
+    have: frozenset[str] = frozenset(getattr(engine, "sampling_features", ()))
+    for key, v in got.items():
+        if (v is not None if key == "logprobs" else bool(v)) and key not in have:
+            param = "top_logprobs" if key == "logprobs" and "logprobs" not in body else key
+            raise BadRequest(param, f"'{key}' is not supported by this server's model engine; "
+                             "leave it out (the request was not run)",
+                             code="unsupported_parameter")
+    return got
 
 
 def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
@@ -324,9 +398,10 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
     if max_tokens > room:
         raise BadRequest(key, f"'{key}'={max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                               f"the context of {engine.max_seq} tokens (at most {room})")
+    feats = _features(body, chat, engine)
     return Job(ids, int(max_tokens), stream, float(temperature),
-                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
-                include_usage)
+               None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
+               include_usage, **feats)
 
 
 def finish_reason(s: RequestStream, stopped: bool) -> str:
@@ -350,23 +425,27 @@ def sse_event(payload: Any) -> bytes:
 
 
 def completion_body(rid: str, chat: bool, model_name: str, text: str, reason: str,
-                    use: dict[str, int]) -> dict[str, Any]:
-    """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response."""
+                    use: dict[str, int], logprobs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response
+    (``logprobs``: the choice's object, :mod:`.logprobs`)."""
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason}
+                                  "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
             "choices": [choice], "usage": use}
 
 
 def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str | None,
-                 reason: str | None, first: bool = False) -> bytes:
+                 reason: str | None, first: bool = False,
+                 logprobs: dict[str, Any] | None = None) -> bytes:
     """One streamed chunk (``chat.completion.chunk`` / ``text_completion``) as an SSE event;
-    ``first``: the chat stream's opening delta with the assistant role."""
+    ``first``: the chat stream's opening delta with the assistant role; ``logprobs``: the
+    chunk's tokens' object (:mod:`.logprobs`)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         delta: dict[str, Any] = {}
@@ -374,9 +453,9 @@ def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str
             delta["role"] = "assistant"
         if piece:
             delta["content"] = piece
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
     return sse_event({"id": rid, "object": obj, "created": created, "model": model_name,
                       "choices": [choice]})

@@ -19,8 +19,12 @@ import anyio
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats", "RequestStream",
-           "SamplingParams", "StepModel", "TokenStream"]
+__all__ = ["FEATURES", "EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats",
+           "RequestStream", "Sampled", "SamplingParams", "StepModel", "TokenLogprob",
+           "TokenStream"]
+
+#: The optional sampling features a step model may declare in ``sampling_features``.
+FEATURES = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
 
 class EngineOverloaded(RuntimeError):
@@ -43,12 +47,51 @@ class EngineFailed(EngineClosed):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling: ``temperature=0`` is greedy; ``top_k=0`` / ``top_p=1`` are off."""
+    """Per-request sampling: ``temperature=0`` is greedy; ``top_k=0`` / ``top_p=1`` are off.
+
+    OpenAI's features (0 / empty / ``None``: off): ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2], ``logit_bias`` as ``((token id, bias), ...)`` sorted by
+    id, ``logprobs`` the number of top log-probabilities returned with each token (0: only
+    the token's own).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+
+    def features(self) -> frozenset[str]:
+        """The optional features (:data:`FEATURES`) these parameters ask for."""
+        asked = {"presence_penalty": bool(self.presence_penalty),
+                 "frequency_penalty": bool(self.frequency_penalty),
+                 "logit_bias": bool(self.logit_bias), "logprobs": self.logprobs is not None}
+        return frozenset(k for k, v in asked.items() if v)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the top alternatives, best first, as
+    ``(token id, logprob)`` pairs (as many as the request's ``logprobs`` asked)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Sampled(int):
+    """A token id a step model returns with its :class:`TokenLogprob` (``logprobs``) when the
+    request asked for log-probabilities; it is the plain ``int`` everywhere else."""
+
+    logprobs: TokenLogprob | None
+
+    def __new__(cls, token: int, logprobs: TokenLogprob | None = None) -> Sampled:
+        obj = super().__new__(cls, token)
+        obj.logprobs = logprobs
+        return obj
 
 
 @runtime_checkable
@@ -61,6 +104,10 @@ class StepModel(Protocol):
     seed and counter, as ``CausalLM.generate`` would). ``decode_step`` feeds ``tokens[i]`` at
     position ``positions[i]`` of ``slots[i]`` and returns one sampled token per row.
     ``release`` forgets a slot. Both step methods await their device work.
+
+    Optional: ``sampling_features``, the :data:`FEATURES` the model honours (the engine
+    refuses a request asking for another one). A model that honours ``logprobs`` returns
+    each token of such a request as a :class:`Sampled` carrying its :class:`TokenLogprob`.
     """
 
     @property
@@ -105,6 +152,7 @@ class _Request:
     pos: int = 0  # position the next decode input token is written at
     last: int = -1  # the token to feed at the next decode step
     out: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with params.logprobs
     buf: deque[int] = field(default_factory=deque)
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -216,6 +264,17 @@ class RequestStream(TokenStream):
     def id(self) -> int:
         """The engine-wide request id."""
         return self._req.id
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """With ``logprobs``: one :class:`TokenLogprob` per token of :attr:`tokens` (so far),
+        else empty."""
+        return list(self._req.logprobs)
+
+    def logprob(self, i: int) -> TokenLogprob | None:
+        """The :class:`TokenLogprob` of token ``i`` (with ``logprobs``; else ``None``)."""
+        lps = self._req.logprobs
+        return lps[i] if 0 <= i < len(lps) else None
 
     @property
     def prompt_tokens(self) -> int:

@@ -167,7 +167,7 @@ class Scheduler:
             self.decode_rows += len(rows)
             for req, tok in zip(rows, toks, strict=True):
                 req.pos += 1
-                self._deliver(req, int(tok))
+                self._deliver(req, tok)
         for req, n, last, wait in chunks:
             try:
                 tok = await wait()
@@ -184,7 +184,7 @@ class Scheduler:
                 if tok is None:
                     raise RuntimeError("StepModel.prefill(last=True) returned no token")
                 req.state, req.pos = _DECODE, len(req.prompt)
-                self._deliver(req, int(tok))
+                self._deliver(req, tok)
 
     def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
         """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
@@ -215,12 +215,17 @@ class Scheduler:
         """A fail-stop engine treats a launch or driver error of one request as the device's."""
         return self.fail_stop and isinstance(exc, (LaunchError, DriverError))
 
-    def _deliver(self, req: _Request, tok: int) -> None:
+    def _deliver(self, req: _Request, sampled: Any) -> None:
+        """Hand ``sampled`` (an int, or a :class:`~.requests.Sampled` with its log-probabilities)
+        to ``req``'s consumer and end the request at EOS, a stop id or its length."""
         if req.cancelled:
             return
+        tok = int(sampled)
         now = time.perf_counter()
         if req.t_first is None:
             req.t_first = now
+        if req.params.logprobs is not None:
+            req.logprobs.append(getattr(sampled, "logprobs", None))
         req.out.append(tok)
         req.buf.append(tok)
         req.last = tok

@@ -6,6 +6,12 @@ sampled tokens as a :class:`~deviceops.DeviceFuture` scheduled on that same stre
 the event loop runs while the step is on the device (or on the cpu backend's worker
 thread). Prefill chunks that sample nothing are enqueued and not awaited: the next op on
 the stream is ordered after them.
+
+OpenAI's penalties, ``logit_bias`` and ``logprobs`` go to the row's device state with its
+sampling parameters (``set_sampling``); for a step with rows that asked for
+log-probabilities, the host copy of the runner's log-probability rows is scheduled right
+after the tokens' (same stream, so it holds this step's values) and each such row's token
+comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.TokenLogprob`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 from deviceops.scheduling import SingleStream
 
-from .requests import SamplingParams
+from .requests import FEATURES, Sampled, SamplingParams, TokenLogprob
 
 __all__ = ["CausalLMSteps", "step_model"]
 
@@ -39,9 +45,16 @@ class CausalLMSteps:
                 "pass a deviceops.nn CausalLM or a StepModel"
             )
         self.model = model
+        self._lp: dict[int, int] = {}  # slot -> top log-probabilities its request asked for
         self._decode = _step_decode(model)
         self._policy = SingleStream(model.device_stream)
         self._eos = frozenset(int(t) for t in model.config.stop_ids)
+
+    @property
+    def sampling_features(self) -> frozenset[str]:
+        """Every optional feature where the model has the runner's feature path
+        (``read_logprobs``), else none."""
+        return frozenset(FEATURES) if hasattr(self.model, "read_logprobs") else frozenset()
 
     @property
     def max_batch(self) -> int:
@@ -76,16 +89,31 @@ class CausalLMSteps:
         """Enqueue a prefill chunk now; the returned callable awaits its token (``last``)."""
         m = self.model
         if start == 0:
+            extra: dict[str, Any] = {}
+            if params.features():
+                extra = {"presence_penalty": params.presence_penalty,
+                         "frequency_penalty": params.frequency_penalty,
+                         "logit_bias": dict(params.logit_bias),
+                         "logprobs": params.logprobs is not None}
             m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
-                           top_p=params.top_p, seed=params.seed)
+                           top_p=params.top_p, seed=params.seed, **extra)
+            if params.logprobs is not None:
+                self._lp[slot] = params.logprobs
+            else:
+                self._lp.pop(slot, None)
         view = m.prefill(slot, list(ids), start, sample=last)
         if not last:
             return _none
         fut = m.read(view).schedule(self._policy)
+        lp = self._read_logprobs([slot])
 
         async def token() -> int | None:
             host = await fut
-            return int(host[0])
+            tok = int(host[0])
+            if lp is None:
+                return tok
+            vals, ids = await lp
+            return _sampled(tok, vals, ids, slot, self._lp[slot])
 
         return token
 
@@ -96,14 +124,27 @@ class CausalLMSteps:
         rows = list(slots)
         view = self._decode(rows, list(tokens), list(positions))
         fut = m.read(view).schedule(self._policy)
+        lp = self._read_logprobs(rows)
 
         async def result() -> list[int]:
             host = await fut
-            return [int(host[s]) for s in rows]
+            toks = [int(host[s]) for s in rows]
+            if lp is None:
+                return toks
+            vals, ids = await lp
+            return [_sampled(t, vals, ids, s, self._lp[s]) if s in self._lp else t
+                    for t, s in zip(toks, rows, strict=True)]
 
         return result
 
+    def _read_logprobs(self, slots: list[int]) -> Any:
+        """The scheduled host copy of the log-probability rows when a slot asked, else None."""
+        if not any(s in self._lp for s in slots):
+            return None
+        return self.model.read_logprobs(max(slots) + 1).schedule(self._policy)
+
     def release(self, slot: int) -> None:
+        self._lp.pop(slot, None)
         self.model.release(slot)
 
     def warmup(self) -> None:
@@ -135,6 +176,13 @@ class CausalLMSteps:
 
 async def _none() -> None:
     return None
+
+
+def _sampled(tok: int, vals: Any, ids: Any, slot: int, n: int) -> Sampled:
+    """``tok`` with row ``slot``'s log-probability and its top ``n`` alternatives."""
+    top = tuple((int(ids[slot, j]), float(vals[slot, 1 + j])) for j in range(n)
+                if int(ids[slot, j]) >= 0)
+    return Sampled(tok, TokenLogprob(tok, float(vals[slot, 0]), top))
 
 
 def _step_decode(model: Any) -> Any:
