@@ -353,11 +353,15 @@ async def test_features_on_cuda_graphs_match_numpy(dtype: str) -> None:
     if dtype == "float32":  # (float16: other GEMM shapes may flip a near tie)
         assert plain[:len(plain_want)] == plain_want  # generate stops at EOS
     assert m.runner.decoder.feature_graphs  # the feature variant ran as a graph
+    # logits of this random model reach ~150: float16 holds them to 0.125, so the tolerance
+    # is relative (and the float32 one covers the GEMMs' summation order)
+    rtol = 1e-4 if dtype == "float32" else 4e-3
     for i, (t, lp) in enumerate(zip(toks, lps, strict=True)):
         want = _log_softmax(_adjusted(m, prompt, toks[:i], **adj))
-        assert lp.token == t and abs(lp.logprob - want[t]) < tol
-        assert want[t] >= want.max() - tol  # greedy over the adjusted logits
+        assert lp.token == t
+        np.testing.assert_allclose(lp.logprob, want[t], rtol=rtol, atol=tol)
+        assert want[t] >= want.max() - tol - rtol * abs(want).max()  # greedy, adjusted
         top = [x[1] for x in lp.top]
         assert len(top) == 20 and top == sorted(top, reverse=True)
-        np.testing.assert_allclose(top, np.sort(want)[::-1][:20], atol=tol)
+        np.testing.assert_allclose(top, np.sort(want)[::-1][:20], rtol=rtol, atol=tol)
     assert eng.stats().slots_in_use == 0
