@@ -66,9 +66,14 @@ __all__ = ["load_engine", "load_engines", "main", "parse_devices"]
 log = logging.getLogger("deviceops.nn.serve")
 
 
+#: the models ``--model`` names (else a path to a .gguf file): name -> ``deviceops.nn`` loader
+NAMED_MODELS = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen2_5_coder_0_5b"}
+
+
 def _check_model(model: str) -> None:
-    if model != "smollm2" and not (model.endswith(".gguf") and os.path.exists(model)):
-        raise ValueError(f"serve: unknown model {model!r} (use 'smollm2' or a path to a .gguf file)")
+    if model not in NAMED_MODELS and not (model.endswith(".gguf") and os.path.exists(model)):
+        raise ValueError(f"serve: unknown model {model!r} (use one of "
+                         f"{', '.join(map(repr, NAMED_MODELS))} or a path to a .gguf file)")
 
 
 def _build_engine(model: str, *, device: str | int | None, dtype: str | None, max_batch: int,
@@ -82,7 +87,8 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
     # the model's KV cache is sized for the engine (its defaults are small on cpu)
     kw: dict[str, Any] = {"dtype": dtype, "device": dev, "max_batch": max_batch,
                           "max_seq": max_seq}
-    lm = nnx.smollm2(**kw) if model == "smollm2" else nnx.load_gguf(model, **kw)
+    named = NAMED_MODELS.get(model)
+    lm = getattr(nnx, named)(**kw) if named else nnx.load_gguf(model, **kw)
     # every decode bucket's and prefill length's graph is captured now, not in a request's
     # step (Engine does it at construction)
     return Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,
@@ -92,7 +98,7 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
 def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtype: str | None = None,
                 max_batch: int = 32, max_seq: int = 2048, max_queue: int | None = None,
                 prefill_chunk: int = 512) -> Engine:
-    """Load ``model`` (``"smollm2"`` or a ``.gguf`` path) and wrap it in an :class:`Engine`.
+    """Load ``model`` (a name of :data:`NAMED_MODELS` or a ``.gguf`` path) and wrap it in an :class:`Engine`.
 
     ``dtype`` ``None``: the model's default (float16 on CUDA, float32 on the cpu backend).
     The model's KV cache is allocated for ``max_batch`` rows of ``max_seq`` positions.
@@ -115,7 +121,7 @@ def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str |
     (``/health`` names its error) and the others serve.
 
     Args:
-        model: ``"smollm2"`` or a path to a ``.gguf`` file.
+        model: a name of :data:`NAMED_MODELS` or a path to a ``.gguf`` file.
         devices: device names, e.g. from :func:`parse_devices` (``["cuda:0", "cuda:1"]``).
         dtype, max_batch, max_seq, max_queue, prefill_chunk: as :func:`load_engine`.
 
@@ -279,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="OpenAI-compatible server for deviceops.nn models (one device, or one "
                     "engine per device with --devices and least-loaded routing)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a path to a .gguf file")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', 'qwen2.5-coder-0.5b' or a path to a .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     where = p.add_mutually_exclusive_group()
@@ -380,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_batch=args.max_batch, max_seq=args.max_seq,
                            max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
 
-    name = "smollm2" if args.model == "smollm2" else os.path.basename(args.model)
+    name = args.model if args.model in NAMED_MODELS else os.path.basename(args.model)
     keys = args.api_key or [k.strip() for k in _env.get("DEVICEOPS_API_KEY").split(",")]
     try:
         exposure = Exposure.for_bind(
