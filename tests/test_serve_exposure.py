@@ -70,7 +70,9 @@ def test_openai_errors_and_models(server: ServerThread) -> None:
 UNSUPPORTED = [
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),  # not a chat parameter
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),  # needs prompt logprobs
+    ("/v1/completions", {"echo": "yes"}, "echo"),
     # supported (tests/test_sampling_features.py), refused only with values out of range
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
@@ -369,3 +371,25 @@ def test_the_official_openai_client(server: ServerThread) -> None:
     assert e400.value.param == "response_format"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_completions_echo(server: ServerThread) -> None:
+    """``echo``: the prompt's text comes first, streamed or not, for a text or token prompt."""
+    toy = ToyLM()
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
+        body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
+        plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        echoed = c.post("/v1/completions", json={**body, "echo": True}).json()
+        assert echoed["choices"][0]["text"] == "abc" + plain
+        assert echoed["usage"]["completion_tokens"] == 4
+        ids = [1, 2, 3]
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True,
+                                            "temperature": 0})
+        assert r.json()["choices"][0]["text"].startswith(toy.decode(ids))
+        with c.stream("POST", "/v1/completions", json={**body, "echo": True,
+                                                       "stream": True}) as st:
+            chunks = [json.loads(line[6:]) for line in st.iter_lines()
+                      if line.startswith("data: {")]
+        assert chunks[0]["choices"][0]["text"] == "abc"
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == "abc" + plain
+

@@ -290,7 +290,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return StreamingResponse(
                 _sse(s, detok, job, chat, rid, t0, replica), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, failed, entries = "", None, []
+        text, failed, entries = job.echo or "", None, []
         async with anyio.create_task_group() as tg:
             async def watch() -> None:  # a client that goes away cancels its generation
                 while (await request.receive())["type"] != "http.disconnect":
@@ -391,6 +391,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         try:
             if chat:
                 yield chunk(None, None, first=True)
+            elif job.echo:
+                yield chunk(job.echo, None)  # completions echo: the prompt first
             try:
                 async for piece, got in _tokens(s, detok, job, t0):
                     yield chunk(piece, None, entries=got)

@@ -94,6 +94,7 @@ class Job:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top log-probabilities per token (0: the token's only)
+    echo: str | None = None  # completions ``echo``: the prompt's text, sent before the completion
 
     def features(self) -> dict[str, Any]:
         """The engine arguments of the optional features this job asks for (only those, so
@@ -240,6 +241,8 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     unknown = sorted(k for k in body if k not in _KNOWN)
     if unknown:
         raise BadRequest(unknown[0], f"unrecognized request argument(s): {', '.join(unknown)}")
+    if body.get("echo") is not None and not isinstance(body["echo"], bool):
+        raise BadRequest("echo", "'echo' must be a boolean")
     for key in ("presence_penalty", "frequency_penalty"):
         v = body.get(key)
         if v is not None and (not _is_num(v) or not -2.0 <= float(v) <= 2.0):
@@ -248,7 +251,10 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     asked = {
         "best_of": body.get("best_of") not in (None, 1),
         "suffix": body.get("suffix") not in (None, ""),
-        "echo": body.get("echo") not in (None, False),
+        # chat has no echo; a completions echo with logprobs needs the prompt's own
+        # log-probabilities (a prefill read-back this server does not do)
+        "echo": body.get("echo") not in (None, False) and (chat or body.get("logprobs")
+                                                            is not None),
         "response_format": fmt is not None and fmt != {"type": "text"},
     }
     for key, bad in asked.items():
@@ -399,9 +405,14 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
         raise BadRequest(key, f"'{key}'={max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                               f"the context of {engine.max_seq} tokens (at most {room})")
     feats = _features(body, chat, engine)
+    echo = None
+    if not chat and body.get("echo"):
+        p = body["prompt"]
+        p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
+        echo = p if isinstance(p, str) else engine.model.decode(ids)
     return Job(ids, int(max_tokens), stream, float(temperature),
                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
-               include_usage, **feats)
+               include_usage, echo=echo, **feats)
 
 
 def finish_reason(s: RequestStream, stopped: bool) -> str:
