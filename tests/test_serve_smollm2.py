@@ -7,6 +7,7 @@ Everything on 127.0.0.1, every loop bounded in count and time. Token counts are 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -119,6 +121,37 @@ def test_greedy_completion_and_chat_equal_generate(server: ServerThread, lm: Any
     # the chat reference, computed while the server is idle (they share the model)
     want = lm.generate(lm.apply_chat_template(msgs), N_NEW)
     assert text == _text(lm, want)
+
+
+@contextlib.contextmanager
+def _served(tmp_path: Any, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``python -m deviceops.nn.serve --device cpu`` with ``flags`` on a free port, healthy;
+    killed on the way out if still running. Its log is ``tmp_path / "server.log"``."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    env = dict(os.environ, DEVICEOPS_DEVICE="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deviceops.nn.serve", "--device", "cpu", "--port", str(port),
+         *flags, "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "server never became healthy"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
 
 
 @pytest.mark.slow  # (issue 35: the default run stays under 5 minutes; --slow runs it)
@@ -230,26 +263,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow  # (issue 35: the default run stays under 5 minutes; --slow runs it)
 def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    env = dict(os.environ, DEVICEOPS_DEVICE="cpu", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deviceops.nn.serve", "--device", "cpu", "--port", str(port),
-         "--max-batch", "4", "--max-seq", "128", "--drain-timeout", "120",
-         "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server never became healthy"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    with _served(tmp_path, "--max-batch", "4", "--max-seq", "128", "--drain-timeout",
+                 "120") as (proc, url):
         events: list[Any] = []
         got_first = threading.Event()
 
@@ -272,11 +287,6 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
         assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.slow
@@ -284,26 +294,9 @@ def test_sigterm_past_the_drain_time_ends_16_streams_with_a_final_chunk(tmp_path
     """``serve --drain-timeout 1``, 16 streams generating 400 tokens each, SIGTERM: every
     client gets a final chunk (``finish_reason`` ``abort``, or ``stop``/``length`` if it
     finished in time) and ``data: [DONE]``, and the server exits 0."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    env = dict(os.environ, DEVICEOPS_DEVICE="cpu", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deviceops.nn.serve", "--device", "cpu", "--port", str(port),
-         "--max-batch", "16", "--max-seq", "512", "--drain-timeout", "1",
-         "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
+    with _served(tmp_path, "--max-batch", "16", "--max-seq", "512",
+                 "--drain-timeout", "1") as (proc, url):
         deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server never became healthy"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         events: list[list[Any]] = [[] for _ in range(16)]
 
         def client(i: int) -> None:
@@ -329,8 +322,3 @@ def test_sigterm_past_the_drain_time_ends_16_streams_with_a_final_chunk(tmp_path
             assert ev[-1] == "[DONE]", ev[-3:]
             assert ev[-2]["choices"][0]["finish_reason"] in ("abort", "stop", "length"), ev[-2]
         assert any(ev[-2]["choices"][0]["finish_reason"] == "abort" for ev in events)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()

@@ -67,7 +67,8 @@ class Decoder:
             if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
                 r.kv.grow(x, int(p) + 1, "decode_step")
         b = next(x for x in r.buckets if x > max(slots))
-        feat = bool(rows.h_features[slots].any())
+        # (the whole array first: no row with features is the common case, and cheaper to see)
+        feat = bool(rows.h_features.any()) and bool(rows.h_features[slots].any())
         graphs = self.feature_graphs if feat else self.graphs
         # default: the bucket's graph on both backends (on cpu a replay is one hand-off of the
         # recorded step to the stream's worker, instead of ~280 op constructions and hand-offs)
@@ -88,9 +89,9 @@ class Decoder:
         want[4, :b][idle] = 0
         want[0, :b][idle & (want[0, :b] < rows.idle)] = rows.idle
         want[1, :b][idle] = 1
-        keep = [0, 1, 2, 4]  # every row but the tokens
-        changed = rows.dirty or fresh or not np.array_equal(want[keep, :b],
-                                                            rows.h_state[keep, :b])
+        old = rows.h_state  # every row but the tokens (row 3), compared as slices (no copies)
+        changed = rows.dirty or fresh or not (np.array_equal(want[:3, :b], old[:3, :b])
+                                              and np.array_equal(want[4, :b], old[4, :b]))
         if changed:
             want[3, slots] = tokens  # continuing rows too: the shadow holds their previous input
             want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id

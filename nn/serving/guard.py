@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "TimedH11Protocol",
@@ -159,8 +160,9 @@ class Guard:
                 receive = _replay(body, receive)
         except _Refused as r:
             self._count(path, r.status)
-            await _send_json(send, r.status, openai_error_body(r.message, r.kind, r.code),
-                             {"connection": "close"} if r.status in (408, 413) else None)
+            close = {"connection": "close"} if r.status in (408, 413) else None
+            await JSONResponse(openai_error_body(r.message, r.kind, r.code),
+                               status_code=r.status, headers=close)(scope, receive, send)
             return
         except _Disconnected:
             self._count(path, 499)
@@ -239,15 +241,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()  # after the body: the disconnect, when it comes
 
     return replay
-
-
-async def _send_json(send: Send, status: int, obj: Any,
-                     extra: dict[str, str] | None = None) -> None:
-    raw = json.dumps(obj).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": raw})
 
 
 class InvalidJSON(ValueError):

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from .engine import Engine, EngineFailed, RequestStream
+from .guard import openai_error_body
 from .router import Replica
 
 __all__ = ["BadRequest", "Job", "Limits", "completion_body", "device_failed_message", "error_response",
@@ -63,8 +64,8 @@ def error_response(status: int, message: str, param: str | None = None, *,
            kind: str = "invalid_request_error", retry_after: int | None = None,
            code: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(openai_error_body(message, kind, code, param), status_code=status,
+                        headers=headers)
 
 
 def device_failed_message(replica: Replica, exc: EngineFailed, serving: int) -> str:
