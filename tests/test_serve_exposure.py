@@ -240,18 +240,25 @@ def _send_all(url: str, cases: list[tuple[str, bytes, dict[str, str]]], out: Any
     """The battery's client (a process of its own: its work shares no GIL with the
     ``/health`` watcher). Puts ``(status, error text)`` per request on ``out``."""
     port = int(url.rsplit(":", 1)[1])
-    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as c:
-        for path, content, headers in cases:
-            r = c.post(path, content=content, headers=headers)
-            out.put((r.status_code, f"{path} {content[:60]!r}: {r.text[:200]}"))
-    # raw sockets: an upload abandoned half way, a head that never ends
-    for raw in (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Authorization: Bearer " + KEY.encode() + b"\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"pro",
-                b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(raw)
-    out.put(None)
+    try:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as c:
+            for path, content, headers in cases:
+                what = f"{path} {content[:60]!r}"
+                try:
+                    r = c.post(path, content=content, headers=headers)
+                except httpx.TransportError as exc:  # counted as a failure: no response
+                    out.put((599, f"{what}: no response ({exc!r})"))
+                else:
+                    out.put((r.status_code, f"{what}: {r.text[:200]}"))
+        # raw sockets: an upload abandoned half way, a head that never ends
+        for raw in (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"pro",
+                    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(raw)
+    finally:
+        out.put(None)  # the watcher stops at once, whatever happened here
 
 
 def test_hostile_battery(server_process: tuple[str, int]) -> None:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deviceops.nn.serving.guard import (
+    DRAIN_FACTOR,
     MAX_DEPTH,
     Exposure,
     Guard,
@@ -124,6 +125,37 @@ async def test_body_limit_declared_and_streamed() -> None:
                          headers={"content-type": "application/json"})
         assert r.status_code == 200 and r.json() == {"n": 1000}
     assert seen == [("/v1/echo", 413), ("/v1/echo", 413)]
+
+
+@pytest.mark.parametrize("declared", [None, 4000, 4001, 1_000_000])
+async def test_413_reads_the_rest_of_the_upload_first(declared: int | None) -> None:
+    """A refused upload is read to its end (up to DRAIN_FACTOR x the limit) before the
+    413 goes out, so a client still sending reads the answer instead of a reset; a body
+    declared beyond that bound is answered at once."""
+    guard = _app(Exposure(max_body_bytes=1000))
+    chunks = [{"type": "http.request", "body": b"x" * 500, "more_body": i < 7}
+              for i in range(8)]  # 4000 bytes in all
+    log: list[str] = []
+
+    async def receive() -> Any:
+        log.append("receive")
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(m: Any) -> None:
+        log.append(m["type"])
+        if m["type"] == "http.response.start":
+            assert m["status"] == 413
+
+    headers = [(b"content-type", b"application/json"), (b"host", b"x")]
+    if declared is not None:
+        headers.append((b"content-length", str(declared).encode()))
+    scope = {"type": "http", "method": "POST", "path": "/v1/echo", "headers": headers}
+    await guard(scope, receive, send)
+    first_send = log.index("http.response.start")
+    if declared is not None and declared > DRAIN_FACTOR * 1000:
+        assert first_send == 0, log  # nothing read: the declared size alone refuses
+    else:
+        assert chunks == [] and first_send == log.count("receive"), log
 
 
 async def test_upload_abort_counts_499_and_sends_nothing() -> None:

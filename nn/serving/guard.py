@@ -14,9 +14,15 @@ route runs, in OpenAI's error shape::
 | ``Host`` not in ``allowed_hosts`` (default: loopback names when bound to loopback) | 400 ``host_not_allowed`` |
 | ``Authorization: Bearer <key>`` missing or not one of ``api_keys`` (``/health`` open) | 401 ``invalid_api_key`` |
 | a request body whose ``Content-Type`` is not ``application/json`` | 415 ``unsupported_media_type`` |
-| a body over ``max_body_bytes`` (declared or streamed) | 413 ``request_too_large`` |
+| a body over ``max_body_bytes`` (declared or streamed) | 413 ``request_too_large``, then close |
 | a body not complete within ``body_timeout_s`` | 408 ``request_timeout`` |
 | the client goes away while uploading | no response; counted as 499, one log line |
+
+Before a 413 the guard reads and drops what is left of the upload, up to
+:data:`DRAIN_FACTOR` times ``max_body_bytes`` and within ``body_timeout_s``: a server that
+closes a socket with unread data makes TCP reset the connection, and a client still
+uploading then loses the response it was sent. A body declared larger than that is answered
+at once; its client may see a reset instead of the 413.
 
 The body is read here (bounded) and handed to the route from memory, so a route never
 waits on a slow upload. :func:`parse_json` turns bytes into a request object and refuses
@@ -41,7 +47,7 @@ import anyio
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "TimedH11Protocol",
+__all__ = ["DRAIN_FACTOR", "MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "TimedH11Protocol",
            "openai_error_body", "parse_json"]
 
 log = logging.getLogger("deviceops.nn.serve")
@@ -54,6 +60,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 MAX_DEPTH = 64
+DRAIN_FACTOR = 4
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -160,6 +167,8 @@ class Guard:
                 receive = _replay(body, receive)
         except _Refused as r:
             self._count(path, r.status)
+            if r.status == 413:
+                await self._drain(scope, receive)
             close = {"connection": "close"} if r.status in (408, 413) else None
             await JSONResponse(openai_error_body(r.message, r.kind, r.code),
                                status_code=r.status, headers=close)(scope, receive, send)
@@ -197,6 +206,20 @@ class Guard:
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > ex.max_body_bytes:
                 raise self._too_large()
+
+    async def _drain(self, scope: Scope, receive: Receive) -> None:
+        """Reads and drops the rest of a refused upload (bounded by :data:`DRAIN_FACTOR`
+        and the body timeout) so that its client reads the refusal; see the module notes."""
+        left = DRAIN_FACTOR * self.exposure.max_body_bytes
+        declared = _headers(scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > left:
+            return
+        with anyio.move_on_after(self.exposure.body_timeout_s):
+            while left > 0:
+                msg = await receive()
+                if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+                    return
+                left -= len(msg.get("body", b""))
 
     def _too_large(self) -> _Refused:
         return _Refused(413, f"request body over the server's limit of "
