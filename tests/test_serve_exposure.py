@@ -145,6 +145,26 @@ def test_keys_and_hosts(server: ServerThread) -> None:
                     headers={**AUTH, "content-type": "text/plain"}), 415)
 
 
+def test_oversized_upload_still_sending_reads_its_413(server: ServerThread) -> None:
+    """A client that goes on uploading a too-large body after the server has decided reads
+    the whole 413 (the guard drains the upload first) instead of a broken pipe or reset."""
+    body = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head + body[:65536])
+        time.sleep(0.3)  # the declared size alone decides: the server has answered by now
+        for i in range(65536, len(body), 65536):
+            s.sendall(body[i:i + 65536])
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status, _, rest = data.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), data[:200]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+
+
 def _hostile(url: str) -> list[tuple[str, Any, dict[str, str]]]:
     """(path, body as bytes or JSON, extra headers): every case the issue lists, and more."""
     j = {"content-type": "application/json"}
