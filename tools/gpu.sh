@@ -7,6 +7,8 @@
 #   tests          the whole suite on one GPU, in parallel groups (attention, other kernels,
 #                  nn/serve, the rest),
 #                  then the files with timing assertions alone; DEVICEOPS_REQUIRE_GPU=1
+#   tests-groups   only the parallel groups of `tests`
+#   tests-serial   only the files with timing assertions, alone (the second half of `tests`)
 #   tests-multi    the whole suite on a two-GPU machine: the multi-device files see both GPUs
 #                  (DEVICEOPS_REQUIRE_GPU=2), the other groups are pinned to one GPU each
 #   tests-files    only the test files named in $FILES (space-separated), with $PYTEST_ARGS
@@ -51,7 +53,7 @@ T_TESTS=${T_TESTS:-480}; T_BENCH=${T_BENCH:-300}
 PYT="python3 -m pytest -q -p no:cacheprovider --timeout 300 -rs"
 
 # --- set-up ----------------------------------------------------------------------------
-[ $# -gt 0 ] || { sed -n '2,42p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 WHEELS=()
 if ls .whl/*.whl >/dev/null 2>&1; then WHEELS+=(.whl/*.whl); fi
 if [[ " $* " == *" ray "* ]]; then
@@ -110,7 +112,10 @@ stage) ;;
 precompile)
     timeout 120 python3 tools/gemm_precompile.py -j "$(nproc)" > "$OUT/precompile.log" 2>&1
     echo "precompile rc=$?"; tail -2 "$OUT/precompile.log"; t precompile ;;
-tests|tests-multi)
+tests-serial)
+    timeout "$T_TESTS" $PYT $(for b in $SERIAL; do echo "tests/$b.py"; done) > "$OUT/t_serial.log" 2>&1
+    summary t_serial; t "$step" ;;
+tests|tests-groups|tests-multi)
     g1=""; g2=""; g3=""; gm=""; ser=""; ga="tests/test_attention.py"
     for f in tests/test_*.py; do
         b=$(basename "$f" .py)
@@ -136,7 +141,9 @@ tests|tests-multi)
         ( timeout "$T_TESTS" $PYT $g3 > "$OUT/t_rest.log" 2>&1 ) &
         wait
         for g in t_kernels t_attention t_nn t_rest; do summary $g; done
-        timeout "$T_TESTS" $PYT $ser > "$OUT/t_serial.log" 2>&1; summary t_serial
+        if [ "$step" = tests ]; then
+            timeout "$T_TESTS" $PYT $ser > "$OUT/t_serial.log" 2>&1; summary t_serial
+        fi
     fi
     t "$step" ;;
 tests-files)
