@@ -33,7 +33,7 @@ class Named:
 
 _HTTP_STREAM = ("                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,\n"
                 "                                  top_k=job.top_k, top_p=job.top_p, seed=job.seed,\n"
-                "                                  ignore_eos=job.ignore_eos)")
+                "                                  ignore_eos=job.ignore_eos, **job.features())")
 _KV_WRITE = ("                k_cache[blk, :, p % s_len] = k[b, i]\n"
              "                v_cache[blk, :, p % s_len] = v[b, i]")
 # the cpu float32 path's decode branch (a few tokens: plain indexing), kernels/transformer/_cpu.py
@@ -46,9 +46,11 @@ NAMED: list[Named] = [
     Named("HTTP: top_k dropped", "nn/serving/http.py", "top_k=job.top_k, ", "", _SAMPLING),
     Named("HTTP: top_p dropped", "nn/serving/http.py", "top_p=job.top_p, ", "", _SAMPLING),
     Named("HTTP: seed dropped", "nn/serving/http.py", "seed=job.seed,\n", "\n", _SAMPLING),
-    Named("HTTP: ignore_eos dropped", "nn/serving/http.py", "ignore_eos=job.ignore_eos)", ")", _SAMPLING),
+    Named("HTTP: ignore_eos dropped", "nn/serving/http.py", "ignore_eos=job.ignore_eos, ", "",
+          _SAMPLING),
     Named("HTTP: top_k, top_p, seed, ignore_eos all dropped", "nn/serving/http.py", _HTTP_STREAM,
-          "                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature)",
+          "                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,\n"
+          "                                  **job.features())",
           _SAMPLING),
     Named("HTTP: temperature forced to 0", "nn/serving/http.py", "temperature=job.temperature,",
           "temperature=0.0,", _SAMPLING),

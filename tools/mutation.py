@@ -51,8 +51,6 @@ from typing import Any
 
 from _mutation_mutants import NAMED, Mutant, make_mutants
 
-from deviceops import _env
-
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.json"
 PACKAGES = {"deviceops": "deviceops", "deviceops.scheduling": "scheduling",
@@ -117,6 +115,10 @@ def run_pytest_in(root: Path, args: list[str]) -> int:
     import importlib.util
 
     dirs = {name: root / d for name, d in PACKAGES.items()}
+    early = sorted(n for n in sys.modules if n == "deviceops" or n.startswith("deviceops."))
+    if early:  # they would stay the editable install's: mutants there would go unseen
+        raise SystemExit(f"mutation.py: {early} imported before the copy's packages were "
+                         "mapped; the test child must not import deviceops first")
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
@@ -360,6 +362,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per test run at least")
+    from deviceops import _env  # here, not at the top: the test child maps the copy first
+
     p.add_argument("--workdir", default=_env.get("DEVICEOPS_MUTATION_DIR"))
     p.add_argument("--markdown", default=None, help="write the table as markdown here")
     p.add_argument("--rerun-survivors", action="store_true",
