@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import deviceops
-from deviceops import api, kernels
+from deviceops import DeviceError, api, kernels
 from deviceops.kernels.testing import slow_copy
 from deviceops.scheduling import MultiDeviceRoundRobin, SingleStream, StreamPoolRoundRobin
 
@@ -292,3 +292,30 @@ def test_zip_over_devices_enqueues_branches_in_turn(pair: Any) -> None:
     assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
     np.testing.assert_array_equal(to_np(a), 4.0)
     np.testing.assert_array_equal(to_np(b), 4.0)
+
+
+def test_zip_first_branch_on_the_other_device(pair: Any) -> None:
+    """The first branch runs on its data's device also when that is not the zip's home
+    stream's device, in either order of the branches."""
+    d0, d1 = pair
+    ts = {d: api.full((8,), 2.0 if d is d0 else 3.0).sync_on(d.new_stream()) for d in (d0, d1)}
+    for first, second in ((d1, d0), (d0, d1)):
+        with deviceops.using(MultiDeviceRoundRobin([d0, d1])):
+            a, b = deviceops.zip(kernels.add(ts[first], ts[first]),
+                                 kernels.mul(ts[second], ts[second])).sync()
+        assert (a.device, b.device) == (first, second)
+        np.testing.assert_array_equal(to_np(a), 2 * (2.0 if first is d0 else 3.0))
+        np.testing.assert_array_equal(to_np(b), (2.0 if second is d0 else 3.0) ** 2)
+
+
+def test_zip_branch_on_an_uncovered_device_is_named(pair: Any) -> None:
+    """A branch whose data lives on a device the policy does not cover is refused, naming
+    that branch (not another one)."""
+    d0, d1 = pair
+    x1 = api.full((8,), 1.0).sync_on(d1.new_stream())
+    x0 = api.full((8,), 1.0).sync_on(d0.new_stream())
+    with deviceops.using(MultiDeviceRoundRobin([d0])), pytest.raises(DeviceError) as err:
+        deviceops.zip(kernels.gemm(x1.reshape((2, 4)), x1.reshape((4, 2))),
+                      kernels.mul(x0, x0)).sync()
+    msg = str(err.value)
+    assert msg.startswith("gemm:") and str(d1) in msg and "mul" not in msg, msg
