@@ -16,7 +16,12 @@ import pytest
 import deviceops
 from deviceops import DeviceError, api, kernels
 from deviceops.kernels.testing import slow_copy
-from deviceops.scheduling import MultiDeviceRoundRobin, SingleStream, StreamPoolRoundRobin
+from deviceops.scheduling import (
+    MultiDeviceRoundRobin,
+    SchedulingPolicy,
+    SingleStream,
+    StreamPoolRoundRobin,
+)
 
 from .conftest import overlapped, to_np, traced
 
@@ -319,3 +324,27 @@ def test_zip_branch_on_an_uncovered_device_is_named(pair: Any) -> None:
                       kernels.mul(x0, x0)).sync()
     msg = str(err.value)
     assert msg.startswith("gemm:") and str(d1) in msg and "mul" not in msg, msg
+
+
+def test_zip_under_a_custom_policy_spanning_devices(pair: Any) -> None:
+    """A user policy that spans devices but implements only ``next_stream`` (no data
+    placement): every branch of a zip runs, each on the stream the policy gave it."""
+    d0, d1 = pair
+    streams = [d0.new_stream(), d1.new_stream()]
+
+    class Alternate(SchedulingPolicy):
+        spans_devices = True
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def next_stream(self) -> deviceops.Stream:
+            self.n += 1
+            return streams[self.n % 2]
+
+    with deviceops.using(Alternate()):
+        outs = deviceops.zip(*[api.full((4,), float(i)) for i in range(3)]).sync()
+    assert len(outs) == 3
+    assert {o.device for o in outs} == {d0, d1}
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(to_np(o), float(i))
