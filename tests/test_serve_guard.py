@@ -221,7 +221,9 @@ def test_parse_json_accepts_ordinary_bodies() -> None:
 def server_port() -> Iterator[int]:
     TimedH11Protocol.header_timeout_s = 0.5
     app = _app(Exposure())
-    sock = socket.socket()
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it every keep-alive response waits ~40 ms (Nagle + delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, http=TimedH11Protocol, log_level="warning",
