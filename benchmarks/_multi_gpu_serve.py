@@ -25,7 +25,8 @@ def serve_section(path: str, devs: Sequence[deviceops.Device], clients: int, req
     import random
 
     import gguf
-    from serve import bench_http, workload
+    from _serve_clients import workload
+    from _serve_http import bench_http
 
     vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
     if devs[0].is_cpu:  # the server subprocess: the cpu backend too

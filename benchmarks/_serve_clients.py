@@ -1,8 +1,8 @@
 """The in-process client load of ``benchmarks/serve.py``: the request type and workload
 generator, percentiles, process and GPU memory readings, the 1 ms event-loop ticker, the
 concurrent ``engine.submit`` clients with their per-token timings at the client, the warm-up
-of every decode bucket, and the one-line summary of a run. The other serving benchmarks
-import ``workload`` and ``pct`` through ``serve``, which re-exports them.
+of every decode bucket, and the one-line summary of a run (``ray_serve.py`` and
+``_multi_gpu_serve.py`` use ``workload`` and ``pct`` too).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``python -m deviceops.nn.serve``, spread over one or several client processes
 (:func:`run_http_clients`), and :func:`bench_http`, which starts the server as a subprocess,
 waits for its health check, warms it up and measures tokens/s, time to first token and
-inter-token gaps at the client. ``ray_serve.py`` (``run_http_clients``) and ``_multi_gpu_serve.py``
-(``bench_http``) import them through ``serve``, which re-exports them.
+inter-token gaps at the client (``ray_serve.py`` uses ``run_http_clients`` too,
+``_multi_gpu_serve.py`` ``bench_http``).
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ def measure(srv: Server, reqs: list[tuple[list[int], int]], clients: int, procs:
             warm: list[tuple[list[int], int]]) -> dict[str, Any]:
     """``clients`` streaming clients over ``reqs`` (after ``warm``): client-side figures
     and the server process's CPU use."""
-    from serve import pct, run_http_clients
+    from _serve_clients import pct
+    from _serve_http import run_http_clients
 
     run_http_clients(srv.url, warm, min(clients, len(warm)), min(procs, clients))
     cpu0 = cpu_seconds(srv.proc.pid)
@@ -227,7 +228,7 @@ def main() -> int:
 
     rng = random.Random(30)
     plen = (8, 24) if smoke else (128, 512)
-    from serve import workload
+    from _serve_clients import workload
 
     reqs = workload(rng, nreq, vocab, plen, (new_tok, new_tok))
     oreqs = workload(rng, oreq, vocab, plen, (new_tok, new_tok))

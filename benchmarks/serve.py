@@ -48,13 +48,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-
-# ray_serve.py and _multi_gpu_serve.py import pct, workload, run_http_clients and bench_http from here
 from _serve_clients import (
     Req,
     gpu_mb,
     idle_gap,
-    pct,  # noqa: F401
     rss_mb,
     run_clients,
     sanitize,
@@ -62,7 +59,7 @@ from _serve_clients import (
     warm_up,
     workload,
 )
-from _serve_http import bench_http, run_http_clients  # noqa: F401
+from _serve_http import bench_http
 
 
 # -- transformers ---------------------------------------------------------------------------

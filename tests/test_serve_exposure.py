@@ -232,9 +232,7 @@ def server_process() -> Iterator[tuple[str, int]]:
     """The toy server in its own process (its event loop shares no GIL with the clients)."""
     import multiprocessing
 
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and
-    # without it every keep-alive response waits ~40 ms (Nagle + delayed ACK)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket()  # TimedH11Protocol turns Nagle off on its connections
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     proc = multiprocessing.get_context("fork").Process(target=_serve_forever, args=(sock,),
