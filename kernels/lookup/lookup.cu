@@ -6,13 +6,6 @@
 
 #include "rows.cuh"
 
-// (v, i) beats (bv, bi)? NaN is the largest value; ties go to the lower index (NumPy).
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    const bool vn = v != v, bn = bv != bv;
-    if (vn || bn) return vn && (!bn || i < bi);
-    return v > bv || (v == bv && i < bi);
-}
-
 // The elements of one 16-byte vector, columns c0, c0 + 1, ...
 template <typename T>
 __device__ __forceinline__ void argmax_vec(const uint4& u, int c0, float& bv, int& bi) {
@@ -20,13 +13,13 @@ __device__ __forceinline__ void argmax_vec(const uint4& u, int c0, float& bv, in
 #pragma unroll
     for (int j = 0; j < 16 / (int)sizeof(T); ++j) {
         const float v = ld(e[j]);
-        if (better(v, c0 + j, bv, bi)) { bv = v; bi = c0 + j; }
+        if (ArgmaxOrder::first(v, c0 + j, bv, bi)) { bv = v; bi = c0 + j; }
     }
 }
 
 // One thread's share of a row: 16-byte vectors t, t + tpr, ... (four loads in flight) when
 // the row is 16-byte aligned, then the columns past the last whole vector one by one.
-// The visiting order does not matter: better() breaks ties by index.
+// The visiting order does not matter: ArgmaxOrder (rows.cuh) breaks ties by index.
 template <typename T>
 __device__ __forceinline__ void argmax_scan(const T* __restrict__ xr, int cols, int t, int tpr,
                                             float& bv, int& bi) {
@@ -48,7 +41,7 @@ __device__ __forceinline__ void argmax_scan(const T* __restrict__ xr, int cols, 
     }
     for (int c = done + t; c < cols; c += tpr) {
         const float v = ld(xr[c]);
-        if (better(v, c, bv, bi)) { bv = v; bi = c; }
+        if (ArgmaxOrder::first(v, c, bv, bi)) { bv = v; bi = c; }
     }
 }
 
@@ -67,26 +60,7 @@ __global__ void argmax(I* __restrict__ out, const T* __restrict__ x, long long r
         float bv = NEG_INF;
         int bi = 0x7fffffff;
         argmax_scan(x + r * cols, cols, t, tpr, bv, bi);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (tpr != 32) {
-            const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-            __syncthreads();
-            if (lane == 0) { shv[w] = bv; shi[w] = bi; }
-            __syncthreads();
-            bv = lane < nw ? shv[lane] : NEG_INF;
-            bi = lane < nw ? shi[lane] : 0x7fffffff;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-            }
-        }
+        group_first<ArgmaxOrder>(bv, bi, tpr, shv, shi);
         if (t == 0) out[r] = (I)bi;
     }
 }

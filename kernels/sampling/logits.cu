@@ -32,33 +32,6 @@ __global__ void penalize(T* __restrict__ logits, const int* __restrict__ counts,
     }
 }
 
-// (v, i) comes before (bv, bi) in the order value descending, index ascending.
-__device__ __forceinline__ bool lp_before(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);
-}
-
-// Every thread gets the block's first item (v, i) in that order (`shv`, `shi`: 32 each).
-__device__ __forceinline__ void block_first(float& v, int& i, float* shv, int* shi) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (lp_before(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-    __syncthreads();  // a previous call may still be reading shv / shi
-    if (lane == 0) { shv[w] = v; shi[w] = i; }
-    __syncthreads();
-    v = lane < nw ? shv[lane] : NEG_INF;
-    i = lane < nw ? shi[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (lp_before(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(1024) logprobs(float* __restrict__ out, int* __restrict__ ids,
                                                  int* __restrict__ counts,
@@ -107,9 +80,10 @@ __global__ void __launch_bounds__(1024) logprobs(float* __restrict__ out, int* _
         int bi = 0x7fffffff;
         for (int i = tid; i < V; i += blockDim.x) {
             const float v = ld(x[i]);
-            if ((v < pv || (v == pv && i > pi)) && lp_before(v, i, bv, bi)) { bv = v; bi = i; }
+            const bool after_prev = v < pv || (v == pv && i > pi);
+            if (after_prev && DescendingOrder::first(v, i, bv, bi)) { bv = v; bi = i; }
         }
-        block_first(bv, bi, shv, shi);
+        group_first<DescendingOrder>(bv, bi, blockDim.x, shv, shi);
         if (bi == 0x7fffffff) {  // no item left: the rest are -inf / -1
             for (int q = r + tid; q < K; q += blockDim.x) { o[1 + q] = NEG_INF; oi[q] = -1; }
             return;

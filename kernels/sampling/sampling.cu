@@ -42,13 +42,6 @@ __device__ __forceinline__ unsigned fkey(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// (v, i) beats (bv, bi)? NaN is the largest value; ties go to the lower index (NumPy).
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    const bool vn = v != v, bn = bv != bv;
-    if (vn || bn) return vn && (!bn || i < bi);
-    return v > bv || (v == bv && i < bi);
-}
-
 // Warp 0 picks, scanning 256 bins from the top, the first bin where the running total
 // (`above` + bins >= d) reaches `need`; writes the bin to *s_bin (-1: none) and the total of
 // the bins strictly above it to *s_above. H is unsigned (counts) or float (weights).
@@ -296,8 +289,7 @@ __global__ void __launch_bounds__(1024) sample(int* __restrict__ out, long long*
                                                const float* __restrict__ top_p,
                                                const long long* __restrict__ seed, int V) {
     __shared__ SampleShared sh;
-    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int nw = blockDim.x >> 5;
+    const int b = blockIdx.x, tid = threadIdx.x;
     const T* x = logits + (long long)b * V;  // (V,)
     const float temp = temperature[b];
     const int k = top_k[b];
@@ -313,7 +305,7 @@ __global__ void __launch_bounds__(1024) sample(int* __restrict__ out, long long*
 #pragma unroll 4
     for (int i = tid; i < V; i += blockDim.x) {
         const float v = ld(x[i]);
-        if (better(v, i, bv, bi)) { bv = v; bi = i; }
+        if (ArgmaxOrder::first(v, i, bv, bi)) { bv = v; bi = i; }
         if (sampling && v > __int_as_float(0xff800000)) {  // (NaN and -inf skipped)
             if (v > sm) {
                 ss = ss * expf((sm - v) * inv_t) + 1.f;
@@ -323,22 +315,7 @@ __global__ void __launch_bounds__(1024) sample(int* __restrict__ out, long long*
             }
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-    if (lane == 0) { sh.shf[wid] = bv; sh.shi[wid] = bi; }
-    __syncthreads();
-    bv = lane < nw ? sh.shf[lane] : __int_as_float(0xff800000);
-    bi = lane < nw ? sh.shi[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
+    group_first<ArgmaxOrder>(bv, bi, blockDim.x, sh.shf, sh.shi);
     if (tid == 0) counter[b] = ctr + 1;  // every thread read counter[b] above this point
     const float m = bv;
     if (!sampling || !isfinite(m)) {

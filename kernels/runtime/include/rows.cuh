@@ -102,3 +102,50 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     __syncthreads();
     return warp_sum(lane < nw ? sh[lane] : 0.f);
 }
+
+// Arg-reductions over (value, index) pairs. An order is a type with
+//   static bool first(float v, int i, float bv, int bi): does (v, i) come before (bv, bi)?
+// The identity of both orders below is (NEG_INF, 0x7fffffff): every real item comes first.
+
+// NumPy's argmax order: NaN is the largest value; ties go to the lower index.
+struct ArgmaxOrder {
+    static __device__ __forceinline__ bool first(float v, int i, float bv, int bi) {
+        const bool vn = v != v, bn = bv != bv;
+        if (vn || bn) return vn && (!bn || i < bi);
+        return v > bv || (v == bv && i < bi);
+    }
+};
+
+// Value descending, index ascending (no NaN handling: callers exclude NaN).
+struct DescendingOrder {
+    static __device__ __forceinline__ bool first(float v, int i, float bv, int bi) {
+        return v > bv || (v == bv && i < bi);
+    }
+};
+
+// Every lane of the warp gets the warp's first (v, i) under Order.
+template <typename Order>
+__device__ __forceinline__ void warp_first(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (Order::first(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// The first (v, i) under Order over the `tpr` threads of a row (tpr == 32: the warp;
+// otherwise the whole block); every one of them gets it. `shv`, `shi`: 32 each; safe to call
+// repeatedly (the leading barrier protects the previous call's reads).
+template <typename Order>
+__device__ __forceinline__ void group_first(float& v, int& i, int tpr, float* shv, int* shi) {
+    warp_first<Order>(v, i);
+    if (tpr == 32) return;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) { shv[w] = v; shi[w] = i; }
+    __syncthreads();
+    v = lane < nw ? shv[lane] : NEG_INF;
+    i = lane < nw ? shi[lane] : 0x7fffffff;
+    warp_first<Order>(v, i);
+}
