@@ -107,7 +107,9 @@ SERIAL="test_streams test_scheduling test_async test_benchmarks test_examples te
 KERNELS="test_gemm test_replay_gpu test_transformer_kernels test_kernel_ops test_elementwise"  # test_attention: a group of its own
 MULTI="test_multi_device test_nn_devices test_serve_devices"
 
-for step in "$@"; do case "$step" in
+# `tests` is its two halves in order
+STEPS=(); for s in "$@"; do if [ "$s" = tests ]; then STEPS+=(tests-groups tests-serial); else STEPS+=("$s"); fi; done
+for step in "${STEPS[@]}"; do case "$step" in
 stage) ;;
 precompile)
     timeout 120 python3 tools/gemm_precompile.py -j "$(nproc)" > "$OUT/precompile.log" 2>&1
@@ -115,7 +117,7 @@ precompile)
 tests-serial)
     timeout "$T_TESTS" $PYT $(for b in $SERIAL; do echo "tests/$b.py"; done) > "$OUT/t_serial.log" 2>&1
     summary t_serial; t "$step" ;;
-tests|tests-groups|tests-multi)
+tests-groups|tests-multi)
     g1=""; g2=""; g3=""; gm=""; ser=""; ga="tests/test_attention.py"
     for f in tests/test_*.py; do
         b=$(basename "$f" .py)
@@ -141,9 +143,6 @@ tests|tests-groups|tests-multi)
         ( timeout "$T_TESTS" $PYT $g3 > "$OUT/t_rest.log" 2>&1 ) &
         wait
         for g in t_kernels t_attention t_nn t_rest; do summary $g; done
-        if [ "$step" = tests ]; then
-            timeout "$T_TESTS" $PYT $ser > "$OUT/t_serial.log" 2>&1; summary t_serial
-        fi
     fi
     t "$step" ;;
 tests-files)
