@@ -26,13 +26,14 @@ __all__ = ["BadRequest", "Job", "Limits", "completion_body", "device_failed_mess
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
-#: Fields accepted with an effect, or (``user``, ``parallel_tool_calls``) without one by
-#: their meaning; every other field is refused with a 400 naming it.
+#: Fields accepted with an effect, or (``user``, ``parallel_tool_calls``, ``store``,
+#: ``metadata``) without one by their meaning; every other field is refused with a 400
+#: naming it.
 _KNOWN = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
     "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos",
     "user", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
-    "logit_bias", "presence_penalty", "frequency_penalty",
+    "logit_bias", "presence_penalty", "frequency_penalty", "store", "metadata",
     # checked below: refused unless they ask for nothing
     "best_of", "suffix", "echo", "response_format",
 })
@@ -248,20 +249,59 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         v = body.get(key)
         if v is not None and (not _is_num(v) or not -2.0 <= float(v) <= 2.0):
             raise BadRequest(key, f"'{key}' must be a number in [-2, 2], got {v!r}")
+    echo = body.get("echo") not in (None, False)
+    if echo and chat:
+        raise BadRequest("echo", "'echo' is a /v1/completions parameter; chat completions "
+                         "have no echo (the request was not run)",
+                         code="unsupported_parameter")
+    if echo and body.get("logprobs") is not None:
+        # the prompt's own log-probabilities need a prefill read-back this server does not do
+        raise BadRequest("echo", "'echo' together with 'logprobs' is not supported: it would "
+                         "need the prompt's own log-probabilities; send 'echo' without "
+                         "'logprobs', or 'logprobs' without 'echo' (the request was not run)",
+                         code="unsupported_parameter")
     fmt = body.get("response_format")
     asked = {
         "best_of": body.get("best_of") not in (None, 1),
         "suffix": body.get("suffix") not in (None, ""),
-        # chat has no echo; a completions echo with logprobs needs the prompt's own
-        # log-probabilities (a prefill read-back this server does not do)
-        "echo": body.get("echo") not in (None, False) and (chat or body.get("logprobs")
-                                                            is not None),
         "response_format": fmt is not None and fmt != {"type": "text"},
     }
     for key, bad in asked.items():
         if bad:
             raise BadRequest(key, f"'{key}' is not supported by this server yet; leave it "
                              "out (the request was not run)", code="unsupported_parameter")
+
+
+#: OpenAI's bounds on ``metadata``: keys, key length, value length.
+METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+
+
+def _store_and_metadata(body: dict[str, Any]) -> None:
+    """``store`` (a boolean) and ``metadata`` (up to 16 string keys of at most 64 characters
+    mapping to strings of at most 512), checked as OpenAI checks them and then unused: this
+    server keeps no completions."""
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise BadRequest("store", f"'store' must be a boolean, got {store!r}")
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise BadRequest("metadata", "'metadata' must be an object of up to "
+                         f"{METADATA_MAX_KEYS} string keys mapping to string values")
+    if len(meta) > METADATA_MAX_KEYS:
+        raise BadRequest("metadata", f"'metadata' has {len(meta)} keys; at most "
+                         f"{METADATA_MAX_KEYS} are allowed")
+    for k, v in meta.items():
+        if len(k) > METADATA_MAX_KEY_CHARS:
+            raise BadRequest("metadata", f"'metadata' key {k[:16]!r}... is {len(k)} characters "
+                             f"long; keys are at most {METADATA_MAX_KEY_CHARS}")
+        if not isinstance(v, str):
+            raise BadRequest("metadata", f"'metadata' value of key {k!r} must be a string, got "
+                             f"{type(v).__name__}")
+        if len(v) > METADATA_MAX_VALUE_CHARS:
+            raise BadRequest("metadata", f"'metadata' value of key {k!r} is {len(v)} characters "
+                             f"long; values are at most {METADATA_MAX_VALUE_CHARS}")
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -340,9 +380,14 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
         raise BadRequest("model", f"The model {name!r} does not exist; this server serves "
                          f"{model_name!r} (GET /v1/models)", status=404, code="model_not_found")
     _refuse_unsupported(body, chat)
+    _store_and_metadata(body)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise BadRequest("n", f"'n'={n!r}: only one choice per request is supported (n=1)")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise BadRequest("n", f"'n' must be an integer >= 1, got {n!r}")
+    if n is not None and n > 1:
+        raise BadRequest("n", f"'n'={n}: only one choice per request is supported yet (n=1); "
+                         "send n separate requests (the request was not run)",
+                         code="unsupported_parameter")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
         raise BadRequest("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
