@@ -70,6 +70,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_ATTN_VARIANT", "",
          "Tests: run `tests/test_attention.py` under an attention override, e.g. "
          "`min_steps=0 bulk=2` (the knobs are listed in that file)."),
+    Knob("DEVICEOPS_CORE_STEP_PAUSE_MS", "0",
+         "Tests: engine cores (`serve`) sleep this many milliseconds after each step, so a "
+         "kill or a shutdown lands while streams are under way."),
     Knob("DEVICEOPS_BENCH_INJECT_ERROR", "0",
          "Benchmarks: `1` corrupts every reference before the checks, to show they fail."),
     Knob("DEVICEOPS_MUTATION_DIR", "/tmp/deviceops-mutation",

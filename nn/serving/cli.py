@@ -320,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="with --ray: replicas (one GPU each); None: every GPU of the "
                         "cluster, or 1 with --device cpu")
     p.add_argument("--max-restarts", type=int, default=4,
-                   help="with --ray: times Ray restarts a replica that died (-1: always)")
+                   help="times a dead engine core is restarted within a minute (with --ray: "
+                        "times Ray restarts a replica that died; -1: always)")
     p.add_argument("--replica-cpus", type=float, default=1.0,
                    help="with --ray: CPUs Ray reserves per replica")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -379,14 +380,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    max_batch=args.max_batch, max_seq=args.max_seq,
                                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                                    num_cpus=args.replica_cpus, max_restarts=args.max_restarts)
-        if devices is not None:
-            return load_engines(args.model, devices=devices, dtype=args.dtype,
-                                max_batch=args.max_batch, max_seq=args.max_seq,
-                                max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
-        return load_engine(args.model, device=device, dtype=args.dtype,
-                           max_batch=args.max_batch, max_seq=args.max_seq,
-                           max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+        from .core import CoreSpec
+        from .core_process import start_cores
 
+        spec = CoreSpec(args.model, dtype=args.dtype, max_batch=args.max_batch,
+                        max_seq=args.max_seq, max_queue=args.max_queue,
+                        prefill_chunk=args.prefill_chunk)
+        where: list[str | None] = list(devices) if devices is not None else [
+            None if device is None else ("cpu" if device == "cpu" else "cuda:0")]
+        return start_cores(spec, where, per_device=devices is not None,
+                           max_restarts=10**9 if args.max_restarts < 0 else args.max_restarts,
+                           log_level="info" if args.log_level.lower() == "debug" else "warning")
+
+    try:
+        _check_model(args.model)
+    except ValueError as exc:
+        p.error(str(exc))
     name = args.model if args.model in NAMED_MODELS else os.path.basename(args.model)
     keys = args.api_key or [k.strip() for k in _env.get("DEVICEOPS_API_KEY").split(",")]
     try:
@@ -399,9 +408,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     TimedH11Protocol.header_timeout_s = args.header_timeout
+    failed: list[str] = []
+
+    def load_failed(reason: str) -> None:  # no engine could start: exit with the reason
+        failed.append(reason)
+        server.should_exit = True
+
     app = create_app(load, model_name=name, exposure=exposure,
                      limits=Limits(max_messages=args.max_messages,
-                                   max_prompt_chars=args.max_prompt_chars))
+                                   max_prompt_chars=args.max_prompt_chars),
+                     on_load_error=None if args.ray is not None else load_failed)
     if args.ray is not None:
         from .ray_cluster import init_ray
         from .ray_front import add_admin_routes
@@ -424,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn.error").addFilter(ListeningFilter())
     server = _Server(config, app, args.drain_timeout)
     server.run()
+    if failed:
+        print(f"serve: cannot start: {failed[0]}", file=sys.stderr)
+        return 1
     log.info("server stopped")
     return 0 if server.started else 1
 

@@ -55,7 +55,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -170,6 +170,10 @@ class Engine:
         self._space: list[anyio.Event] = []  # submitters waiting for queue space
         self._driving = False
         self._closed = False
+        #: called with every request that has new tokens or finished (after the engine's
+        #: own wake-up): an owner that drives the engine itself (:meth:`run_step`, the
+        #: engine core of :mod:`.core`) collects its news here
+        self.listener: Callable[[_Request], None] | None = None
 
     # -- public -------------------------------------------------------------------------
     def stream(
@@ -447,6 +451,29 @@ class Engine:
         if self._space:
             self._space.pop(0).set()
 
+    @property
+    def has_work(self) -> bool:
+        """Requests are queued or running: a step would do something."""
+        return bool(self._queue or self._active)
+
+    async def run_step(self) -> None:
+        """Run one step now, for an owner that drives the engine itself instead of its
+        consumers (the engine core of :mod:`.core`: nobody iterates a stream there, news
+        goes to :attr:`listener`). Shielded from cancellation, as every step is.
+
+        Raises:
+            RuntimeError: a step is already running (the consumers drive this engine).
+        """
+        if self._driving:
+            raise RuntimeError("Engine.run_step: a step is already running; an engine is "
+                               "driven either by its consumers or by one owner, not both")
+        self._driving = True
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.scheduler.step()
+        finally:
+            self._driving = False
+
     # -- driving ------------------------------------------------------------------------
     def _notify(self, req: _Request) -> None:
         ev = req.event
@@ -454,6 +481,8 @@ class Engine:
             req.event = None
             self._waiting.discard(req)
             ev.set()
+        if self.listener is not None:
+            self.listener(req)
 
     def _wake_driver(self) -> None:
         """If nobody drives, wake one parked consumer that has no output to drive."""

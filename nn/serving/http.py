@@ -104,7 +104,8 @@ class AppState:
 
 def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
                retry_after: int = 1, exposure: Exposure | None = None,
-               limits: Limits | None = None, tokenize_threads: int = 4) -> Starlette:
+               limits: Limits | None = None, tokenize_threads: int = 4,
+               on_load_error: Callable[[str], None] | None = None) -> Starlette:
     """The Starlette app; ``load()`` runs in a worker thread at start-up.
 
     Args:
@@ -118,6 +119,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         limits: messages and prompt characters accepted (:class:`~.openai.Limits`).
         tokenize_threads: worker threads that parse, template and tokenise requests at
             once (the event loop never does).
+        on_load_error: called with the one-line reason when ``load()`` raises (``serve``
+            exits with it); without it the app stays up and ``/health`` reports it.
 
     Returns:
         The application; ``app.state.serve`` is its :class:`AppState` and
@@ -142,6 +145,9 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         try:
             got = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
             state.router = got if isinstance(got, Router) else Router.single(got)
+            attach = getattr(state.router, "attach", None)
+            if attach is not None:  # engine-core clients connect from this loop
+                attach()
             if state.router.per_device:
                 log.info("ready: model %s loaded; serving on %s", model_name, ", ".join(
                     f"{r.device} ({r.state})" for r in state.router.replicas))
@@ -149,7 +155,10 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                 log.info("ready: model %s loaded; serving", model_name)
         except Exception as exc:  # reported by /health; the server stays up
             state.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("loading the model failed")
+            if on_load_error is not None:
+                on_load_error(state.load_error.splitlines()[0])
+            else:
+                log.exception("loading the model failed")
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -195,6 +204,12 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         if bad is not None:
             status = "draining" if state.draining else ("failed" if state.load_error else "loading")
             return JSONResponse({"status": status, "error": state.load_error}, status_code=503,
+                                headers={"Retry-After": str(retry_after)})
+        assert router is not None
+        only = router.replicas[0]
+        if only.state != "serving":  # an engine core that died and is being restarted
+            return JSONResponse({"status": only.state, "model": model_name,
+                                 "error": only.error}, status_code=503,
                                 headers={"Retry-After": str(retry_after)})
         return JSONResponse({"status": "ok", "model": model_name})
 

@@ -21,7 +21,10 @@ from deviceops import DriverError, LaunchError
 from .requests import _DECODE, _DONE, _PREFILL, StepModel, _Request
 from .slots import SlotPool
 
-__all__ = ["Scheduler"]
+__all__ = ["PHASES", "Scheduler"]
+
+#: The phases of a step, in order, as :attr:`Scheduler.phase_s` names them.
+PHASES = ("admit", "enqueue", "wait", "deliver")
 
 Submit = Callable[..., Callable[[], Awaitable[Any]]]
 
@@ -54,6 +57,10 @@ class Scheduler:
             over its plain async methods).
         reserve: the step model's ``reserve`` (paged KV), or ``None``.
         steps_run, decode_rows, prefill_tokens, generated, finished, cancelled: counters.
+        phase_s: host seconds spent so far in each phase of the steps, by name
+            (:data:`PHASES`: ``admit``, ``enqueue`` (building and launching the decode and
+            prompt chunks), ``wait`` (awaiting the device's results), ``deliver`` (handing
+            tokens to requests)); what ``serve``'s per-step profile reports.
     """
 
     def __init__(self, steps: StepModel, *, max_batch: int, max_seq: int, prefill_chunk: int,
@@ -76,6 +83,7 @@ class Scheduler:
         self.stepping = False
         self.steps_run = self.decode_rows = self.prefill_tokens = 0
         self.generated = self.finished = self.cancelled = 0
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
 
     def budget(self, req: _Request) -> int:
         """Positions ``req`` may fill: its prompt plus ``max_new_tokens``, within ``max_seq``."""
@@ -103,9 +111,11 @@ class Scheduler:
         """Admit, decode one token for the running batch, prefill one chunk budget."""
         self.stepping = True
         try:
+            t0 = time.perf_counter()
             for req in [r for r in self.active if r.cancelled]:
                 self.finish(req, "cancelled")
             self._admit()
+            self.phase_s["admit"] += time.perf_counter() - t0
             if not self.active:
                 return
             self.steps_run += 1
@@ -155,6 +165,8 @@ class Scheduler:
         the device runs them back to back while the host waits once for the decode tokens
         (read before the prefill work in stream order) and then for the prompts' first
         tokens. A step model without ``submit_*`` runs them one after another."""
+        phase = self.phase_s
+        t0 = time.perf_counter()
         rows = [r for r in self.active if r.state == _DECODE]
         dec = None
         if rows:
@@ -162,12 +174,18 @@ class Scheduler:
                 [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
             )
         chunks = self._submit_prefills()
+        t1 = time.perf_counter()
+        phase["enqueue"] += t1 - t0
         if dec is not None:
             toks = await dec()
+            t2 = time.perf_counter()
+            phase["wait"] += t2 - t1
             self.decode_rows += len(rows)
             for req, tok in zip(rows, toks, strict=True):
                 req.pos += 1
                 self._deliver(req, tok)
+            t1 = time.perf_counter()
+            phase["deliver"] += t1 - t2
         for req, n, last, wait in chunks:
             try:
                 tok = await wait()
@@ -185,6 +203,8 @@ class Scheduler:
                     raise RuntimeError("StepModel.prefill(last=True) returned no token")
                 req.state, req.pos = _DECODE, len(req.prompt)
                 self._deliver(req, tok)
+        if chunks:
+            phase["wait"] += time.perf_counter() - t1
 
     def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
         """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
