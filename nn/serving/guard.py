@@ -110,26 +110,48 @@ class Exposure:
         return cls(api_keys=keys, allowed_hosts=tuple(dict.fromkeys(hosts)), **kw)
 
     def host_ok(self, host_header: str) -> bool:
+        """Whether a ``Host`` header names an allowed host: the whole name, compared without
+        case, with an optional numeric port (``localhost:8000``, ``[::1]:8000``); anything
+        else after the name (``localhost.evil.com``, ``[::1].evil``, ``localhost:x``) is
+        another host."""
         if "*" in self.allowed_hosts:
             return True
-        return _host_name(host_header) in self.allowed_hosts
+        name = _host_name(host_header)
+        return name is not None and name in self.allowed_hosts
 
     def key_ok(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header is ``Bearer <key>`` (scheme without case,
+        one or more spaces) with one of :attr:`api_keys`, byte for byte."""
         if not self.api_keys:
             return True
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        if scheme.lower() != "bearer" or not token.strip():
             return False
-        given = token.strip().encode()
+        try:  # the header's own bytes (read as latin-1), so a non-ASCII key matches too
+            given = token.strip().encode("latin-1")
+        except UnicodeEncodeError:  # text that did not come from a header: its UTF-8
+            given = token.strip().encode()
         # every key compared, in constant time, so timing says nothing about which matched
         return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])
 
 
-def _host_name(header: str) -> str:
+def _host_name(header: str) -> str | None:
+    """The host of a ``Host`` header (lower case, without its port), or ``None`` when the
+    header is not ``host[:port]``."""
     h = header.strip().lower()
     if h.startswith("["):  # [::1]:8000
-        return h[1:h.find("]")] if "]" in h else h
-    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+        end = h.find("]")
+        if end < 0:
+            return None
+        name, rest = h[1:end], h[end + 1:]
+    elif h.count(":") == 1:
+        name, _, port = h.partition(":")
+        rest = ":" + port
+    else:  # a name without a port (or a bare IPv6 address)
+        name, rest = h, ""
+    if rest and not (rest[0] == ":" and rest[1:].isascii() and (rest[1:].isdigit() or rest == ":")):
+        return None
+    return name
 
 
 class _Refused(Exception):
