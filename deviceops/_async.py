@@ -186,10 +186,22 @@ async def await_op(op: DeviceOp[T]) -> T:
             op._consume()  # cancelled before it was enqueued: nothing ran, nothing to warn about
             raise
         t0 = _perf()
+    policy = _hooks.current_policy()
+    if policy.counts_enqueued:  # a tenant: wait (suspended) until it has room for this op
+        ev = policy.backlog()
+        if ev is not None:
+            try:
+                while ev is not None:
+                    await _park(ev, sl, lib)
+                    ev = policy.backlog()
+            except BaseException:
+                op._consume()  # cancelled before it was enqueued
+                raise
+            t0 = _perf()
     key = _offload.cold(op)
     if key is None:
         before = _loads[0]
-        fut = op.schedule()
+        fut = op.schedule(policy)
         if _loads[0] != before:  # a warm key compiled after all: cold again
             _offload.note_inline(op, before)
         parked = _register(fut, sl, lib)

@@ -96,8 +96,17 @@ class Backend(ABC):
         """The name of device ``index`` of this kind: ``"cpu"``, ``"cuda:1"``."""
 
     @abstractmethod
-    def new_stream(self, device: Device) -> Stream:
-        """A new stream on ``device`` (cpu: a worker thread; cuda: a non-blocking CuPy stream)."""
+    def new_stream(self, device: Device, priority: int = 0) -> Stream:
+        """A new stream on ``device`` (cpu: a worker thread; cuda: a non-blocking CuPy stream).
+
+        ``priority`` is in CUDA's convention (lower is more urgent), already clamped to
+        :meth:`stream_priorities` by the caller.
+        """
+
+    def stream_priorities(self, device: Device) -> tuple[int, int]:
+        """``(least, greatest)`` stream priority of ``device`` in CUDA's convention: the
+        default ``0`` is the least urgent, ``greatest`` (negative) the most."""
+        return (0, 0)
 
     @abstractmethod
     def wrap_stream(self, device: Device, native: Any) -> Stream:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._backend import Backend, oom_error, too_big_error
-from ._cpu_stream import CpuEvent, CpuStream, guarded, poisoned_input, synchronize_all
+from ._cpu_stream import PRIORITIES, CpuEvent, CpuStream, guarded, poisoned_input, synchronize_all
 from ._errors import DeviceError
 from ._stream import Stream
 
@@ -82,8 +82,11 @@ class CpuBackend(Backend):
     def device_name(self, index: int) -> str:
         return "cpu" if index == 0 else f"cpu:{index}"
 
-    def new_stream(self, device: Device) -> Stream:
-        return CpuStream(device)
+    def new_stream(self, device: Device, priority: int = 0) -> Stream:
+        return CpuStream(device, priority)
+
+    def stream_priorities(self, device: Device) -> tuple[int, int]:
+        return PRIORITIES
 
     def wrap_stream(self, device: Device, native: Any) -> Stream:
         raise DeviceError("wrap_stream: the cpu backend has no native streams", device="cpu")

@@ -25,6 +25,11 @@ ordered, as on a GPU. Semantics follow CUDA's:
   raises :class:`~deviceops.NestedExecutionError` instead of deadlocking.
 * while a stream is being captured into a graph, tasks are recorded into the
   capture instead of running (see ``deviceops.graphs``).
+* stream priorities (CUDA's convention, ``(0, -5)``): before each task a worker
+  holds back while a more urgent stream of its device has a task ready to run
+  (not blocked in an event wait), as CUDA's block scheduler starts the more
+  urgent stream's blocks first; a running task is never interrupted. With no
+  stream more urgent than the default on a device this costs one attribute read.
 
 The backend object, memory and copies are in :mod:`deviceops._cpu_backend`.
 """
@@ -120,10 +125,60 @@ class CpuEvent(Event):
         self.take = True
 
 
+#: ``(least, greatest)`` stream priority of a cpu device (CUDA's range on recent GPUs)
+PRIORITIES = (0, -5)
+
+
+class _Gate:
+    """The stream priorities of one cpu device: which urgent workers have a task ready.
+
+    Only workers more urgent than the least priority are counted (nothing is held back
+    for a least-urgent one), so a device without such streams never takes the lock.
+    """
+
+    __slots__ = ("cond", "ready", "total")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ready: dict[int, int] = {}  # priority -> counted workers with a task ready
+        self.total = 0
+
+    def holds(self, priority: int) -> bool:
+        """Whether a worker of ``priority`` must hold its next task back (under ``cond``)."""
+        return any(n and p < priority for p, n in self.ready.items())
+
+    def change(self, priority: int, d: int) -> None:
+        with self.cond:
+            self.ready[priority] = self.ready.get(priority, 0) + d
+            self.total += d
+            if d < 0:
+                self.cond.notify_all()
+
+    def wait_turn(self, priority: int) -> None:
+        """Block while a more urgent worker of the device has a task ready."""
+        if self.total:
+            with self.cond:
+                while self.holds(priority):
+                    self.cond.wait()
+
+
+_running = threading.local()  # .worker: the _Worker whose thread this is
+_gates: dict[str, _Gate] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(device: str) -> _Gate:
+    g = _gates.get(device)
+    if g is None:
+        with _gates_lock:
+            g = _gates.setdefault(device, _Gate())
+    return g
+
+
 class _Worker:
     """The state a stream's thread needs; holds no reference to the stream."""
 
-    def __init__(self, name: str, device: str) -> None:
+    def __init__(self, name: str, device: str, priority: int = 0) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.submitted = 0
@@ -132,14 +187,38 @@ class _Worker:
         self.error_seq = 0  # the op number (seq) of the failed work, see absorb_after
         self.stopped = False
         self.device = device
+        self.priority = priority
+        self.gate = _gate(device)
+        self.counted = priority < PRIORITIES[0]  # counted in the gate (more urgent than least)
+        self.ready = False  # (counted) has a task ready: counted in the gate now
+        self.waiting = False  # (counted) blocked in an event wait
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
         self.thread.start()
         _all_workers.add(self)
 
+    def _recount(self) -> None:
+        """(under ``cond``, counted workers) update this worker's count in the gate."""
+        ready = self.completed < self.submitted and not self.waiting
+        if ready != self.ready:
+            self.ready = ready
+            self.gate.change(self.priority, 1 if ready else -1)
+
+    def set_waiting(self, waiting: bool) -> None:
+        """An event wait begins or ends on this worker (a blocked worker holds nobody back)."""
+        if self.counted:
+            with self.cond:
+                self.waiting = waiting
+                self._recount()
+
     def run(self) -> None:
+        _running.worker = self
         q = self.queue
+        gate = self.gate
+        priority = self.priority
         while True:
             item = q.get()
+            if gate.total:
+                gate.wait_turn(priority)
             if item is _STOP:
                 with self.cond:
                     self.stopped = True
@@ -156,6 +235,8 @@ class _Worker:
         self.run_one(fn, name)
         with self.cond:
             self.completed += 1
+            if self.counted:
+                self._recount()
             self.cond.notify_all()
 
     def run_many(self, tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
@@ -189,6 +270,8 @@ class _Worker:
             stopped = self.stopped
             if not stopped:
                 self.queue.put((fn, name))  # under the lock: the worker sees it before stopping
+            if self.counted:
+                self._recount()
         if stopped:
             # The stream object is gone (its finalizer stopped the thread) but a
             # finalizer running in the same garbage cycle still enqueued work,
@@ -199,9 +282,10 @@ class _Worker:
 class CpuStream(Stream):
     """A stream of the ``cpu`` backend: an in-order queue run by its own thread."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, priority: int = 0) -> None:
         super().__init__(device)
-        self._worker = _Worker(f"deviceops-cpu-stream-{self.id}", str(device))
+        self.priority = priority
+        self._worker = _Worker(f"deviceops-cpu-stream-{self.id}", str(device), priority)
         weakref.finalize(self, self._worker.queue.put, _STOP)
 
     def enqueue(self, fn: Callable[[], None], name: str) -> None:
@@ -247,7 +331,14 @@ class CpuStream(Stream):
         src = src_stream._worker
 
         def wait() -> None:
-            done.wait()
+            if not done.is_set():
+                me = getattr(_running, "worker", None)  # the worker running it (a replay's too)
+                if me is None:
+                    done.wait()
+                else:
+                    me.set_waiting(True)
+                    done.wait()
+                    me.set_waiting(False)
             err = event.error
             if err is not None:
                 if take:  # a zip join: the branch's failure is now the join's, not the branch's

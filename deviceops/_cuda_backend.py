@@ -74,7 +74,7 @@ _event_pools: dict[int, list[int]] = {}
 # destruction (a segfault in the next sweep). Held here, a stream is never in such a cycle.
 # A stream reused while a resurrected CudaStream still names it only orders more work after.
 _made_natives: list[Any] = []
-_idle_natives: dict[int, list[Any]] = {}
+_idle_natives: dict[tuple[int, int], list[Any]] = {}  # (device, priority) -> natives
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -162,13 +162,16 @@ class CudaEvent(Event):
 class CudaStream(Stream):
     """A stream of the ``cuda`` backend wrapping a non-blocking :class:`cupy.cuda.Stream`."""
 
-    def __init__(self, device: Device, native: Any = None) -> None:
+    def __init__(self, device: Device, native: Any = None, priority: int = 0) -> None:
         import cupy
 
         super().__init__(device)
         if native is None:
             with cupy.cuda.Device(device.index):
-                native = cupy.cuda.Stream(non_blocking=True)
+                native = cupy.cuda.Stream(non_blocking=True, priority=priority)
+        else:
+            priority = int(getattr(native, "priority", priority) or 0)
+        self.priority = priority
         self.native = native
         self.enter_device = functools.partial(enter_device, device.index)
         self.exit_device = exit_device
@@ -284,14 +287,14 @@ class CudaBackend(Backend):
     def device_name(self, index: int) -> str:
         return f"cuda:{index}"
 
-    def new_stream(self, device: Device) -> Stream:
+    def new_stream(self, device: Device, priority: int = 0) -> Stream:
         program_loads[1] = 1  # a GPU is in use: programs may compile (see deviceops._offload)
-        idle = _idle_natives.setdefault(device.index, [])
+        idle = _idle_natives.setdefault((device.index, priority), [])
         try:
             native = idle.pop()
         except IndexError:
             native = None
-        stream = CudaStream(device, native)
+        stream = CudaStream(device, native, priority)
         if native is None:
             _made_natives.append(stream.native)
         weakref.finalize(stream, idle.append, stream.native)
@@ -300,6 +303,14 @@ class CudaBackend(Backend):
     def wrap_stream(self, device: Device, native: Any) -> Stream:
         program_loads[1] = 1
         return CudaStream(device, native)
+
+    def stream_priorities(self, device: Device) -> tuple[int, int]:
+        ask = getattr(_cp().cuda.runtime, "deviceGetStreamPriorityRange", None)
+        if ask is None:  # (a CuPy without the call) CUDA clamps a priority outside the range
+            return (0, -5)
+        with cuda_errors("stream priority range", str(device)), _cp().cuda.Device(device.index):
+            least, greatest = ask()
+        return (int(least), int(greatest))
 
     def synchronize(self, device: Device) -> None:
         cupy = _cp()

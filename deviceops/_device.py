@@ -92,6 +92,7 @@ class Device:
         self.is_cpu = self.backend.is_cpu
         self.xp: ModuleType = self.backend.array_module
         self._name = self.backend.device_name(index)
+        self._priorities: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return f"deviceops.device({self._name!r})"
@@ -99,9 +100,30 @@ class Device:
     def __str__(self) -> str:
         return self._name
 
-    def new_stream(self) -> Stream:
-        """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda)."""
-        return self.backend.new_stream(self)
+    def new_stream(self, priority: int = 0) -> Stream:
+        """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda).
+
+        Args:
+            priority: CUDA's convention: ``0`` (the default) is the least urgent, lower
+                numbers are more urgent, down to ``stream_priorities[1]`` (``-5`` on recent
+                GPUs and on the cpu backend); clamped to that range. When SMs free up, the
+                device starts blocks of more urgent streams' kernels first (running blocks
+                are not preempted); the cpu backend holds a less urgent stream's next task
+                back while a more urgent stream of the device has a task ready to run.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+            raise TypeError(f"new_stream: priority must be an int, got {type(priority).__name__} {priority!r}")
+        least, greatest = self.stream_priorities
+        return self.backend.new_stream(self, max(greatest, min(least, int(priority))))
+
+    @property
+    def stream_priorities(self) -> tuple[int, int]:
+        """``(least, greatest)`` stream priority (CUDA's convention: ``(0, -5)`` on an H100
+        and on the cpu backend; a more negative number is more urgent)."""
+        pr = self._priorities
+        if pr is None:
+            pr = self._priorities = self.backend.stream_priorities(self)
+        return pr
 
     def wrap_stream(self, native: Any) -> Stream:
         """Wrap an existing :class:`cupy.cuda.Stream` of this device as a deviceops stream.

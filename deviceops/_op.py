@@ -369,8 +369,11 @@ class DeviceOp(Generic[T]):
             out = _run(self, stream, policy, "schedule()")
         except Exception as exc:
             return _future_cls()._failed(exc, stream)
-        fut = _future_cls()._pending(out, stream, stream.record_event())
+        ev = stream.record_event()
+        fut = _future_cls()._pending(out, stream, ev)
         fut._op = self
+        if policy.counts_enqueued:
+            policy.enqueued(stream, ev)
         return fut
 
     def __await__(self) -> Generator[Any, None, T]:

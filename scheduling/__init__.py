@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from ._policies import MultiDeviceRoundRobin, SingleStream, StreamPoolRoundRobin
 from ._policy import SchedulingPolicy, current_policy, set_default_policy, using
+from ._tenants import PRIORITIES, Tenant, TenantPool, priority_level
 
 __all__ = [
+    "PRIORITIES",
     "MultiDeviceRoundRobin",
     "SchedulingPolicy",
     "SingleStream",
     "StreamPoolRoundRobin",
+    "Tenant",
+    "TenantPool",
     "current_policy",
+    "priority_level",
     "set_default_policy",
     "using",
 ]

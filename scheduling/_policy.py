@@ -26,7 +26,7 @@ from deviceops._device import default_device
 if TYPE_CHECKING:
     from deviceops._device import Device
     from deviceops._op import DeviceOp
-    from deviceops._stream import Stream
+    from deviceops._stream import Event, Stream
 
 __all__ = ["SchedulingPolicy", "current_policy", "set_default_policy", "using"]
 
@@ -43,6 +43,10 @@ class SchedulingPolicy(ABC):
     #: True for policies whose streams live on several devices (zip then
     #: places branches on other devices instead of keeping them home).
     spans_devices: bool = False
+    #: True for policies that bound the work in flight (:class:`Tenant`): ``schedule()``
+    #: then reports each op it enqueued through :meth:`enqueued`, and ``await`` asks
+    #: :meth:`backlog` before enqueueing.
+    counts_enqueued: bool = False
 
     @abstractmethod
     def next_stream(self) -> Stream:
@@ -58,6 +62,16 @@ class SchedulingPolicy(ABC):
             DeviceError: the policy refuses ``op`` (its inputs live on two devices).
         """
         return self.next_stream()
+
+    def enqueued(self, stream: Stream, event: Event) -> None:
+        """(``counts_enqueued`` policies) a top-level op was enqueued on ``stream``;
+        ``event`` completes with it."""
+        return None
+
+    def backlog(self) -> Event | None:
+        """``None`` when the policy takes another op now; else an event to wait for first
+        (``await`` waits for it without blocking the loop; :meth:`stream_for` may block)."""
+        return None
 
     @property
     def device(self) -> Device:
