@@ -238,6 +238,70 @@ def bars(res: dict[str, Any]) -> dict[str, tuple[Any, bool | None]]:
     return out
 
 
+def processes_main(args: Any) -> int:
+    """``--http-levels``: generate with no server, then the server at each level."""
+    import shlex
+
+    import deviceops
+    from _serve_processes import bench_levels
+    from deviceops.nn.checkpoint import smollm2_path
+    from deviceops.nn.load import load_gguf
+
+    levels = [int(x) for x in args.http_levels.split(",")]
+    path = args.gguf or str(smollm2_path())
+    res: dict[str, Any] = {"gguf": path, "argv": sys.argv[1:], "levels": levels}
+    on_gpu = deviceops.cuda_available() and not args.smoke
+    max_batch = max(max(levels), 64)
+    lm = load_gguf(path, dtype="float16" if on_gpu else "float32", device=0 if on_gpu else "cpu",
+                   max_batch=max_batch, max_seq=args.max_seq, progress=False)
+    vocab = lm.config.vocab_size
+    new = 4 if args.smoke else 128
+    rng = random.Random(7)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 96))]
+                for _ in range(n)]
+
+    gen: dict[str, Any] = {}
+    for b in (1, 64) if not args.smoke else (1, 2):
+        ps = prompts(b)
+        lm.generate(ps if b > 1 else ps[0], 4)  # graphs of this batch captured
+        t0 = time.perf_counter()
+        out = lm.generate(ps if b > 1 else ps[0], new)
+        wall = time.perf_counter() - t0
+        toks = sum(len(o) for o in out) if b > 1 else len(out)
+        gen[str(b)] = {"tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
+                       "ms_per_token_per_row": 1e3 * wall / (toks / b)}
+        print(f"generate batch {b:3d}: {toks / wall:9,.0f} tok/s "
+              f"({1e3 * wall / (toks / b):.3f} ms per step, prefill included)", flush=True)
+    res["generate"] = gen
+    del lm
+    gc.collect()
+
+    def reqs_for(c: int) -> list[Any]:
+        n = c if args.smoke else max(2 * c, 32)
+        r = random.Random(c)
+        return [([r.randrange(100, vocab - 100) for _ in range(r.randint(32, 96))], new)
+                for _ in range(n)]
+
+    res["http"] = bench_levels(path, reqs_for, levels, client_procs=args.client_procs,
+                               max_batch=max_batch, max_seq=args.max_seq,
+                               extra=shlex.split(args.server_args)
+                               + ([] if on_gpu else ["--device", "cpu"]))
+    h64, g64, g1 = res["http"].get("64"), gen.get("64"), gen.get("1")
+    if h64 and g64:
+        res["http64_over_generate64"] = h64["tokens_per_s"] / g64["tokens_per_s"]
+        print(f"http 64 clients / generate batch 64: {res['http64_over_generate64']:.2f}")
+    h1 = res["http"].get("1")
+    if h1 and g1:
+        res["http1_over_generate1"] = h1["tokens_per_s"] / g1["tokens_per_s"]
+        print(f"http 1 client / generate batch 1: {res['http1_over_generate1']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--smoke", action="store_true", help="cpu backend, tiny work (CI)")
@@ -257,7 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq", type=int, default=1024)
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: every row at max_seq)")
+    p.add_argument("--http-levels", default=None, metavar="LIST",
+                   help="only the multi-process server: these client counts through HTTP "
+                        "(clients in --client-procs processes, streaming, 128 new tokens, "
+                        "temperature 0.8), beside generate at batch 1 and 64 with no server")
+    p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--profile", action="store_true",
+                   help="with --http-levels: print the cores' per-step host breakdown")
+    p.add_argument("--server-args", default="",
+                   help="with --http-levels: more serve flags, e.g. '--api-servers 2'")
     args = p.parse_args(argv)
+    if args.http_levels:
+        return processes_main(args)
 
     import deviceops
     from deviceops.nn.checkpoint import smollm2_path

@@ -243,6 +243,20 @@ def parse_devices(text: str, *, cuda_count: int | None = None) -> list[str]:
     return names
 
 
+def _http_protocol() -> type:
+    """h11's protocol with the head timeout (:class:`~.guard.TimedH11Protocol`)."""
+    return TimedH11Protocol
+
+
+def _event_loop() -> str:
+    """uvloop's event loop when it is installed (not on Windows), else asyncio's."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server; a shutdown signal also marks the app as draining (503s), and the
     generations still running ``drain_s`` later are ended with a final chunk
@@ -433,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one log line per request (method, path, status, tokens, time), instead of uvicorn's
     # (the streams still running at the drain time get their final chunk first: a margin)
     config = uvicorn.Config(AccessLog(app), host=args.host, port=args.port,
-                            log_level=args.log_level, http=TimedH11Protocol,
+                            log_level=args.log_level, http=_http_protocol(),
+                            loop=_event_loop(),
                             timeout_keep_alive=max(1, round(args.keep_alive)),
                             timeout_graceful_shutdown=args.drain_timeout + 5, access_log=False)
     # (uvicorn configured its loggers just now) "running on" would read as "ready"

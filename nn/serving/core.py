@@ -59,7 +59,14 @@ from .protocol import (
     pack_i64,
     unpack_i32,
 )
-from .requests import EngineClosed, EngineFailed, EngineOverloaded, RequestStream, _Request
+from .requests import (
+    STAT_FIELDS,
+    EngineClosed,
+    EngineFailed,
+    EngineOverloaded,
+    RequestStream,
+    _Request,
+)
 
 __all__ = ["EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main"]
 
@@ -281,7 +288,8 @@ class EngineCore:
     def _flush(self) -> None:
         """Send each front its news: one :class:`~.protocol.Step` message per front."""
         t0 = time.perf_counter()
-        stats = list(dataclasses.astuple(self.engine.stats()))
+        st = self.engine.stats()
+        stats = [getattr(st, f) for f in STAT_FIELDS]
         phases = [*self.engine.scheduler.phase_s.values(), self._recv_s, self._send_s]
         for front in list(self._fronts.values()):
             if not front.news and not front.done:

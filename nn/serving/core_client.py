@@ -172,13 +172,6 @@ class CoreStream(TokenStream):
         lps = self._req.logprobs
         return lps[i] if 0 <= i < len(lps) else None
 
-    def take(self) -> list[int]:
-        """Every token received and not yet taken (possibly none), without waiting."""
-        buf = self._req.buf
-        out = list(buf)
-        buf.clear()
-        return out
-
     async def _wait(self) -> None:
         fut = self._req.waiter = asyncio.get_running_loop().create_future()
         await fut
@@ -316,7 +309,8 @@ class CoreClient:
         import dataclasses
 
         st = self._stats or EngineStats(0, 0, 0, 0, 0, self.max_batch, 0, 0, 0, 0, 0, 0)
-        return dataclasses.replace(st, pending_tokens=self.pending_tokens)
+        return dataclasses.replace(st, pending_tokens=self.pending_tokens,
+                                   host_phases=tuple(self.phases.items()))
 
     @property
     def pending_tokens(self) -> int:

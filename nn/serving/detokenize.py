@@ -31,14 +31,23 @@ class Detokenizer:
         self.ids: list[int] = []
         self.text = ""  # all text decoded so far
         self.sent = 0  # characters of text already emitted
+        self._prefix = 0  # the decode window's context starts here ...
+        self._read = 0  # ... and its new tokens here
         self.stopped = False
 
     def push(self, tok: int) -> str:
         if tok not in self.eos:
-            self.ids.append(tok)
-            text = self.decode(self.ids)
-            if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
-                self.text = text
+            ids = self.ids
+            ids.append(tok)
+            # decode a window, not every token so far (vLLM's incremental scheme): the text
+            # of ids[prefix:] beyond that of ids[prefix:read] is new, unless it ends in an
+            # incomplete UTF-8 sequence (then wait for the next token)
+            lo, mid = self._prefix, self._read
+            before = self.decode(ids[lo:mid]) if mid > lo else ""
+            now = self.decode(ids[lo:])
+            if len(now) > len(before) and not now.endswith("\ufffd"):
+                self.text += now[len(before):]
+                self._prefix, self._read = mid, len(ids)
         return self._emit(final=False)
 
     def finish(self) -> str:
@@ -46,8 +55,8 @@ class Detokenizer:
 
     def _emit(self, final: bool) -> str:
         end = len(self.text)
-        for s in self.stops:
-            i = self.text.find(s)
+        for s in self.stops:  # (emitted text never holds the start of a stop string)
+            i = self.text.find(s, max(0, self.sent - len(s)))
             if i >= 0:
                 self.stopped, end = True, min(end, i)
         if not self.stopped and not final:

@@ -296,6 +296,7 @@ class Engine:
             cancelled=sc.cancelled,
             kv_blocks_total=total,
             pending_tokens=self.pending_tokens,
+            host_phases=tuple(sc.phase_s.items()),
         )
 
     @property

@@ -155,8 +155,9 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                 log.info("ready: model %s loaded; serving", model_name)
         except Exception as exc:  # reported by /health; the server stays up
             state.load_error = f"{type(exc).__name__}: {exc}"
-            if on_load_error is not None:
-                on_load_error(state.load_error.splitlines()[0])
+            if on_load_error is not None:  # a RuntimeError's message says it all
+                why = str(exc) if type(exc) is RuntimeError else state.load_error
+                on_load_error(why.splitlines()[0])
             else:
                 log.exception("loading the model failed")
 
@@ -211,7 +212,10 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return JSONResponse({"status": only.state, "model": model_name,
                                  "error": only.error}, status_code=503,
                                 headers={"Retry-After": str(retry_after)})
-        return JSONResponse({"status": "ok", "model": model_name})
+        body: dict[str, Any] = {"status": "ok", "model": model_name}
+        if getattr(only, "process", None) is not None:  # an engine core: its pid, restarts
+            body["engines"] = router.describe()
+        return JSONResponse(body)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -359,22 +363,29 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         last = None
         pending: list[Entry] = []
         i = 0
+        take_ready = getattr(s, "take_ready", None)
         try:
-            async for tok in s:
+            async for first in s:
                 now = time.perf_counter()
                 if last is None:
                     metrics.ttft.observe(now - t0)
                 else:
                     metrics.itl.observe(now - last)
                 last = now
-                metrics.generated_tokens.inc()
-                offset = len(detok.text)
-                piece = detok.push(tok)
-                if job.logprobs is not None and tok not in detok.eos:
-                    tl = s.logprob(i)
-                    if tl is not None:
-                        pending.append((tl, offset))
-                i += 1
+                # a consumer that fell behind takes every token already here in one piece
+                toks = [first, *take_ready()] if take_ready is not None else [first]
+                metrics.generated_tokens.inc(len(toks))
+                piece = ""
+                for tok in toks:
+                    offset = len(detok.text)
+                    piece += detok.push(tok)
+                    if job.logprobs is not None and tok not in detok.eos:
+                        tl = s.logprob(i)
+                        if tl is not None:
+                            pending.append((tl, offset))
+                    i += 1
+                    if detok.stopped:
+                        break
                 if piece:
                     yield piece, pending
                     pending = []

@@ -103,6 +103,7 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=float(v))
             for name, (doc, v) in _counters(got).items():
                 yield CounterMetricFamily(name, doc, value=float(v))
+            yield from _phases([("", got)], None)
             return
         rows: list[DeviceStats] = list(got)
         label = rows[0].label if rows else "device"
@@ -130,6 +131,25 @@ class _EngineCollector(Collector):
                         fam = fams[name] = kind(name, doc, labels=[label])
                     fam.add_metric([row.device], float(v))
             yield from fams.values()
+        yield from _phases([(r.device, r.stats) for r in loaded], label)
+
+
+def _phases(rows: Sequence[tuple[str, Any]], label: str | None) -> Iterator[Any]:
+    """``deviceops_engine_host_seconds{phase}``: the steps' host time by phase."""
+    labels = ["phase"] if label is None else [label, "phase"]
+    fam = CounterMetricFamily(
+        "deviceops_engine_host_seconds",
+        "host seconds of the engine's steps by phase: admit, enqueue (build and launch the "
+        "decode and prompt chunks), wait (for the device's results), deliver (tokens to "
+        "requests), and an engine core's recv (front messages) and send (step messages)",
+        labels=labels)
+    seen = False
+    for dev, st in rows:
+        for phase, secs in getattr(st, "host_phases", ()):
+            fam.add_metric([phase] if label is None else [dev, phase], float(secs))
+            seen = True
+    if seen:
+        yield fam
 
 
 class ServeMetrics:

@@ -19,7 +19,7 @@ import anyio
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["FEATURES", "EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats",
+__all__ = ["FEATURES", "STAT_FIELDS", "EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats",
            "RequestStream", "Sampled", "SamplingParams", "StepModel", "TokenLogprob",
            "TokenStream"]
 
@@ -188,6 +188,13 @@ class EngineStats:
     cancelled: int
     kv_blocks_total: int = 0
     pending_tokens: int = 0
+    #: cumulative host seconds of the steps by phase (``(name, seconds)`` pairs: the
+    #: scheduler's admit / enqueue / wait / deliver, and an engine core's recv / send)
+    host_phases: tuple[tuple[str, float], ...] = ()
+
+
+#: The numeric fields of :class:`EngineStats`, in order (what an engine core sends).
+STAT_FIELDS = tuple(f for f in EngineStats.__dataclass_fields__ if f != "host_phases")
 
 
 class TokenStream:
@@ -205,6 +212,14 @@ class TokenStream:
     def tokens(self) -> list[int]:
         """Tokens generated so far."""
         return list(self._req.out)
+
+    def take_ready(self) -> list[int]:
+        """Every token already received and not yet iterated (possibly none), without
+        waiting: a consumer that fell behind takes them in one go."""
+        buf = self._req.buf
+        out = [int(t) for t in buf]
+        buf.clear()
+        return out
 
     def __aiter__(self) -> Self:
         return self
