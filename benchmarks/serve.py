@@ -242,8 +242,9 @@ def processes_main(args: Any) -> int:
     """``--http-levels``: generate with no server, then the server at each level."""
     import shlex
 
-    import deviceops
     from _serve_processes import bench_levels
+
+    import deviceops
     from deviceops.nn.checkpoint import smollm2_path
     from deviceops.nn.load import load_gguf
 
