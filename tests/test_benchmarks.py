@@ -27,6 +27,7 @@ SCRIPTS = {
     "op_cost.py": {"op", "ours_wall_us", "reference", "ref_wall_us", "wall_ratio", "ours_dev_us"},
     "overlap.py": {"policy", "n", "elapsed_ms", "over_T", "efficiency", "ideal_ms", "vs_ideal"},
     "norms.py": {"op", "shape", "dtype", "ours_us", "reference", "ref_us", "ratio"},
+    "tenants.py": {"scenario", "lib", "mode", "small_jobs_s", "small_p50_ms", "small_p99_ms", "work_x"},
 }
 RECORD_KEYS = {"benchmark", "device", "env", "smoke", "config", "rows", "bars", "checks"}
 ENV_KEYS = {"date", "device", "device_name", "python", "numpy", "deviceops"}
