@@ -81,6 +81,7 @@ def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) ->
         import concurrent.futures
         import multiprocessing
 
+        procs = min(procs, clients)  # a process with no client would leave its share undone
         shares = [reqs[i::procs] for i in range(procs)]
         per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
         with concurrent.futures.ProcessPoolExecutor(

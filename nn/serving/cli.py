@@ -56,7 +56,7 @@ from deviceops import _env
 
 from .access_log import AccessLog, ListeningFilter
 from .engine import Engine
-from .guard import Exposure, TimedH11Protocol
+from .guard import Exposure, HeadTimeout, TimedH11Protocol, TimedHttpToolsProtocol
 from .http import create_app
 from .openai import Limits
 from .router import Replica, Router
@@ -244,8 +244,13 @@ def parse_devices(text: str, *, cuda_count: int | None = None) -> list[str]:
 
 
 def _http_protocol() -> type:
-    """h11's protocol with the head timeout (:class:`~.guard.TimedH11Protocol`)."""
-    return TimedH11Protocol
+    """httptools' parser when it is installed (a dependency; uvicorn's fast path), else
+    h11's; both with the head timeout of :class:`~.guard.HeadTimeout`."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return TimedH11Protocol
+    return TimedHttpToolsProtocol
 
 
 def _event_loop() -> str:
@@ -421,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                if o.strip()))
     except ValueError as exc:
         p.error(str(exc))
-    TimedH11Protocol.header_timeout_s = args.header_timeout
+    HeadTimeout.header_timeout_s = args.header_timeout
     failed: list[str] = []
 
     def load_failed(reason: str) -> None:  # no engine could start: exit with the reason

@@ -17,6 +17,13 @@ asyncio loop:
 No HTTP, no JSON, no tokenising and no detokenising happen here: the front does them
 (:mod:`.core_client`, :mod:`.http`).
 
+**Overlap.** A step's tokens are sent while the next step runs on the device: the core
+sends them right after that step's work is enqueued (the scheduler's ``on_enqueued``), so
+encoding and sending cost no device time; when no step follows, at once. Waiting for the
+device, the core polls its event for up to :data:`CORE_SPIN_US` before parking (a
+thread's wake-up costs more than a step's slack; ``DEVICEOPS_AWAIT_SPIN_US``, when set,
+wins).
+
 **Failure.** The engine is fail-stop. When a step fails, every request ends with kind
 ``"failed"``, each front gets :class:`~.protocol.Failed`, and the process exits with
 status 1 a moment later so that its supervisor (:mod:`.core_process`) starts a fresh one
@@ -68,7 +75,7 @@ from .requests import (
     _Request,
 )
 
-__all__ = ["EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main"]
+__all__ = ["CORE_SPIN_US", "EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main"]
 
 log = logging.getLogger("deviceops.nn.core")
 
@@ -76,6 +83,8 @@ log = logging.getLogger("deviceops.nn.core")
 EXIT_FAILED = 1
 #: Exit status of a core whose model could not be loaded (not restarted).
 EXIT_LOAD = 3
+#: Microseconds a core's ``await`` polls the device before parking (module docstring).
+CORE_SPIN_US = 3000.0
 #: Seconds between the core's checks that its parent is still alive.
 PARENT_CHECK_S = 0.5
 
@@ -161,7 +170,9 @@ class EngineCore:
         self._recv_s = 0.0
         self._send_s = 0.0
         self._sock: Any = None
+        self._sent_in_step = False
         engine.listener = self._news
+        engine.scheduler.on_enqueued = self._overlapped_flush
 
     # -- info ---------------------------------------------------------------------------
     def info(self, full: bool) -> dict[str, Any]:
@@ -279,11 +290,18 @@ class EngineCore:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._sent_in_step = False
             await engine.run_step()
-            self._flush()
+            if not self._sent_in_step or not engine.has_work:
+                self._flush()  # else this step's news go out while the next one runs
             if engine.failure is not None:
                 self._engine_failed()
             await asyncio.sleep(pause)  # the receiver queues what arrived during the step
+
+    def _overlapped_flush(self) -> None:
+        """The step's device work is enqueued: send the previous step's news meanwhile."""
+        self._sent_in_step = True
+        self._flush()
 
     def _flush(self) -> None:
         """Send each front its news: one :class:`~.protocol.Step` message per front."""
@@ -392,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_LOAD
     gc.collect()
     gc.freeze()  # a full cyclic GC would otherwise walk the start-up heap mid-step
+    if "DEVICEOPS_AWAIT_SPIN_US" not in os.environ:
+        import deviceops
+
+        deviceops.configure_await(spin_us=CORE_SPIN_US)
     core = EngineCore(engine, args.address, device=str(getattr(engine.model, "device", "")))
     asyncio.run(_run(core, parent))
     return 0

@@ -73,6 +73,10 @@ __all__ = ["CoreClient", "CoreFailed", "CoreModel", "CoreStream", "handshake"]
 log = logging.getLogger("deviceops.nn.serve")
 
 
+#: Seconds between hellos to a core that is being restarted.
+HELLO_S = 0.5
+
+
 class CoreFailed(EngineFailed):
     """The engine core holding this request died or failed; retry the request (it is 503)."""
 
@@ -237,6 +241,7 @@ class CoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: Any = None
         self._sock: Any = None
+        self._mon: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._cancels: list[int] = []
         self._session = 0
@@ -384,21 +389,38 @@ class CoreClient:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.IDENTITY, f"f{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # a monitor address of its own: pyzmq's default names it after the socket's file
+        # descriptor, which the next socket may reuse while this monitor is still closing
+        mon = self._mon = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+            addr=f"inproc://deviceops-core-monitor-{uuid.uuid4().hex}")
         sock.connect(self.address)
         assert self._loop is not None
         self._tasks = [self._loop.create_task(self._receive(sock, session)),
                        self._loop.create_task(self._monitor(sock, mon, session))]
+        if self._failure is not None:  # waiting for a restarted core: say hello until it is
+            self._tasks.append(self._loop.create_task(self._hello_until_back(sock, session)))
 
     def _teardown(self) -> None:
         for t in self._tasks:
             t.cancel()
         self._tasks = []
         sock, self._sock = self._sock, None
+        mon, self._mon = self._mon, None
         if sock is not None:
             with contextlib.suppress(Exception):
                 sock.disable_monitor()
             sock.close(0)
+        if mon is not None:
+            mon.close(0)
+
+    async def _hello_until_back(self, sock: Any, session: int) -> None:
+        """While the core is out of service, say hello every :data:`HELLO_S` (the monitor's
+        connect event alone could be missed); the restarted core answers the first one it
+        gets, the others are answered again and change nothing."""
+        while session == self._session and self._failure is not None and self.dead is None:
+            sock.send(encode(Hello(info=False)))
+            await asyncio.sleep(HELLO_S)
 
     async def _monitor(self, sock: Any, mon: Any, session: int) -> None:
         import zmq
@@ -421,7 +443,8 @@ class CoreClient:
             if session == self._session and not self._closed:
                 self._lost(_CoreLost(f"watching the connection failed: {exc!r}"))
         finally:
-            mon.close(0)
+            if mon is not self._mon:
+                mon.close(0)
 
     async def _receive(self, sock: Any, session: int) -> None:
         while True:

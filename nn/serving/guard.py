@@ -49,8 +49,10 @@ from typing import Any
 import anyio
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["DRAIN_FACTOR", "MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "TimedH11Protocol",
+__all__ = ["DRAIN_FACTOR", "MAX_DEPTH", "Exposure", "Guard", "InvalidJSON", "HeadTimeout", "TimedH11Protocol",
+           "TimedHttpToolsProtocol",
            "openai_error_body", "parse_json"]
 
 log = logging.getLogger("deviceops.nn.serve")
@@ -343,19 +345,26 @@ def _check_text(s: str) -> None:
                           f"index {e.start}); send valid Unicode") from None
 
 
-class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol that closes a connection whose request head does not arrive
-    within :attr:`header_timeout_s` (after opening, or after its previous response), and
-    sends without delay on TCP: asyncio turns Nagle's algorithm off only for sockets made
-    with ``IPPROTO_TCP`` (not for a socket handed to uvicorn made with the defaults), and
-    with it on, a response's body (or a stream's next chunk) waits for the client's delayed
-    ACK of the head, about 40 ms on a keep-alive connection."""
+class HeadTimeout:
+    """A mixin for uvicorn's HTTP/1.1 protocols (h11's and httptools', which share the
+    ``cycle`` / ``on_response_complete`` surface): it closes a connection whose request head
+    does not arrive within :attr:`header_timeout_s` (after opening, or after its previous
+    response), and sends without delay on TCP: asyncio turns Nagle's algorithm off only for
+    sockets made with ``IPPROTO_TCP`` (not for a socket handed to uvicorn made with the
+    defaults), and with it on, a response's body (or a stream's next chunk) waits for the
+    client's delayed ACK of the head, about 40 ms on a keep-alive connection.
+
+    ``serve --header-timeout`` sets :attr:`header_timeout_s` here, for both protocols."""
+
+    cycle: Any
+    loop: Any
+    transport: Any
 
     header_timeout_s: float = 10.0
 
     def connection_made(self, transport: Any) -> None:
         _no_delay(transport)
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: Any = None
         self._arm()
 
@@ -373,7 +382,7 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if self._between_requests():
             self._arm()  # bytes of a head that is not complete yet: the clock runs
         elif self._head_timer is not None:
@@ -381,7 +390,7 @@ class TimedH11Protocol(H11Protocol):
             self._head_timer = None
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         if self._head_timer is not None:  # a new clock for the next request's head
             self._head_timer.cancel()
             self._head_timer = None
@@ -392,7 +401,16 @@ class TimedH11Protocol(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+class TimedH11Protocol(HeadTimeout, H11Protocol):
+    """uvicorn's h11 protocol with :class:`HeadTimeout`."""
+
+
+class TimedHttpToolsProtocol(HeadTimeout, HttpToolsProtocol):
+    """uvicorn's httptools protocol (the fast parser ``serve`` uses) with
+    :class:`HeadTimeout`."""
 
 
 def _no_delay(transport: Any) -> None:

@@ -84,6 +84,10 @@ class Scheduler:
         self.steps_run = self.decode_rows = self.prefill_tokens = 0
         self.generated = self.finished = self.cancelled = 0
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        #: called once a step's device work is enqueued, before the host waits for it: an
+        #: owner's host work that can overlap the device (an engine core sends the previous
+        #: step's tokens here)
+        self.on_enqueued: Callable[[], None] | None = None
 
     def budget(self, req: _Request) -> int:
         """Positions ``req`` may fill: its prompt plus ``max_new_tokens``, within ``max_seq``."""
@@ -176,6 +180,9 @@ class Scheduler:
         chunks = self._submit_prefills()
         t1 = time.perf_counter()
         phase["enqueue"] += t1 - t0
+        if self.on_enqueued is not None:
+            self.on_enqueued()
+            t1 = time.perf_counter()
         if dec is not None:
             toks = await dec()
             t2 = time.perf_counter()
