@@ -11,7 +11,8 @@ forms (scheme and host names in any case, a numeric port, several spaces after `
 are checked alongside, so a check made too strict fails as well.
 
 The scope is handed to the guard directly (the header bytes exactly as written) and, for a
-sample, sent over a socket to uvicorn with the serving protocol (h11's parsing in front).
+sample, sent over a socket to uvicorn with the serving protocols (h11's and httptools'
+parsing in front).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import anyio
 import pytest
 import uvicorn
 
-from deviceops.nn.serving.guard import LOOPBACK_HOSTS, Exposure, Guard, TimedH11Protocol
+from deviceops.nn.serving import guard
+from deviceops.nn.serving.guard import LOOPBACK_HOSTS, Exposure, Guard
 
 KEY = "sk-test-1"
 OTHER = "k2-Ünï🔑"  # a second key, not ASCII: compared as the header's UTF-8 bytes
@@ -196,12 +198,15 @@ def test_other_binds_accept_any_host_unless_told(bind: str) -> None:
         assert not ex.host_ok(host), host
 
 
-# -- the same over a socket, through uvicorn's h11 --------------------------------------------
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+# -- the same over a socket, through uvicorn's HTTP parsers (h11, httptools) -------------------
+PROTOCOLS = [n for n in ("TimedH11Protocol", "TimedHttpToolsProtocol") if hasattr(guard, n)]
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def port(request: pytest.FixtureRequest) -> Iterator[int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(Guard(_ok, KEYED), http=TimedH11Protocol,
+    server = uvicorn.Server(uvicorn.Config(Guard(_ok, KEYED), http=getattr(guard, request.param),
                                            log_level="warning"))
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
