@@ -100,6 +100,51 @@ def core_pids(url: str) -> list[int]:
     return [int(e["pid"]) for e in h.get("engines", []) if e.get("pid")]
 
 
+def huge_prompts(url: str, n: int = 4, chars: int = 1_000_000) -> dict[str, Any]:
+    """``n`` concurrent prompts of ``chars`` characters while ``/health`` is polled every
+    5 ms: their statuses and the slowest ``/health`` answer."""
+    import threading
+
+    import httpx
+
+    statuses: list[int] = []
+    lat: list[float] = []
+    done = threading.Event()
+    text = ("lorem ipsum dolor sit amet " * (chars // 27 + 1))[:chars]
+
+    def post() -> None:
+        r = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4},
+                       timeout=120)
+        statuses.append(r.status_code)
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                c.get("/health")
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.05)
+    posts = [threading.Thread(target=post) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in posts:
+        t.start()
+    for t in posts:
+        t.join()
+    wall = time.perf_counter() - t0
+    time.sleep(0.05)
+    done.set()
+    poller.join()
+    out = {"prompts": n, "chars": chars, "statuses": sorted(statuses), "wall_s": wall,
+           "health_polls": len(lat), "health_max_ms": 1e3 * max(lat) if lat else None}
+    print(f"{n} prompts of {chars:,} characters: statuses {out['statuses']} in {wall:.2f} s; "
+          f"/health slowest {out['health_max_ms']:.1f} ms over {len(lat)} polls", flush=True)
+    return out
+
+
 def bench_levels(path: str, reqs_for: Any, levels: list[int], *, client_procs: int,
                  max_batch: int, max_seq: int, port: int = 18331,
                  extra: list[str] | None = None) -> dict[str, Any]:
@@ -110,6 +155,7 @@ def bench_levels(path: str, reqs_for: Any, levels: list[int], *, client_procs: i
         pids = {"front": proc.pid}
         for i, pid in enumerate(core_pids(url)):
             pids[f"core{i}"] = pid
+        out["huge_prompts"] = huge_prompts(url)
         warm = [([100 + i, 200, 300], 4) for i in range(max(levels))]
         run_http_clients(url, warm, max(levels), client_procs)
         for c in levels:

@@ -25,6 +25,7 @@ import pytest
 
 import deviceops
 from deviceops.nn.serving import cli as serve
+from deviceops.nn.serving.core_process import CoreRouter
 from deviceops.nn.serving.engine import Engine, EngineFailed
 from deviceops.nn.serving.http import create_app
 from deviceops.nn.serving.router import Replica, Router
@@ -519,14 +520,22 @@ def test_cli_devices_flag(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
               "warning"]
     assert serve.main([*common, "--devices", "cpu:0,cpu:1"]) == 1  # never started
     assert serve.main([*common, "--device", "cpu"]) == 1
+    # each load starts engine cores (one process per device) and routes over their clients
     router, single = loads[0](), loads[1]()
-    assert isinstance(router, Router) and router.per_device
-    assert [(r.device, str(r.engine.model.device), r.engine.fail_stop)
-            for r in router.replicas if r.engine is not None] == [
-        ("cpu", "cpu", True), ("cpu:1", "cpu:1", True)]
-    assert isinstance(single, Engine) and not single.fail_stop
-    router.close()
-    single.close()
+    try:
+        assert isinstance(router, CoreRouter) and router.per_device
+        assert [(r.device, r.engine.info["device"], r.process is not None)
+                for r in router.replicas if r.engine is not None] == [
+            ("cpu", "cpu", True), ("cpu:1", "cpu:1", True)]
+        assert isinstance(single, CoreRouter) and not single.per_device
+        assert [r.engine.info["device"] for r in single.replicas] == ["cpu"]
+        pids = [r.process.pid for rt in (router, single) for r in rt.replicas if r.process]
+        assert len(pids) == 3
+    finally:
+        router.close()
+        single.close()
+    assert all(r.process.proc.poll() is not None for rt in (router, single)
+               for r in rt.replicas if r.process is not None and r.process.proc is not None)
 
 
 def test_router_refuses_bad_replica_lists() -> None:

@@ -207,7 +207,7 @@ class EngineCore:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(self.address)
-        self.bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.bound = sock.get_string(zmq.LAST_ENDPOINT)
         tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._steps())]
         try:
             await self._stop.wait()

@@ -60,6 +60,7 @@ from .protocol import (
     unpack_i64,
 )
 from .requests import (
+    STAT_FIELDS,
     EngineClosed,
     EngineFailed,
     EngineOverloaded,
@@ -102,7 +103,7 @@ def handshake(address: str, *, timeout_s: float, alive: Any = None) -> dict[str,
 
     import zmq
 
-    ctx = zmq.Context.instance()
+    ctx: Any = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, f"hs-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
@@ -475,7 +476,8 @@ class CoreClient:
                      info.get("pid"))
 
     def _deliver(self, m: Step) -> None:
-        self._stats = EngineStats(*m.stats)
+        fields: dict[str, Any] = dict(zip(STAT_FIELDS, m.stats, strict=True))
+        self._stats = EngineStats(**fields)
         self.phases = dict(zip(PHASE_NAMES, m.phases, strict=False))
         reqs = self._reqs
         if m.rids:

@@ -28,6 +28,7 @@ failure is a 500 for the requests in that step, and the engine goes on).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -102,6 +103,22 @@ class AppState:
         return None if self.router is None else self.router.replicas[0].engine
 
 
+def _context_bound(limits: Limits, router: Router) -> Limits:
+    """``limits`` with ``max_prompt_chars`` lowered to what can fit the context: no token
+    decodes to more characters than its longest vocabulary entry has, so a prompt longer
+    than ``max_seq`` times that cannot fit in ``max_seq`` tokens and is refused before it is
+    tokenised (tokenising a huge text holds the GIL for seconds)."""
+    eng = next((r.engine for r in router.replicas if r.engine is not None), None)
+    tok = getattr(getattr(eng, "model", None), "tokenizer", None)
+    if eng is None or tok is None or not hasattr(tok, "get_vocab"):
+        return limits
+    longest = max((len(p) for p in tok.get_vocab()), default=0)
+    if longest <= 0:
+        return limits
+    return dataclasses.replace(limits, max_prompt_chars=min(
+        limits.max_prompt_chars, int(eng.max_seq) * longest))
+
+
 def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
                retry_after: int = 1, exposure: Exposure | None = None,
                limits: Limits | None = None, tokenize_threads: int = 4,
@@ -139,6 +156,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
 
     metrics = ServeMetrics(engine_stats)
     limits = limits or Limits()
+    bounds = [limits]  # [0]: the limits in force (tightened by the context once loaded)
     tokenizing = anyio.CapacityLimiter(tokenize_threads)
 
     async def _load() -> None:
@@ -148,6 +166,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             attach = getattr(state.router, "attach", None)
             if attach is not None:  # engine-core clients connect from this loop
                 attach()
+            bounds[0] = _context_bound(limits, state.router)
             if state.router.per_device:
                 log.info("ready: model %s loaded; serving on %s", model_name, ", ".join(
                     f"{r.device} ({r.state})" for r in state.router.replicas))
@@ -350,10 +369,10 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         # a key "role" is the only way these bytes appear in JSON text (inside a string the
         # quotes are escaped): too many messages are refused before decoding builds them
         n = raw.count(b'"role"')
-        if chat and n > limits.max_messages:
+        if chat and n > bounds[0].max_messages:
             raise BadRequest("messages", f"{n} messages; this server accepts at most "
-                             f"{limits.max_messages} (serve --max-messages)")
-        return parse_request(parse_json(raw), chat, model_name, engine, limits)
+                             f"{bounds[0].max_messages} (serve --max-messages)")
+        return parse_request(parse_json(raw), chat, model_name, engine, bounds[0])
 
     async def _tokens(s: RequestStream, detok: Detokenizer, job: Job, t0: float
                       ) -> AsyncIterator[tuple[str, list[Entry]]]:
