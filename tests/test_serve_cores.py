@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,12 +230,28 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_prompts_that_cannot_fit_are_refused_before_tokenising(tiny_gguf: str) -> None:
+    """A prompt longer than max_seq times the longest vocabulary entry cannot fit: 400,
+    naming the bound, without being tokenised (a huge text would hold the GIL)."""
+    with _serve("--model", tiny_gguf, "--device", "cpu", "--max-seq", "64") as (_, url):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ab " * 200_000,
+                                                      "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "characters" in err["message"] and "at most" in err["message"], err
+        bound = int(re.search(r"at most (\d+)", err["message"]).group(1))  # type: ignore[union-attr]
+        assert bound < 600_000  # the context's bound, not --max-prompt-chars' million
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2,
+                                                       "ignore_eos": True}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 @contextlib.contextmanager
 def _serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[Any, str]]:
     import tempfile
 
     port = _port()
-    log = tempfile.TemporaryFile()  # never a pipe: a chatty server must not block on it
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed below; never a pipe: a chatty server must not block on it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "deviceops.nn.serve", "--port", str(port), "--log-level",
          "warning", *args], env=os.environ | {"DEVICEOPS_DEVICE": "cpu"} | (env or {}),
@@ -276,10 +293,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with contextlib.suppress(OSError):  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(")")[-1].split()[0] == "Z":
-                return False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        if f.read().split(")")[-1].split()[0] == "Z":
+            return False
     return True
 
 
