@@ -12,6 +12,7 @@
 | :mod:`.detokenize` | incremental detokenization with stop strings |
 | :mod:`.metrics`, :mod:`.access_log` | ``/metrics`` (Prometheus) and the request log |
 | :mod:`.router` | one engine per device, least-loaded routing |
+| :mod:`.core`, :mod:`.protocol`, :mod:`.core_client`, :mod:`.core_process` | an engine core per device in its own process: its step loop, the messages, the front's proxy of it, starting and supervising the processes |
 | :mod:`.ray_cluster`, :mod:`.ray_replica`, :mod:`.ray_remote`, :mod:`.ray_front`, :mod:`.ray_batch` | replicas as Ray actors: the cluster, the actor, its proxy, the HTTP front, batch generation |
 | :mod:`.cli` | the ``python -m deviceops.nn.serve`` command |
 
