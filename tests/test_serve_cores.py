@@ -398,3 +398,42 @@ def test_a_model_that_cannot_load_exits_non_zero_with_one_line(tmp_path: Path) -
     r = subprocess.run([sys.executable, "-m", "deviceops.nn.serve", "--model", "nope"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown model 'nope'" in r.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
+def test_api_servers_share_the_port_and_stop_together(tiny_gguf: str) -> None:
+    """``--api-servers 2``: two front processes on one port, both serving (each counts its
+    own requests in /metrics), both attached to the one core; SIGTERM stops every process."""
+    with _serve("--model", tiny_gguf, "--device", "cpu", "--api-servers", "2") as (proc, url):
+        kids = _children(proc.pid)
+        assert len(kids) == 2  # one core, one more front
+        pat = re.compile(r'deviceops_http_requests_total\{endpoint="completions",status="200"\} (\S+)')
+        sent, seen = 0, set()
+        deadline = time.monotonic() + 60
+        while len(seen) < 2:  # until each front has served some (the second one starts late)
+            assert time.monotonic() < deadline, seen
+            for _ in range(8):  # a new connection each: the kernel spreads them over the fronts
+                r = httpx.post(url + "/v1/completions", json={
+                    "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}, timeout=30)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+                sent += 1
+            seen = set()
+            for _ in range(40):
+                m = pat.search(httpx.get(url + "/metrics").text)
+                seen.add(float(m.group(1)) if m else 0.0)
+            if len(seen) == 1 and seen == {sent / 2}:
+                break  # an even split looks like one value
+        assert len(seen) == 1 or sum(seen) == sent, (seen, sent)  # each counts its own
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        time.sleep(0.3)
+        assert [p for p in kids if _alive(p)] == []

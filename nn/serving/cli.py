@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
@@ -272,8 +273,11 @@ class _Server(uvicorn.Server):
         self._app = app
         self._drain_s = drain_s
         self._abort_armed = False
+        self.on_exit: Any = None  # called on the first shutdown signal
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
         state = self._app.state.serve
         state.draining = True
         if not self._abort_armed:
@@ -367,7 +371,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="with --ray: bearer token of POST /admin/replicas (add or remove "
                         "replicas while serving); None: $DEVICEOPS_ADMIN_TOKEN, and without "
                         "it that route answers 403")
+    p.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="HTTP front processes on the port (SO_REUSEPORT), each talking to "
+                        "every engine core; more than 1 when one front's CPU is the limit")
+    p.add_argument("--attach-cores", default=None, help=argparse.SUPPRESS)  # an extra front
     args = p.parse_args(argv)
+    if args.api_servers < 1:
+        p.error(f"--api-servers {args.api_servers}: give at least 1")
+    if args.api_servers > 1 and args.ray is not None:
+        p.error("--api-servers and --ray: give one (Ray replicas have their own front)")
     if args.ray is not None:
         from .ray_cluster import RayMissing, import_ray
 
@@ -402,19 +414,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .core import CoreSpec
         from .core_process import start_cores
 
+        if args.attach_cores is not None:  # an extra front of serve --api-servers
+            from .fronts import attach_cores
+
+            spec_in = json.loads(args.attach_cores)
+            return attach_cores([tuple(c) for c in spec_in["cores"]],
+                                per_device=bool(spec_in["per_device"]))
+
         spec = CoreSpec(args.model, dtype=args.dtype, max_batch=args.max_batch,
                         max_seq=args.max_seq, max_queue=args.max_queue,
                         prefill_chunk=args.prefill_chunk)
         where: list[str | None] = list(devices) if devices is not None else [
             None if device is None else ("cpu" if device == "cpu" else "cuda:0")]
-        return start_cores(spec, where, per_device=devices is not None,
-                           max_restarts=10**9 if args.max_restarts < 0 else args.max_restarts,
-                           log_level="info" if args.log_level.lower() == "debug" else "warning")
+        router = start_cores(spec, where, per_device=devices is not None,
+                             max_restarts=10**9 if args.max_restarts < 0 else args.max_restarts,
+                             log_level="info" if args.log_level.lower() == "debug" else "warning")
+        if fronts is not None:  # the other fronts attach to the cores now they answer
+            fronts.start(router)
+            router.before_stop.append(lambda: fronts.wait(args.drain_timeout + 15))
+        return router
 
     try:
         _check_model(args.model)
     except ValueError as exc:
         p.error(str(exc))
+    fronts = None
+    sockets = None
+    if args.api_servers > 1 or args.attach_cores is not None:
+        from .fronts import FrontProcesses, reuse_port_socket, watch_parent
+
+        try:
+            sockets = [reuse_port_socket(args.host, args.port)]
+        except OSError as exc:
+            p.error(f"--api-servers: cannot listen on {args.host}:{args.port}: {exc}")
+        if args.attach_cores is not None:
+            watch_parent()
+        else:
+            fronts = FrontProcesses(list(argv) if argv is not None else sys.argv[1:],
+                                    args.api_servers - 1)
     name = args.model if args.model in NAMED_MODELS else os.path.basename(args.model)
     keys = args.api_key or [k.strip() for k in _env.get("DEVICEOPS_API_KEY").split(",")]
     try:
@@ -436,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(load, model_name=name, exposure=exposure,
                      limits=Limits(max_messages=args.max_messages,
                                    max_prompt_chars=args.max_prompt_chars),
-                     on_load_error=None if args.ray is not None else load_failed)
+                     on_load_error=None if args.ray is not None else load_failed,
+                     load_first=args.attach_cores is not None)
     if args.ray is not None:
         from .ray_cluster import init_ray
         from .ray_front import add_admin_routes
@@ -459,7 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (uvicorn configured its loggers just now) "running on" would read as "ready"
     logging.getLogger("uvicorn.error").addFilter(ListeningFilter())
     server = _Server(config, app, args.drain_timeout)
-    server.run()
+    if fronts is not None:
+        server.on_exit = fronts.terminate  # the other fronts drain as this one does
+    server.run(sockets=sockets)
     if failed:
         print(f"serve: cannot start: {failed[0]}", file=sys.stderr)
         return 1

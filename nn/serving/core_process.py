@@ -11,7 +11,8 @@ through a :class:`~.core_client.CoreClient`.
 server runs (kill -9, a crash, a failed device step: status 1) is started again on the
 same address after a short back-off (doubling, at most 5 s), and its client rejoins it by
 itself when the new core answers (:mod:`.core_client`). A core whose model cannot load
-(status 3) is not restarted: it is listed as failed, with the reason it wrote. More than
+(status 3) is not restarted: it is listed as failed, with the reason it wrote; nor is one
+that was stopped on purpose (SIGTERM: status 0). More than
 ``max_restarts`` restarts within ``RESTART_WINDOW_S`` also leave it failed.
 
 **Stopping.** :meth:`CoreRouter.close` (the app's shutdown, after the drain) sends SIGTERM to
@@ -88,7 +89,9 @@ class CoreProcess:
         cmd = [sys.executable, "-m", "deviceops.nn.serving.core", "--address", self.address,
                "--spec", self.spec.to_json(), "--reason-file", self.reason_file,
                "--log-level", self.log_level]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # a session of its own: a terminal's Ctrl-C (or a signal to serve's process group)
+        # reaches serve, which stops the cores after the fronts drained, not the cores first
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._supervise, daemon=True,
                                             name=f"core-{self.spec.device}")
@@ -124,6 +127,9 @@ class CoreProcess:
                     return
                 if rc == EXIT_LOAD:
                     self._give_up(self.exit_reason() or "the model could not load")
+                    return
+                if rc == 0:  # stopped on purpose (SIGTERM to the core): not restarted
+                    self._give_up("the engine core was stopped (it exited with status 0)")
                     return
                 now = time.monotonic()
                 self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
@@ -216,7 +222,8 @@ class CoreReplica(Replica):
         """The ``/health`` entry: device, state, load, requests, pid, restarts, error."""
         out = super().describe()
         eng = self.engine
-        out["pid"] = None if self.process is None else self.process.pid
+        out["pid"] = self.process.pid if self.process is not None else (
+            None if eng is None else eng.info.get("pid"))
         out["restarts"] = 0 if eng is None else eng.restarts
         return out
 
@@ -235,6 +242,9 @@ class CoreRouter(Router):
                  folder: str | None = None) -> None:
         super().__init__(replicas, per_device=per_device)
         self.folder = folder
+        #: called first by :meth:`close`, before the cores stop (``serve --api-servers``
+        #: waits there for its other fronts to drain)
+        self.before_stop: list[Any] = []
 
     def _cores(self) -> list[CoreReplica]:
         return [r for r in self.replicas if isinstance(r, CoreReplica)]
@@ -247,6 +257,8 @@ class CoreRouter(Router):
 
     def close(self) -> None:
         """Close every client, stop every core process, remove the sockets' folder."""
+        for fn in self.before_stop:
+            fn()
         super().close()
         procs = [r.process for r in self._cores() if r.process is not None]
         for p in procs:  # SIGTERM to all first: they stop in parallel

@@ -71,6 +71,12 @@ __all__ = ["AppState", "BadRequest", "create_app"]
 
 log = logging.getLogger("deviceops.nn.serve")
 
+#: Request bodies up to this size are parsed, templated and tokenised on the event loop (at
+#: most a few hundred microseconds); larger ones in a worker thread. A thread is no help for
+#: a small body: it waits for the GIL of a busy loop (the interpreter's 5 ms switch
+#: interval), which cost tens of milliseconds to first token under load.
+INLINE_BODY_BYTES = 8192
+
 @dataclass
 class AppState:
     """What the app knows about its engines: loaded, failed to load, draining.
@@ -122,7 +128,8 @@ def _context_bound(limits: Limits, router: Router) -> Limits:
 def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
                retry_after: int = 1, exposure: Exposure | None = None,
                limits: Limits | None = None, tokenize_threads: int = 4,
-               on_load_error: Callable[[str], None] | None = None) -> Starlette:
+               on_load_error: Callable[[str], None] | None = None,
+               load_first: bool = False) -> Starlette:
     """The Starlette app; ``load()`` runs in a worker thread at start-up.
 
     Args:
@@ -138,6 +145,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             once (the event loop never does).
         on_load_error: called with the one-line reason when ``load()`` raises (``serve``
             exits with it); without it the app stays up and ``/health`` reports it.
+        load_first: finish ``load()`` before the app starts serving (for a quick load,
+            such as attaching to running engine cores: no request sees "loading").
 
     Returns:
         The application; ``app.state.serve`` is its :class:`AppState` and
@@ -183,7 +192,10 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_load)
+            if load_first:
+                await _load()
+            else:
+                tg.start_soon(_load)
             try:
                 yield
             finally:
@@ -279,8 +291,11 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         first = router.ranked() if router.per_device else router.replicas[:1]
         assert first and first[0].engine is not None
         try:  # decoding, templating, tokenising in a worker thread: the loop goes on serving
-            job = await anyio.to_thread.run_sync(_parse, raw, chat, first[0].engine,
-                                                 limiter=tokenizing)
+            if len(raw) <= INLINE_BODY_BYTES:  # parsed here: a worker thread would wait
+                job = _parse(raw, chat, first[0].engine)  # for the GIL of a busy loop
+            else:
+                job = await anyio.to_thread.run_sync(_parse, raw, chat, first[0].engine,
+                                                     limiter=tokenizing)
         except InvalidJSON as exc:
             return error_response(400, f"malformed JSON body: {exc}")
         except BadRequest as exc:
