@@ -131,7 +131,8 @@ class FrontProcesses:
 
     def start(self, router: CoreRouter) -> None:
         """Start the fronts, each attached to ``router``'s cores."""
-        cores = [(r.device, r.engine.address) for r in router.replicas if r.engine is not None]
+        cores = [(r.device, r.engine.address) for r in router.replicas
+                 if isinstance(r, CoreReplica) and r.engine is not None]
         spec = json.dumps({"cores": cores, "per_device": router.per_device})
         for _ in range(self.n):
             self.procs.append(subprocess.Popen(
