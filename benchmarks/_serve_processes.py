@@ -43,6 +43,11 @@ def scrape(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("#"):
             continue
+        h = re.match(r'deviceops_time_to_first_token_seconds_bucket\{le="([^"]+)"\} (\S+)$',
+                     line)
+        if h:
+            out[f"ttft_le:{h.group(1)}"] = float(h.group(2))
+            continue
         m = re.match(r"(deviceops_engine_(?:steps|decode_rows|host_seconds))(?:_total)?"
                      r"(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if not m:
@@ -60,6 +65,13 @@ def profile(before: dict[str, float], after: dict[str, float], wall: float) -> d
     rows = after.get("decode_rows", 0.0) - before.get("decode_rows", 0.0)
     out: dict[str, Any] = {"steps": steps, "steps_per_s": steps / wall if wall else 0.0,
                            "rows_per_step": rows / steps if steps else 0.0}
+    # the front's own time to first token (request arrival to the first token's chunk),
+    # the median from the histogram's buckets (upper bound of the bucket holding it)
+    les = sorted((float(k[8:]), after[k] - before.get(k, 0.0)) for k in after
+                 if k.startswith("ttft_le:"))
+    if les and les[-1][1] > 0:
+        half = les[-1][1] / 2
+        out["server_ttft_p50_le_ms"] = next(1e3 * le for le, n in les if n >= half)
     for k in sorted(after):
         if k.startswith("phase:"):
             d = after[k] - before.get(k, 0.0)
@@ -175,6 +187,8 @@ def bench_levels(path: str, reqs_for: Any, levels: list[int], *, client_procs: i
             prof = r["profile"]
             phases = ", ".join(f"{k[:-12]} {v:.0f}" for k, v in prof.items()
                                if k.endswith("_us_per_step"))
+            if "server_ttft_p50_le_ms" in prof:
+                phases += f"; server TTFT p50 <= {prof['server_ttft_p50_le_ms']:g} ms"
             print(f"http {c:4d} clients ({client_procs} client procs): "
                   f"{r['tokens_per_s']:9,.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:.1f} ms  "
                   f"ITL p50/p99 {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms | "

@@ -29,6 +29,7 @@ failure is a 500 for the requests in that step, and the engine goes on).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 import uuid
@@ -176,6 +177,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             if attach is not None:  # engine-core clients connect from this loop
                 attach()
             bounds[0] = _context_bound(limits, state.router)
+            gc.collect()
+            gc.freeze()  # a full collection would otherwise walk the loaded heap mid-stream
             if state.router.per_device:
                 log.info("ready: model %s loaded; serving on %s", model_name, ", ".join(
                     f"{r.device} ({r.state})" for r in state.router.replicas))
