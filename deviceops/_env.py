@@ -73,6 +73,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_CORE_STEP_PAUSE_MS", "0",
          "Tests: engine cores (`serve`) sleep this many milliseconds after each step, so a "
          "kill or a shutdown lands while streams are under way."),
+    Knob("DEVICEOPS_CORE_PROFILE", "",
+         "A folder: engine cores (`serve`) run under cProfile and write `core-<pid>.txt` (the "
+         "40 costliest functions by own time and by cumulative time) there when they stop."),
     Knob("DEVICEOPS_BENCH_INJECT_ERROR", "0",
          "Benchmarks: `1` corrupts every reference before the checks, to show they fail."),
     Knob("DEVICEOPS_MUTATION_DIR", "/tmp/deviceops-mutation",

@@ -415,7 +415,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         deviceops.configure_await(spin_us=CORE_SPIN_US)
     core = EngineCore(engine, args.address, device=str(getattr(engine.model, "device", "")))
-    asyncio.run(_run(core, parent))
+    from deviceops import _env
+
+    folder = _env.get("DEVICEOPS_CORE_PROFILE")
+    if not folder:
+        asyncio.run(_run(core, parent))
+        return 0
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(asyncio.run, _run(core, parent))
+    finally:
+        out = io.StringIO()
+        st = pstats.Stats(prof, stream=out)
+        st.sort_stats("tottime").print_stats(40)
+        st.sort_stats("cumulative").print_stats(40)
+        with open(os.path.join(folder, f"core-{os.getpid()}.txt"), "w") as f:
+            f.write(out.getvalue())
     return 0
 
 
