@@ -77,13 +77,17 @@ class Decoder:
             self.capture(b, feat)
         want = rows.h_state.copy()
         active = np.zeros(r.max_batch, bool)
-        fresh = False  # a row that does not continue from the last step (its state must go up)
-        for x, t, p in zip(slots, tokens, positions, strict=True):
-            active[x] = True
-            if not (rows.cont[x] and want[0, x] == p and want[2, x] == 1):
-                fresh = True
-            # a continuing row's token is the one already there
-            want[:, x] = (p, p + 1, 1, t, rows.h_features[x])
+        sa = np.asarray(slots, np.intp)
+        pa = np.asarray(positions, np.int32)
+        active[sa] = True
+        # a row that does not continue from the last step: the state must go up
+        fresh = not (bool(rows.cont[sa].all()) and bool((want[0, sa] == pa).all())
+                     and bool((want[2, sa] == 1).all()))
+        want[0, sa] = pa
+        want[1, sa] = pa + 1
+        want[2, sa] = 1
+        want[3, sa] = np.asarray(tokens, np.int32)  # a continuing row's is the one there
+        want[4, sa] = rows.h_features[sa]
         idle = ~active[:b]
         want[2, :b][idle] = 0
         want[4, :b][idle] = 0

@@ -82,6 +82,15 @@ from .rows import RowState
 __all__ = ["Runner"]
 
 
+def _plain_ints(xs: Sequence[Any], end: int) -> list[int] | None:
+    """``xs`` as a list when every item is a plain ``int`` in ``[0, end)`` (the fast path of a
+    decode step's checks: a few C-level passes, no per-item ``isinstance``), else ``None``."""
+    xs = list(xs)
+    if xs and all(type(x) is int for x in xs) and min(xs) >= 0 and max(xs) < end:
+        return xs
+    return None
+
+
 class Runner:
     """The device side of a model: buffers, paged KV, graphs and the step API (module docstring).
 
@@ -215,16 +224,22 @@ class Runner:
         if n == 0 or len(tokens) != n or len(positions) != n:
             raise ValueError(f"decode_step: slots ({len(slots)}), tokens ({len(tokens)}) and "
                              f"positions ({len(positions)}) must be non-empty and of equal length")
-        sl = [self.check_slot(x, "decode_step") for x in slots]
+        sl, toks, pos = (_plain_ints(slots, self.max_batch), _plain_ints(tokens, self.config.vocab_size),
+                         _plain_ints(positions, self.max_seq))
+        if sl is None:  # not plain ints in range: the element-wise checks say which
+            sl = [self.check_slot(x, "decode_step") for x in slots]
         if len(set(sl)) != n:
             raise ValueError(f"decode_step: slots {sl} repeat a row")
-        toks = self.check_ids(list(tokens), "decode_step")
-        for p in positions:
-            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not (
-                    0 <= p < self.max_seq):
-                raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
-                                 f"{self.max_seq})")
-        return self.decoder.step(sl, toks, [int(p) for p in positions], graph)
+        if toks is None:
+            toks = self.check_ids(list(tokens), "decode_step")
+        if pos is None:
+            for p in positions:
+                if isinstance(p, bool) or not isinstance(p, int | np.integer) or not (
+                        0 <= p < self.max_seq):
+                    raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
+                                     f"{self.max_seq})")
+            pos = [int(p) for p in positions]
+        return self.decoder.step(sl, toks, pos, graph)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's and padded prefill length's graph now; returns how

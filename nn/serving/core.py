@@ -85,6 +85,8 @@ EXIT_FAILED = 1
 EXIT_LOAD = 3
 #: Microseconds a core's ``await`` polls the device before parking (module docstring).
 CORE_SPIN_US = 3000.0
+#: Seconds between fresh engine stats in the step messages (they walk every request).
+STATS_EVERY_S = 0.01  # (and whenever the engine goes idle: the final figures are exact)
 #: Seconds between the core's checks that its parent is still alive.
 PARENT_CHECK_S = 0.5
 
@@ -171,6 +173,8 @@ class EngineCore:
         self._send_s = 0.0
         self._sock: Any = None
         self._sent_in_step = False
+        self._stats: list[int] = []
+        self._stats_t = 0.0
         engine.listener = self._news
         engine.scheduler.on_enqueued = self._overlapped_flush
 
@@ -306,8 +310,11 @@ class EngineCore:
     def _flush(self) -> None:
         """Send each front its news: one :class:`~.protocol.Step` message per front."""
         t0 = time.perf_counter()
-        st = self.engine.stats()
-        stats = [getattr(st, f) for f in STAT_FIELDS]
+        if t0 - self._stats_t >= STATS_EVERY_S or not self.engine.has_work or not self._stats:
+            st = self.engine.stats()
+            self._stats = [getattr(st, f) for f in STAT_FIELDS]
+            self._stats_t = t0
+        stats = self._stats
         phases = [*self.engine.scheduler.phase_s.values(), self._recv_s, self._send_s]
         for front in list(self._fronts.values()):
             if not front.news and not front.done:
