@@ -188,9 +188,10 @@ class Scheduler:
             t2 = time.perf_counter()
             phase["wait"] += t2 - t1
             self.decode_rows += len(rows)
+            eos, now = self.steps.eos_ids, time.perf_counter()
             for req, tok in zip(rows, toks, strict=True):
                 req.pos += 1
-                self._deliver(req, tok)
+                self._deliver(req, tok, eos, now)
             t1 = time.perf_counter()
             phase["deliver"] += t1 - t2
         for req, n, last, wait in chunks:
@@ -209,7 +210,7 @@ class Scheduler:
                 if tok is None:
                     raise RuntimeError("StepModel.prefill(last=True) returned no token")
                 req.state, req.pos = _DECODE, len(req.prompt)
-                self._deliver(req, tok)
+                self._deliver(req, tok, self.steps.eos_ids, time.perf_counter())
         if chunks:
             phase["wait"] += time.perf_counter() - t1
 
@@ -242,13 +243,12 @@ class Scheduler:
         """A fail-stop engine treats a launch or driver error of one request as the device's."""
         return self.fail_stop and isinstance(exc, (LaunchError, DriverError))
 
-    def _deliver(self, req: _Request, sampled: Any) -> None:
+    def _deliver(self, req: _Request, sampled: Any, eos: frozenset[int], now: float) -> None:
         """Hand ``sampled`` (an int, or a :class:`~.requests.Sampled` with its log-probabilities)
         to ``req``'s consumer and end the request at EOS, a stop id or its length."""
         if req.cancelled:
             return
         tok = int(sampled)
-        now = time.perf_counter()
         if req.t_first is None:
             req.t_first = now
         if req.params.logprobs is not None:
@@ -258,7 +258,7 @@ class Scheduler:
         req.last = tok
         self.generated += 1
         self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
-        if (tok in self.steps.eos_ids and not req.ignore_eos) or tok in req.stop:
+        if (tok in eos and not req.ignore_eos) or tok in req.stop:
             self.finish(req, "stop")
         elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
             self.finish(req, "length")
