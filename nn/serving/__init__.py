@@ -13,7 +13,7 @@
 | :mod:`.metrics`, :mod:`.access_log` | ``/metrics`` (Prometheus) and the request log |
 | :mod:`.router` | one engine per device, least-loaded routing |
 | :mod:`.core`, :mod:`.protocol`, :mod:`.core_client`, :mod:`.core_process` | an engine core per device in its own process: its step loop, the messages, the front's proxy of it, starting and supervising the processes |
-| :mod:`.ray_cluster`, :mod:`.ray_replica`, :mod:`.ray_remote`, :mod:`.ray_front`, :mod:`.ray_batch` | replicas as Ray actors: the cluster, the actor, its proxy, the HTTP front, batch generation |
+| :mod:`.ray_cluster`, :mod:`.ray_replica`, :mod:`.ray_remote`, :mod:`.ray_front`, :mod:`.ray_batch` | replicas as Ray actors hosting engine cores: the cluster, the actor, its core client, the HTTP front, batch generation |
 | :mod:`.cli` | the ``python -m deviceops.nn.serve`` command |
 
 Serving sits above the model layers (:mod:`deviceops.nn.model`, :mod:`deviceops.nn.runner`),

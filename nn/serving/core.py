@@ -75,7 +75,8 @@ from .requests import (
     _Request,
 )
 
-__all__ = ["CORE_SPIN_US", "EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main"]
+__all__ = ["CORE_SPIN_US", "EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main",
+           "tune_await"]
 
 log = logging.getLogger("deviceops.nn.core")
 
@@ -168,6 +169,7 @@ class EngineCore:
         self._owner: dict[int, tuple[_Front, int]] = {}  # engine request id -> (front, rid)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._bound = asyncio.Event()
         self._failed = False
         self._recv_s = 0.0
         self._send_s = 0.0
@@ -212,6 +214,7 @@ class EngineCore:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(self.address)
         self.bound = sock.get_string(zmq.LAST_ENDPOINT)
+        self._bound.set()
         tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._steps())]
         try:
             await self._stop.wait()
@@ -224,6 +227,11 @@ class EngineCore:
             self.engine.close()
             sock.close(0)
             ctx.term()
+
+    async def wait_bound(self) -> str:
+        """Wait until :meth:`serve` (running in another task) has bound; the address."""
+        await self._bound.wait()
+        return self.bound
 
     def stop(self) -> None:
         """End :meth:`serve` (requests still running are cancelled)."""
@@ -363,6 +371,15 @@ class EngineCore:
         asyncio.get_running_loop().call_later(0.2, os._exit, EXIT_FAILED)
 
 
+def tune_await() -> None:
+    """A core's awaits spin up to :data:`CORE_SPIN_US` before parking (module docstring),
+    unless ``DEVICEOPS_AWAIT_SPIN_US`` is set."""
+    if "DEVICEOPS_AWAIT_SPIN_US" not in os.environ:
+        import deviceops
+
+        deviceops.configure_await(spin_us=CORE_SPIN_US)
+
+
 def _build(spec: CoreSpec) -> Any:
     from .cli import _build_engine
 
@@ -417,10 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_LOAD
     gc.collect()
     gc.freeze()  # a full cyclic GC would otherwise walk the start-up heap mid-step
-    if "DEVICEOPS_AWAIT_SPIN_US" not in os.environ:
-        import deviceops
-
-        deviceops.configure_await(spin_us=CORE_SPIN_US)
+    tune_await()
     core = EngineCore(engine, args.address, device=str(getattr(engine.model, "device", "")))
     from deviceops import _env
 

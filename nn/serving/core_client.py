@@ -266,9 +266,11 @@ class CoreClient:
             raise CoreFailed(str(self._failure)) from self._failure.__cause__
         if self.closed:
             raise EngineClosed(f"engine core {self.name}: closed; it accepts no new requests")
-        if self._sock is None:
-            raise RuntimeError(f"engine core {self.name}: not attached to an event loop "
-                               "(call attach() from the running loop first)")
+        try:
+            self.attach()  # (once per event loop)
+        except RuntimeError as exc:
+            raise RuntimeError(f"engine core {self.name}: used from a running asyncio event "
+                               f"loop only ({exc})") from None
         ids = self._ids_of(prompt)
         max_new = check_max_new_tokens(max_new_tokens, "Engine")
         t, k, p, sd = check_sampling(temperature, top_k, top_p, seed, "Engine")
@@ -369,13 +371,34 @@ class CoreClient:
                 loop while the first still runs.
         """
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._sock is not None:
+        if self._loop is loop or self._closed:
             return
-        if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
-            raise RuntimeError(f"engine core {self.name}: already attached to another "
-                               "running event loop")
+        if self._loop is not None:
+            if not self._loop.is_closed() and self._loop.is_running():
+                raise RuntimeError(f"engine core {self.name}: already attached to another "
+                                   "running event loop")
+            self._abandon()  # a new loop (a new asyncio.run): the old one's work cannot go on
         self._loop = loop
-        self._open()
+        if self._failure is not None:
+            self._reopen()
+        else:
+            self._open()
+
+    def _abandon(self) -> None:
+        """End the requests of the loop this client leaves and drop its socket (its tasks
+        died with that loop)."""
+        for req in list(self._reqs.values()):
+            self._end(req, "error", EngineClosed(
+                f"engine core {self.name}: the event loop of this request ended"))
+        self._cancels.clear()
+        self._tasks = []
+        self._session += 1
+        for sock in (self._sock, self._mon):
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close(0)
+        self._sock = self._mon = None
+        self._ctx = None
 
     def _open(self) -> None:
         import zmq
@@ -532,7 +555,13 @@ class CoreClient:
         self._cancels.clear()
         self._teardown()
         if self._loop is not None and not self._loop.is_closed():
-            self._open()  # the restarted core answers this socket's Hello
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """Connect again after a loss: a fresh socket to the same address, whose hellos the
+        restarted core answers (a Ray replica's client asks the actor for its new address
+        first: :mod:`.ray_remote`)."""
+        self._open()
 
     # -- requests ----------------------------------------------------------------------
     def _send(self, msg: Any) -> None:

@@ -57,7 +57,8 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
     Args:
         prompts: texts or token-id lists.
         max_new_tokens: new tokens per prompt at most.
-        engines: :class:`~deviceops.nn.Engine` or :class:`~.ray_remote.RemoteEngine` objects.
+        engines: :class:`~deviceops.nn.Engine` or engine-core clients
+            (:class:`~.core_client.CoreClient`, e.g. Ray replicas' :class:`~.ray_remote.RayCoreClient`).
         progress: show a tqdm bar.
         window: prompts in flight per engine (default ``max_batch + max_batch // 2``).
         **sampling: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``.
@@ -67,7 +68,7 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
     """
     from tqdm.auto import tqdm
 
-    from .ray_remote import RemoteEngine
+    from .core_client import CoreClient
 
     n = len(prompts)
     results: list[list[int] | None] = [None] * n
@@ -82,7 +83,6 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
 
     async def worker(k: int, eng: Any) -> None:
         nonlocal inflight
-        extra = {"stream": False} if isinstance(eng, RemoteEngine) else {}
         while True:
             if not todo:
                 if inflight == 0:
@@ -94,7 +94,7 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
                 errors[k] = str(getattr(eng, "dead", None) or "closed")
                 return
             if eng.failure is not None:  # restarting: the others take the work meanwhile
-                if not isinstance(eng, RemoteEngine):
+                if not isinstance(eng, CoreClient):  # a core comes back; an Engine does not
                     errors[k] = str(eng.failure)
                     return
                 await anyio.sleep(0.05)
@@ -102,7 +102,7 @@ async def abatch_generate(prompts: Sequence[Prompt], max_new_tokens: int, engine
             i = todo.popleft()
             inflight += 1
             try:
-                s = eng.stream(prompts[i], max_new_tokens, **extra, **sampling)
+                s = eng.stream(prompts[i], max_new_tokens, **sampling)
                 toks = [t async for t in s]
             except (EngineFailed, EngineClosed) as exc:
                 todo.appendleft(i)

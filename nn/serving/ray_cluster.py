@@ -1,6 +1,5 @@
 """Model replicas as Ray actors, the cluster side: connecting to Ray, what a replica loads
-(:class:`ReplicaSpec`), starting and stopping a set of replicas (:class:`RayReplicas`), and
-the tokenizer-only model a front rebuilds from a replica (:class:`FrontModel`).
+(:class:`ReplicaSpec`), and starting and stopping a set of replicas (:class:`RayReplicas`).
 
 A **replica** is a Ray actor (:class:`~.ray_replica._ReplicaServer`, :mod:`.ray_replica`)
 that owns one fail-stop :class:`~deviceops.nn.Engine` over one model on one device:
@@ -22,9 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..tokenizer import TextCodec
-
-__all__ = ["INSTALL_HINT", "FrontModel", "RayMissing", "RayReplicas", "ReplicaSpec",
+__all__ = ["INSTALL_HINT", "RayMissing", "RayReplicas", "ReplicaSpec",
            "import_ray", "init_ray"]
 
 log = logging.getLogger("deviceops.nn.ray")
@@ -116,23 +113,6 @@ def _actor_class() -> Any:
 
     ray = import_ray()
     return ray.remote(_ReplicaServer)
-
-
-class FrontModel(TextCodec):
-    """The tokenizer side of a replica's model, rebuilt in the front (no weights).
-
-    Provides what the HTTP layer and the batch driver use of a ``CausalLM``: ``encode``,
-    ``decode``, ``apply_chat_template`` (:class:`~deviceops.nn.tokenizer.TextCodec`, the
-    same code as the replica's), ``tokenizer``, ``config``, ``device``.
-    """
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        from tokenizers import Tokenizer
-
-        self.config = info["config"]
-        self.tokenizer = Tokenizer.from_str(info["tokenizer"])
-        self.device = info.get("device", "ray")
-        self._init_chat_template(info.get("chat_template"))
 
 
 class RayReplicas:

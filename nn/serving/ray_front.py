@@ -1,11 +1,12 @@
-"""The front of Ray replicas: engine-shaped proxies, routing, failure, scaling, ``/admin``.
+"""The front of Ray replicas: routing, failure, scaling, ``/admin``.
 
 ``python -m deviceops.nn.serve --ray [ADDRESS] --replicas N`` serves the same HTTP API as
 one engine (:mod:`.http`) with a :class:`RayRouter` over replicas that are Ray actors
-(:mod:`.ray_cluster`). The HTTP layer needs no change: each :class:`RayReplica`'s ``engine`` is a
-:class:`~.ray_remote.RemoteEngine`, a proxy with the surface the HTTP layer uses of an
-:class:`~deviceops.nn.Engine`. Everything here runs in the server's asyncio event loop
-(Ray's awaitables are asyncio's).
+(:mod:`.ray_cluster`), each hosting an engine core (:mod:`.ray_replica`). Each
+:class:`RayReplica`'s ``engine`` is a :class:`~.ray_remote.RayCoreClient`: the engine-core
+client local cores have (:mod:`.core_client`), speaking the same messages over TCP, so the
+HTTP layer, routing and failure handling are one code path for local and Ray replicas.
+Everything here runs in the server's asyncio event loop (Ray's awaitables are asyncio's).
 
 **Routing.** As ``--devices``: a request goes to the serving replica with the fewest
 pending tokens (prompt tokens not yet prefilled plus tokens still to generate), counted
@@ -14,12 +15,12 @@ and two requests arriving together see each other. A replica's admission limit i
 ``max_batch + max_queue`` requests in flight from this front; past it the next replica is
 tried, 429 when all are full.
 
-**Failure.** When a replica's pump fails (the actor died: killed, its node lost, its
-process crashed, or its engine failed and it exited), the replica leaves routing at once;
-its in-flight requests end with :class:`~.ray_remote.ReplicaFailed` (an
+**Failure.** When a replica's connection drops (the actor died: killed, its process
+crashed, or its engine failed and it exited), the replica leaves routing at once;
+its in-flight requests end with :class:`~.core_client.CoreFailed` (an
 :class:`~deviceops.nn.EngineFailed`: 503 ``device_failed`` with ``Retry-After``, or an SSE
 error event then ``data: [DONE]`` for a stream under way); new requests go to the others.
-The proxy then waits for Ray to restart the actor (``max_restarts``) and rejoins it
+The client then waits for Ray to restart the actor (``max_restarts``) and rejoins it
 (state ``restarting`` meanwhile); an actor Ray will not restart stays listed as
 ``failed`` with the reason. ``/health`` lists every replica (``replica``, ``state``,
 ``node``, ``gpus``, ``load``, ``restarts``, ``error``) and ``/metrics`` labels the engine
@@ -49,9 +50,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .core_client import CoreModel
 from .metrics import DeviceStats
-from .ray_cluster import FrontModel, RayReplicas, ReplicaSpec
-from .ray_remote import RemoteEngine, summary
+from .ray_cluster import RayReplicas, ReplicaSpec
+from .ray_remote import RayCoreClient, summary
 from .router import Replica, Router
 
 __all__ = ["RayReplica", "RayRouter", "add_admin_routes", "load_ray_router"]
@@ -65,7 +67,7 @@ START_TIMEOUT_S = 900.0
 @dataclass(eq=False)
 class RayReplica(Replica):
     """One replica as the router sees it: ``device`` is its name (``"r0"``, the ``replica``
-    label), ``engine`` its :class:`RemoteEngine` once its model has loaded."""
+    label), ``engine`` its :class:`~.ray_remote.RayCoreClient` once its model has loaded."""
 
     engine: Any = None
     actor: Any = None
@@ -126,7 +128,7 @@ class RayRouter(Router):
         super().__init__(replicas, per_device=True)
         self.pool = pool
         self.owns = owns
-        self._model: FrontModel | None = None
+        self._model: CoreModel | None = None
         self._ops: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -166,8 +168,8 @@ class RayRouter(Router):
 
     def _adopt(self, r: RayReplica, info: dict[str, Any]) -> None:
         if self._model is None:
-            self._model = FrontModel(info)
-        r.engine = RemoteEngine(r.actor, info, name=r.device, model=self._model)
+            self._model = CoreModel(info)
+        r.engine = RayCoreClient(r.actor, info, name=r.device, model=self._model)
         log.info("replica %s serving on %s (node %s, pid %s)", r.device, info.get("device"),
                  info.get("node"), info.get("pid"))
 

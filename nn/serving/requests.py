@@ -3,7 +3,7 @@ sampling parameters, the per-request async token stream, the errors and the mode
 
 The engine (:mod:`.engine`, its :mod:`.scheduler`) schedules :class:`_Request` records;
 :class:`RequestStream` is what a caller iterates (:class:`TokenStream` is the iteration it
-shares with a Ray replica's :class:`~.ray_remote.RemoteStream`); :class:`StepModel` is what
+shares with an engine core's :class:`~.core_client.CoreStream`); :class:`StepModel` is what
 the engine needs from a model (:func:`~.step_model.step_model` adapts a ``CausalLM``).
 """
 
