@@ -68,6 +68,16 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/engine.py": _ENGINE_TESTS,
     "nn/serving/scheduler.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py"],
     "nn/serving/slots.py": ["tests/test_engine.py", "tests/test_small_contracts.py"],
+    # the engine core and its client in one process (the serve subprocesses of
+    # tests/test_serve_processes.py would import the unmutated install)
+    "nn/serving/core.py": ["tests/test_serve_cores.py"],
+    "nn/serving/core_client.py": ["tests/test_serve_cores.py"],
+    "nn/serving/protocol.py": ["tests/test_serve_cores.py"],
+    "nn/serving/detokenize.py": ["tests/test_serve_http.py", "tests/test_sampling_effects.py"],
+    "nn/serving/guard.py": ["tests/test_serve_guard.py", "tests/test_serve_guard_near_miss.py",
+                            "tests/test_serve_exposure.py"],
+    "nn/serving/openai.py": ["tests/test_serve_request_fields.py", "tests/test_serve_http.py",
+                             "tests/test_sampling_effects.py"],
     "nn/runner/paged_kv.py": [*_PAGED_TESTS, "tests/test_small_contracts.py"],
     "kernels/transformer/_reference.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
                                    "tests/test_transformer_kernels.py"],
