@@ -30,17 +30,22 @@ class _ApiOp(DeviceOp[Any]):
     runs after ``dep`` executed on the same stream (iteratively: see ``_drive``).
     """
 
-    __slots__ = ("_dep", "_fn", "_name", "_on", "_tensors")
+    __slots__ = ("_dep", "_fn", "_name", "_on", "_src", "_tensors")
     _iterative = True
 
     def __init__(self, name: str, fn: Callable[..., Any], dep: DeviceOp[Any] | None = None, *,
-                 tensors: tuple[Tensor, ...] = (), on: Device | None = None) -> None:
+                 tensors: tuple[Tensor, ...] = (), on: Device | None = None,
+                 source: Device | None = None) -> None:
         super().__init__()
         self._name = name
         self._fn = fn
         self._dep = dep
         self._tensors = tensors  # the tensors it was given (placement)
         self._on = on  # the device it runs on whatever its inputs (to_device)
+        self._src = source  # a copy out of a tensor: that tensor's device (to_host, memcpy)
+
+    def _source(self) -> Device | None:
+        return self._src
 
     def _inputs(self) -> tuple[Tensor, ...]:
         return self._tensors

@@ -109,7 +109,8 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
 
     Allocates nothing, so it may be captured into a graph; it is how
     ``CudaGraph.update`` refreshes captured inputs. ``src`` may be a DeviceOp
-    producing a tensor (it runs first, on the same stream).
+    producing a tensor (it runs first, on the same stream). Given a tensor ``src``, the
+    copy runs on its device under every policy (as :func:`to_host`).
     """
     if not isinstance(dst, Tensor) and isinstance(src, DeviceOp):
         src._consume()  # the error below is the report
@@ -138,13 +139,19 @@ def memcpy(dst: Tensor, src: Tensor | DeviceOp[Tensor]) -> DeviceOp[Tensor]:
     op = _with_arg("memcpy", src_arg, run)
     assert isinstance(op, _ApiOp)
     op._tensors = (d, *op._tensors)
+    if isinstance(src_arg, Tensor):  # a copy out of a tensor runs on its device
+        op._src = src_arg.device
     return op
 
 
 def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
     """A NumPy copy of ``t`` (page-locked on cuda, copied without blocking the host).
 
-    ``t`` may be a DeviceOp producing a tensor: it runs first, on the same stream.
+    A tensor's copy runs on a stream of the tensor's device under every policy (the
+    policy's stream when it is there, else one of the policy's streams of that device,
+    else the device's own stream), ordered after the tensor's writer: ``t.to_host().sync()``
+    works wherever ``t`` lives. ``t`` may be a DeviceOp producing a tensor: it runs first,
+    on the same stream (the policy's).
     """
     arg = _tensor_or_op(t, "to_host")
 
@@ -167,7 +174,11 @@ def to_host(t: Tensor | DeviceOp[Tensor]) -> DeviceOp[np.ndarray]:
         launch(ctx, "to_host", (src,), (), cpu, cuda)
         return out
 
-    return _with_arg("to_host", arg, run)
+    op = _with_arg("to_host", arg, run)
+    if isinstance(arg, Tensor):  # it runs on the tensor's device under every policy
+        assert isinstance(op, _ApiOp)
+        op._src = arg.device
+    return op
 
 
 _transfer_streams: dict[str, Any] = {}

@@ -93,12 +93,23 @@ class Device:
         self.xp: ModuleType = self.backend.array_module
         self._name = self.backend.device_name(index)
         self._priorities: tuple[int, int] | None = None
+        self._own: Stream | None = None
+        self._own_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"deviceops.device({self._name!r})"
 
     def __str__(self) -> str:
         return self._name
+
+    def own_stream(self) -> Stream:
+        """This device's own stream (made on first use), where a copy out of one of its
+        tensors (``t.to_host()``, ``api.memcpy`` from it) runs when the executing policy
+        has no stream on this device."""
+        with self._own_lock:
+            if self._own is None:
+                self._own = self.new_stream()
+            return self._own
 
     def new_stream(self, priority: int = 0) -> Stream:
         """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda).

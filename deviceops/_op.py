@@ -26,6 +26,7 @@ and an op garbage-collected without ever being executed or composed emits a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -265,6 +266,11 @@ class DeviceOp(Generic[T]):
         """(iterative ops) the output, given the values of :meth:`_deps`."""
         return self._execute(ctx)
 
+    def _source(self) -> Device | None:
+        """The device of the tensor this op copies out of (``to_host``, ``memcpy``), where
+        it runs under every policy; ``None`` for every other op."""
+        return None
+
     def _inputs(self) -> tuple[Tensor, ...]:
         """The tensors this op was given directly (placement; see :mod:`._placement`)."""
         return ()
@@ -423,12 +429,33 @@ class DeviceOp(Generic[T]):
 
 def _stream_for(policy: SchedulingPolicy, op: DeviceOp[Any]) -> Stream:
     """The policy's stream for ``op`` (placing policies look at its data); a refusal
-    consumes the op (the error is the report)."""
+    consumes the op (the error is the report). A copy out of a tensor (``op._source()``)
+    runs on the source's device whatever the policy: on the policy's stream when it is
+    there, else on one of the policy's streams of that device, else on the device's own
+    stream."""
+    src = op._source()
+    if src is not None:
+        return _source_stream(policy, op, src)
     try:
         return policy.stream_for(op)
     except BaseException:
         op._consume()
         raise
+
+
+def _source_stream(policy: SchedulingPolicy, op: DeviceOp[Any], src: Device) -> Stream:
+    try:
+        stream = policy.stream_for(op)
+    except DeviceError:  # a placing policy that does not cover the source's device
+        stream = None
+    if stream is not None and stream.device is src:
+        return stream
+    on = getattr(policy, "stream_on", None)
+    if on is not None:
+        with contextlib.suppress(DeviceError):
+            picked: Stream = on(src)
+            return picked
+    return src.own_stream()
 
 
 def _finish_sync(op: DeviceOp[Any], stream: Stream, out: Any) -> None:

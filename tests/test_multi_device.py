@@ -348,3 +348,63 @@ def test_zip_under_a_custom_policy_spanning_devices(pair: Any) -> None:
     assert {o.device for o in outs} == {d0, d1}
     for i, o in enumerate(outs):
         np.testing.assert_array_equal(to_np(o), float(i))
+
+
+# -- copies out of a tensor run on its device, under every policy ------------------------------
+def _policies(d0: deviceops.Device, d1: deviceops.Device) -> list[SchedulingPolicy]:
+    return [StreamPoolRoundRobin(d0, 2), SingleStream(d0.new_stream()),
+            MultiDeviceRoundRobin([d0, d1]), MultiDeviceRoundRobin([d0])]
+
+
+def test_to_host_of_another_devices_tensor_runs_there_after_its_writer(pair: Any) -> None:
+    """``t.to_host()`` of a tensor on d1 works under a policy of d0, of both, or covering
+    d0 only, and reads the value its (slow, still running) writer leaves."""
+    d0, d1 = pair
+    s1 = d1.new_stream()
+    for i, policy in enumerate(_policies(d0, d1)):
+        src = api.full((4096,), float(i + 2)).sync_on(s1)
+        t = api.zeros((4096,)).sync_on(s1)
+        slow_copy(t, src, _delay(d1)).async_on(s1)  # t holds i + 2 only after the delay
+        with deviceops.using(policy):
+            got = t.to_host().sync()
+        np.testing.assert_array_equal(got, float(i + 2))
+        with deviceops.using(policy):
+            host = t.to_host().schedule().result()
+        np.testing.assert_array_equal(host, float(i + 2))
+
+
+def test_copies_out_pick_the_policys_stream_of_the_source_device(pair: Any) -> None:
+    d0, d1 = pair
+    t = api.full((16,), 3.0).sync_on(d1.new_stream())
+    both = MultiDeviceRoundRobin([d0, d1])
+    with deviceops.using(both), deviceops.trace() as tr:
+        t.to_host().sync()
+    ids = {s.id for s in both.streams if s.device is d1}
+    assert all(r.stream in ids for r in traced(tr, "to_host"))
+    with deviceops.using(SingleStream(d0.new_stream())), deviceops.trace() as tr:
+        t.to_host().sync()  # the policy has no stream on d1: the device's own
+    assert all(r.stream == d1.own_stream().id for r in traced(tr, "to_host"))
+    assert d1.own_stream() is d1.own_stream()
+
+
+def test_memcpy_from_a_tensor_runs_on_its_device_compute_still_refuses(pair: Any) -> None:
+    d0, d1 = pair
+    s1 = d1.new_stream()
+    src, dst = api.full((64,), 5.0).sync_on(s1), api.zeros((64,)).sync_on(s1)
+    with deviceops.using(SingleStream(d0.new_stream())):
+        out = api.memcpy(dst, src).sync()
+        assert out is dst
+        np.testing.assert_array_equal(dst.to_host().sync(), 5.0)
+        other = api.full((64,), 1.0).sync()  # on d0
+        with pytest.raises(DeviceError, match=r"api\.to_device"):
+            api.memcpy(dst, other).sync()  # dst on d1, src on d0: one device per op
+        with pytest.raises(DeviceError):
+            kernels.add(src, src).sync()  # a compute op keeps refusing another device
+
+
+@pytest.mark.anyio
+async def test_await_to_host_of_another_devices_tensor(pair: Any, anyio_backend: str) -> None:
+    d0, d1 = pair
+    t = api.full((32,), 9.0).sync_on(d1.new_stream())
+    with deviceops.using(StreamPoolRoundRobin(d0, 2)):
+        np.testing.assert_array_equal(await t.to_host(), 9.0)
