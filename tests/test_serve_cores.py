@@ -206,3 +206,24 @@ async def test_a_core_that_goes_away_fails_its_requests_and_the_client_rejoins(
             assert len(await _drain(client.stream([1, 2, 3], 5, ignore_eos=True))) == 5
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_core_on_a_tcp_wildcard_port_says_where_it_listens(
+        tiny_gguf: str, anyio_backend: str) -> None:
+    """What a Ray replica does: bind ``tcp://host:*`` and tell the front the port."""
+    engine = _engine(tiny_gguf)
+    core = EngineCore(engine, "tcp://127.0.0.1:*")
+    task = asyncio.ensure_future(core.serve())
+    try:
+        addr = await asyncio.wait_for(core.wait_bound(), 10)
+        assert addr.startswith("tcp://127.0.0.1:") and not addr.endswith(":*")
+        assert int(addr.rsplit(":", 1)[1]) > 0 and core.bound == addr
+        client = await _client(addr)
+        try:
+            assert len(await _drain(client.stream([1, 2], 3, ignore_eos=True))) == 3
+        finally:
+            client.close()
+    finally:
+        core.stop()
+        await task
