@@ -227,3 +227,58 @@ async def test_a_core_on_a_tcp_wildcard_port_says_where_it_listens(
     finally:
         core.stop()
         await task
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_failed_step_ends_every_request_with_its_cause_and_the_core_gives_up(
+        tiny_gguf: str, tmp_path: Path, anyio_backend: str) -> None:
+    import deviceops
+
+    engine = _engine(tiny_gguf)
+    addr = _address(tmp_path)
+    gave_up: list[int] = []
+    core = EngineCore(engine, addr, on_failed=lambda: gave_up.append(1))
+    task = asyncio.ensure_future(core.serve())
+    client = await _client(addr)
+    try:
+        s = client.stream([1, 2, 3], 50, ignore_eos=True)
+        await s.__anext__()
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise deviceops.DriverError("injected")
+
+        engine.scheduler.submit_decode = broken  # the next step fails on the device
+        with pytest.raises(CoreFailed) as info:
+            await asyncio.wait_for(_drain(s), 10)
+        assert str(info.value) == "engine core cpu failed: DriverError: injected"
+        for _ in range(200):  # the Failed message follows: the client leaves routing
+            if client.failure is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert client.failure is not None and "its engine failed" in str(client.failure)
+        assert gave_up == [1]  # told once (the supervisor then restarts the process)
+        with pytest.raises(CoreFailed):
+            client.stream([1], 2)
+    finally:
+        client.close()
+        core.stop()
+        await task
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_front_that_vanishes_does_not_stop_the_core(
+        tiny_gguf: str, tmp_path: Path, anyio_backend: str) -> None:
+    """A front that goes away without a Bye (killed): the core's messages to it are
+    dropped, and the other fronts are served."""
+    addr = _address(tmp_path)
+    async with _core(_engine(tiny_gguf, max_batch=2), addr):
+        gone, other = await _client(addr), await _client(addr)
+        try:
+            s = gone.stream([1, 2, 3], 40, ignore_eos=True)
+            await s.__anext__()
+            gone._teardown()  # its socket closes, no Bye: the core keeps sending to it
+            got = await asyncio.wait_for(_drain(other.stream([4, 5], 6, ignore_eos=True)), 20)
+            assert len(got) == 6
+        finally:
+            other.close()
+            gone.close()

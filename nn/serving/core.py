@@ -47,7 +47,7 @@ import pickle
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,14 +155,19 @@ class EngineCore:
             :class:`CoreSpec`, or by a test).
         address: the ZeroMQ address to bind (``ipc:///tmp/x.sock``, ``tcp://127.0.0.1:0``).
         device: the device's name, reported in :class:`~.protocol.Ready`.
+        on_failed: called once the engine failed and the fronts were told (default: exit
+            the process with :data:`EXIT_FAILED` 0.2 s later, for the supervisor to restart
+            it).
 
     Attributes:
         bound: the address actually bound (a ``tcp://...:0`` gets its port here).
     """
 
-    def __init__(self, engine: Any, address: str, *, device: str = "") -> None:
+    def __init__(self, engine: Any, address: str, *, device: str = "",
+                 on_failed: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.address = address
+        self.on_failed = on_failed or _exit_soon
         self.bound = address
         self.device = device or str(getattr(engine.model, "device", "?"))
         self._fronts: dict[bytes, _Front] = {}
@@ -368,7 +373,12 @@ class EngineCore:
         log.error("engine on %s failed (%s); exiting for a restart", self.device, why)
         for front in self._fronts.values():
             self._sock.send_multipart([front.ident, encode(Failed(why))])
-        asyncio.get_running_loop().call_later(0.2, os._exit, EXIT_FAILED)
+        self.on_failed()
+
+
+def _exit_soon() -> None:
+    """Exit the process (status :data:`EXIT_FAILED`) once the failure messages went out."""
+    asyncio.get_running_loop().call_later(0.2, os._exit, EXIT_FAILED)
 
 
 def tune_await() -> None:
