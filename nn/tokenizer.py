@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatTemplate", "TextCodec", "tokenizer_from_file", "tokenizer_from_gguf"]
+__all__ = ["GENERIC_TOOLS_PROMPT", "ChatTemplate", "TextCodec", "tokenizer_from_file",
+           "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -119,6 +120,53 @@ def _tool_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": parsed}}
 
 
+#: The system text that describes ``tools`` to a model whose chat template has no tools
+#: section (SmolLM2's): the Hermes convention Qwen2.5's own template uses, so one parser
+#: reads the calls of both (``deviceops.nn.serving.tool_calls``). ``{tools}`` is one JSON
+#: object per line.
+GENERIC_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def _generic_tools(messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+                   calls: bool) -> list[dict[str, Any]]:
+    """``messages`` for a template without tool support: the tools described in the system
+    message (:data:`GENERIC_TOOLS_PROMPT`, after the user's own system text), and, with
+    ``calls``, an assistant's ``tool_calls`` written into its content as ``<tool_call>``
+    blocks and ``tool`` messages as user turns holding a ``<tool_response>``."""
+    out = list(messages)
+    if calls:
+        conv = []
+        for m in out:
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                blocks = [
+                    "<tool_call>\n" + json.dumps(
+                        {"name": c["function"]["name"],
+                         "arguments": c["function"].get("arguments", {})},
+                        ensure_ascii=False) + "\n</tool_call>"
+                    for c in m["tool_calls"] if isinstance(c.get("function"), Mapping)]
+                text = (m.get("content") or "")
+                m = {"role": "assistant", "content": "\n".join(([text] if text else []) + blocks)}
+            elif m.get("role") == "tool":
+                m = {"role": "user",
+                     "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            conv.append(m)
+        out = conv
+    if tools:
+        desc = GENERIC_TOOLS_PROMPT.format(tools="\n".join(
+            json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0].get("role") == "system":
+            first = out[0]
+            out[0] = {**first, "content": f"{first.get('content') or ''}\n\n{desc}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": desc})
+    return out
+
+
 def _raise(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
@@ -143,6 +191,11 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise
         self.source = source
+        #: the template renders ``tools`` itself (else :meth:`render` describes them in the
+        #: system message, :data:`GENERIC_TOOLS_PROMPT`) / an assistant's ``tool_calls``
+        #: (else they are written into its content, and ``tool`` messages become user turns)
+        self.renders_tools = "tools" in source
+        self.renders_tool_calls = "tool_calls" in source
         self._template = env.from_string(source)
         self._bos, self._eos = bos_token, eos_token
 
@@ -152,6 +205,10 @@ class ChatTemplate:
         ``tool_calls`` may omit ``content``) to the prompt text.
 
         ``extra`` goes to the template as variables (``tools=[...]`` in OpenAI's format).
+        A template without a tools section gets the tools in the system message instead
+        (:data:`GENERIC_TOOLS_PROMPT`, the Hermes convention), and one that does not render
+        ``tool_calls`` gets them written into the assistant's content: tools are never
+        ignored.
         An assistant message's ``tool_calls`` whose ``function.arguments`` is a JSON string
         (OpenAI's form) reach the template with the arguments as the object it holds (as
         ``transformers``' templates expect, and vLLM does), so ``arguments | tojson`` writes
@@ -170,6 +227,12 @@ class ChatTemplate:
             if isinstance(msg.get("tool_calls"), list):
                 msg["tool_calls"] = [_tool_call(c) for c in msg["tool_calls"]]
             msgs.append(msg)
+        tools = extra.get("tools")
+        if (tools and not self.renders_tools) or not self.renders_tool_calls:
+            msgs = _generic_tools(msgs, None if self.renders_tools else tools,
+                                  not self.renders_tool_calls)
+            if not self.renders_tools:
+                extra = {k: v for k, v in extra.items() if k != "tools"}
         return str(self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos, eos_token=self._eos, **extra))
 

@@ -33,7 +33,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +67,8 @@ from .openai import (
     usage,
 )
 from .router import Replica, Router
+from .tool_calls import ToolCallStream
+from .tool_calls import parse as parse_tool_calls
 
 __all__ = ["AppState", "BadRequest", "create_app"]
 
@@ -380,8 +382,14 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         elif reason == "cancelled":
             return Response(status_code=499)  # nobody is listening
         lp = None if job.logprobs is None else choice_logprobs(entries, detok.decode, chat)
-        return JSONResponse(completion_body(rid, chat, model_name, text, reason, usage(s, job),
-                                            lp))
+        content: str | None = text
+        calls: list[dict[str, Any]] = []
+        if job.tool_names:  # the reply's <tool_call> blocks become tool_calls
+            content, calls = parse_tool_calls(text, job.tool_names)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+        return JSONResponse(completion_body(rid, chat, model_name, content, reason,
+                                            usage(s, job), lp, calls or None))
 
     def _parse(raw: bytes, chat: bool, engine: Engine) -> Job:
         # a key "role" is the only way these bytes appear in JSON text (inside a string the
@@ -446,10 +454,26 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(piece: str | None, reason: str | None, first: bool = False,
-                  entries: list[Entry] | None = None) -> bytes:
+                  entries: list[Entry] | None = None,
+                  calls: list[dict[str, Any]] | None = None) -> bytes:
             lp = None if job.logprobs is None or entries is None else choice_logprobs(
                 entries, detok.decode, chat)
-            return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp)
+            return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp,
+                                calls)
+
+        # with tools: text that may open a <tool_call> waits; each closed call is one delta
+        tcs = ToolCallStream(job.tool_names) if job.tool_names else None
+
+        def pieces(piece: str, got: list[Entry]) -> Iterator[bytes]:
+            if tcs is None:
+                yield chunk(piece, None, entries=got)
+                return
+            text, calls = tcs.push(piece)
+            if text or got:
+                yield chunk(text, None, entries=got)
+            first_index = tcs.calls - len(calls)  # a call's index in the whole reply
+            for k, call in enumerate(calls):
+                yield chunk(None, None, calls=[{"index": first_index + k, **call}])
 
         try:
             if chat:
@@ -458,7 +482,12 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                 yield chunk(job.echo, None)  # completions echo: the prompt first
             try:
                 async for piece, got in _tokens(s, detok, job, t0):
-                    yield chunk(piece, None, entries=got)
+                    for ev in pieces(piece, got):
+                        yield ev
+                if tcs is not None:
+                    rest, _ = tcs.finish()
+                    if rest:
+                        yield chunk(rest, None)
             except EngineFailed as exc:  # its device failed: a 503 error event, then [DONE]
                 log.error("generation %s failed with device %s: %r", rid, replica.device,
                           exc.__cause__)
@@ -472,6 +501,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                                            "type": "server_error"}})
             else:
                 reason = finish_reason(s, detok.stopped)
+                if tcs is not None and tcs.calls and reason == "stop":
+                    reason = "tool_calls"
                 yield chunk(None, "abort" if reason == "cancelled" and state.aborting else reason)
                 if job.include_usage:
                     yield sse_event({"id": rid, "object": obj, "created": created,

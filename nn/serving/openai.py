@@ -97,6 +97,9 @@ class Job:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top log-probabilities per token (0: the token's only)
     echo: str | None = None  # completions ``echo``: the prompt's text, sent before the completion
+    #: chat with ``tools``: their names; the reply's ``<tool_call>`` blocks naming one of them
+    #: become ``tool_calls`` (:mod:`.tool_calls`)
+    tool_names: tuple[str, ...] = ()
 
     def features(self) -> dict[str, Any]:
         """The engine arguments of the optional features this job asks for (only those, so
@@ -456,9 +459,11 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
         p = body["prompt"]
         p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
         echo = p if isinstance(p, str) else engine.model.decode(ids)
+    tools = _tools(body) if chat else None
+    names = tuple(t["function"]["name"] for t in tools) if tools else ()
     return Job(ids, int(max_tokens), stream, float(temperature),
                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
-               include_usage, echo=echo, **feats)
+               include_usage, echo=echo, tool_names=names, **feats)
 
 
 def finish_reason(s: RequestStream, stopped: bool) -> str:
@@ -481,13 +486,17 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def completion_body(rid: str, chat: bool, model_name: str, text: str, reason: str,
-                    use: dict[str, int], logprobs: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+def completion_body(rid: str, chat: bool, model_name: str, text: str | None, reason: str,
+                    use: dict[str, int], logprobs: dict[str, Any] | None = None,
+                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response
-    (``logprobs``: the choice's object, :mod:`.logprobs`)."""
+    (``logprobs``: the choice's object, :mod:`.logprobs`; ``tool_calls``: the chat
+    message's calls, :mod:`.tool_calls`)."""
     if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": 0, "message": message,
                                   "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
@@ -499,10 +508,12 @@ def completion_body(rid: str, chat: bool, model_name: str, text: str, reason: st
 
 def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str | None,
                  reason: str | None, first: bool = False,
-                 logprobs: dict[str, Any] | None = None) -> bytes:
+                 logprobs: dict[str, Any] | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> bytes:
     """One streamed chunk (``chat.completion.chunk`` / ``text_completion``) as an SSE event;
     ``first``: the chat stream's opening delta with the assistant role; ``logprobs``: the
-    chunk's tokens' object (:mod:`.logprobs`)."""
+    chunk's tokens' object (:mod:`.logprobs`); ``tool_calls``: the delta's calls, each with
+    its ``index`` in the reply (:mod:`.tool_calls`)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         delta: dict[str, Any] = {}
@@ -510,6 +521,8 @@ def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str
             delta["role"] = "assistant"
         if piece:
             delta["content"] = piece
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": reason}
     else:
