@@ -259,6 +259,9 @@ async def test_a_failed_step_ends_every_request_with_its_cause_and_the_core_give
         assert gave_up == [1]  # told once (the supervisor then restarts the process)
         with pytest.raises(CoreFailed):
             client.stream([1], 2)
+        client._send(P.Submit(999, P.pack_i32([1, 2]), 2))  # a late submit: refused ...
+        await asyncio.sleep(0.2)
+        assert gave_up == [1]  # ... and the core does not give up twice
     finally:
         client.close()
         core.stop()
@@ -282,3 +285,51 @@ async def test_a_front_that_vanishes_does_not_stop_the_core(
         finally:
             other.close()
             gone.close()
+
+
+def test_the_supervisor_restarts_a_failed_core_but_not_a_stopped_or_unloadable_one(
+        tmp_path: Path) -> None:
+    """CoreProcess's rule, with stand-in processes exiting with a given status."""
+    import subprocess
+    import sys
+    import time
+
+    from deviceops.nn.serving import core as core_mod
+    from deviceops.nn.serving.core import CoreSpec
+    from deviceops.nn.serving.core_process import CoreProcess
+
+    class Stand(CoreProcess):
+        def __init__(self, statuses: list[int]) -> None:
+            super().__init__(CoreSpec("x"), "ipc://unused", reason_file=str(tmp_path / "why"),
+                             max_restarts=5)
+            self.statuses, self.starts = statuses, 0
+
+        def start(self) -> None:  # as CoreProcess.start, with a process that just exits
+            code = self.statuses[min(self.starts, len(self.statuses) - 1)]
+            self.starts += 1
+            self.proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+            if self._thread is None:
+                import threading
+
+                self._thread = threading.Thread(target=self._supervise, daemon=True)
+                self._thread.start()
+
+    def run(statuses: list[int], want_starts: int) -> Stand:
+        p = Stand(statuses)
+        p.start()
+        deadline = time.monotonic() + 20
+        while p.dead is None:
+            assert time.monotonic() < deadline, (statuses, p.starts)
+            time.sleep(0.02)
+        assert p.starts == want_starts, (statuses, p.starts)
+        return p
+
+    # a failed engine (EXIT_FAILED) is restarted; then a clean stop (0) ends it
+    p = run([core_mod.EXIT_FAILED, core_mod.EXIT_FAILED, 0], 3)
+    assert p.restarts == 2 and "stopped" in (p.dead or "")
+    # a model that cannot load (EXIT_LOAD) is never restarted
+    p = run([core_mod.EXIT_LOAD], 1)
+    assert p.restarts == 0 and p.dead
+    # a core that keeps failing is given up after max_restarts within the window
+    p = run([core_mod.EXIT_FAILED], 6)
+    assert "times within" in (p.dead or "")

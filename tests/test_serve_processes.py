@@ -253,3 +253,16 @@ def test_api_servers_share_the_port_and_stop_together(tiny_gguf: str) -> None:
         assert proc.wait(30) == 0
         time.sleep(0.3)
         assert [p for p in kids if _alive(p)] == []
+
+
+def test_cores_exit_when_serve_is_killed(tiny_gguf: str) -> None:
+    """No orphans even after kill -9 of ``serve``: the cores watch their parent."""
+    with _serve("--model", tiny_gguf, "--devices", "cpu:0,cpu:1") as (proc, url):
+        pids = [e["pid"] for e in httpx.get(url + "/health").json()["engines"]]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+            time.sleep(0.1)
