@@ -192,6 +192,8 @@ class CoreReplica(Replica):
 
     engine: Any = None
     process: CoreProcess | None = None
+    #: what :attr:`error` says of a client whose core will not come back
+    dead_why = "the engine core will not be restarted"
 
     @property
     def state(self) -> str:
@@ -215,7 +217,7 @@ class CoreReplica(Replica):
         if eng is None:
             return None
         if eng.dead is not None:
-            return f"the engine core will not be restarted: {eng.dead}"
+            return f"{self.dead_why}: {eng.dead}"
         return None if eng.failure is None else str(eng.failure)
 
     def describe(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .core_client import CoreModel
+from .core_process import CoreReplica
 from .metrics import DeviceStats
 from .ray_cluster import RayReplicas, ReplicaSpec
 from .ray_remote import RayCoreClient, summary
@@ -65,39 +66,20 @@ START_TIMEOUT_S = 900.0
 
 
 @dataclass(eq=False)
-class RayReplica(Replica):
+class RayReplica(CoreReplica):
     """One replica as the router sees it: ``device`` is its name (``"r0"``, the ``replica``
     label), ``engine`` its :class:`~.ray_remote.RayCoreClient` once its model has loaded."""
 
-    engine: Any = None
     actor: Any = None
     kind: str = "replica"
+    dead_why = "the actor is dead and Ray will not restart it"
 
     @property
     def state(self) -> str:
         """``starting``, ``serving``, ``restarting``, ``draining`` or ``failed``."""
-        eng = self.engine
-        if eng is None:
-            return "starting" if self.load_error is None else "failed"
-        if eng.dead is not None:
-            return "failed"
-        if eng.failure is not None:
-            return "restarting"
-        if eng.draining:
-            return "draining"
-        return "closed" if eng.closed else "serving"
-
-    @property
-    def error(self) -> str | None:
-        """Why it does not serve (load error, death, failure), else ``None``."""
-        if self.load_error is not None:
-            return f"loading the model failed: {self.load_error}"
-        eng = self.engine
-        if eng is None:
-            return None
-        if eng.dead is not None:
-            return f"the actor is dead and Ray will not restart it: {eng.dead}"
-        return None if eng.failure is None else str(eng.failure)
+        if self.engine is None and self.load_error is None:
+            return "starting"
+        return super().state
 
     def describe(self) -> dict[str, Any]:
         """The ``/health`` entry."""
