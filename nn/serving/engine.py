@@ -430,12 +430,9 @@ class Engine:
     async def _wait_space(self) -> None:
         """Wait until the queue may have room; drive a step if nobody else does."""
         if not self._driving:
-            self._driving = True
             try:
-                with anyio.CancelScope(shield=True):
-                    await self.scheduler.step()
+                await self.run_step()
             finally:
-                self._driving = False
                 self._wake_driver()
             await anyio.lowlevel.checkpoint()
             return
