@@ -333,3 +333,44 @@ def test_the_supervisor_restarts_a_failed_core_but_not_a_stopped_or_unloadable_o
     # a core that keeps failing is given up after max_restarts within the window
     p = run([core_mod.EXIT_FAILED], 6)
     assert "times within" in (p.dead or "")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_malformed_messages_are_dropped_both_ways(
+        tiny_gguf: str, tmp_path: Path, anyio_backend: str) -> None:
+    addr = _address(tmp_path)
+    async with _core(_engine(tiny_gguf), addr) as core:
+        client = await _client(addr)
+        try:
+            assert len(await _drain(client.stream([1, 2], 2, ignore_eos=True))) == 2
+            client._sock.send(b"\xc1 not msgpack")  # to the core
+            for ident in list(core._fronts):  # to the client
+                core._sock.send_multipart([ident, b"\xc1 not msgpack"])
+            await asyncio.sleep(0.05)
+            # both keep going
+            assert len(await asyncio.wait_for(
+                _drain(client.stream([3, 4], 3, ignore_eos=True)), 10)) == 3
+            assert client.failure is None
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_client_checks_the_kv_budget_and_reports_empty_stats_before_a_step(
+        tiny_gguf: str, tmp_path: Path, anyio_backend: str) -> None:
+    addr = _address(tmp_path)
+    async with _core(_engine(tiny_gguf), addr):
+        info = await asyncio.to_thread(handshake, addr, timeout_s=20)
+    # a pool of 2 blocks of 16 positions: 32 positions fit, 33 do not (no core needed)
+    client = CoreClient(_address(tmp_path, "nobody"), info | {"kv_blocks_total": 2,
+                                                              "kv_block_size": 16},
+                        name="cpu")
+    st = client.stats()
+    assert (st.queued, st.running, st.steps, st.generated_tokens, st.kv_blocks_in_use,
+            st.max_batch) == (0, 0, 0, 0, 0, KW["max_batch"])
+    try:
+        client.stream([1] * 10, 22).cancel()  # 32 positions: 2 blocks
+        with pytest.raises(ValueError, match="KV blocks"):
+            client.stream([1] * 10, 23)  # 33 positions: 3 blocks
+    finally:
+        client.close()
