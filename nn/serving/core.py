@@ -2,14 +2,14 @@
 its step loop and spoken to over ZeroMQ (:mod:`.protocol`).
 
 ``python -m deviceops.nn.serving.core --address ipc://... --spec '{json}'`` loads the model
-(:class:`CoreSpec`), binds a ``ROUTER`` socket at the address and runs one task on an
+(:class:`CoreSpec`), binds a ``ROUTER`` socket at the address and runs two tasks on one
 asyncio loop:
 
-* **receive**: before every step, every waiting :class:`~.protocol.Submit` /
-  :class:`~.protocol.Cancel` / :class:`~.protocol.Bye` / :class:`~.protocol.Hello`
-  message is handled (a submit is checked and queued in the engine, or finished with its
-  error), so a request that arrived during a step is admitted at the next one;
-* **step**: while the engine has work, one engine step (admit, decode, prefill), then one
+* **receive**: fronts' :class:`~.protocol.Submit` / :class:`~.protocol.Cancel` /
+  :class:`~.protocol.Bye` / :class:`~.protocol.Hello` messages, each handled at once
+  (a submit is checked and queued in the engine, or finished with its error);
+* **step**: while the engine has work, one engine step (admit, decode, prefill; the GPU
+  work is awaited, so messages keep arriving meanwhile), then one
   :class:`~.protocol.Step` message per front with news: new token ids as arrays, finished
   requests, log-probabilities when asked, stats and phase times. Idle, it waits for a
   message.
@@ -172,13 +172,13 @@ class EngineCore:
         self.device = device or str(getattr(engine.model, "device", "?"))
         self._fronts: dict[bytes, _Front] = {}
         self._owner: dict[int, tuple[_Front, int]] = {}  # engine request id -> (front, rid)
+        self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._bound = asyncio.Event()
         self._failed = False
         self._recv_s = 0.0
         self._send_s = 0.0
         self._sock: Any = None
-        self._io: Any = None  # a plain view of the socket (non-blocking reads, sends)
         self._sent_in_step = False
         self._stats: list[int] = []
         self._stats_t = 0.0
@@ -220,11 +220,7 @@ class EngineCore:
         sock.bind(self.address)
         self.bound = sock.get_string(zmq.LAST_ENDPOINT)
         self._bound.set()
-        # one task reads and steps: before each step it takes every message that arrived
-        # (through a plain, non-blocking view of the socket), so a request sent during a
-        # step is admitted at the next one; idle, it awaits the socket
-        self._io = zmq.Socket.shadow(sock.underlying)
-        tasks = [asyncio.ensure_future(self._steps())]
+        tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._steps())]
         try:
             await self._stop.wait()
         finally:
@@ -246,19 +242,11 @@ class EngineCore:
         """End :meth:`serve` (requests still running are cancelled)."""
         self._stop.set()
 
-    def _receive(self) -> None:
-        """Handle every message waiting on the socket (none: return at once)."""
-        import zmq
-
-        io = self._io
-        t0 = time.perf_counter()
-        got = False
+    async def _receive(self) -> None:
+        sock = self._sock
         while True:
-            try:
-                ident, payload = io.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            got = True
+            ident, payload = await sock.recv_multipart(copy=True)
+            t0 = time.perf_counter()
             try:
                 msg = decode_core(payload)
             except Exception as exc:  # not ours: say so in the log, keep serving
@@ -275,14 +263,15 @@ class EngineCore:
                     if rs is not None:
                         rs.cancel()
             elif isinstance(msg, Hello):
-                io.send_multipart([ident, encode(Ready(self.info(msg.info)))])
+                await sock.send_multipart([ident, encode(Ready(self.info(msg.info)))])
             elif isinstance(msg, Bye):
                 for rs in list(front.streams.values()):
                     rs.cancel()
                 self._fronts.pop(ident, None)
-        if got:
             self._recv_s += time.perf_counter() - t0
-            self._flush()  # refusals and cancellations answer at once
+            if not self.engine.scheduler.stepping:
+                self._flush()  # refusals and cancellations answer at once when idle
+            self._wake.set()
 
     def _submit(self, front: _Front, m: Submit) -> None:
         try:
@@ -314,9 +303,9 @@ class EngineCore:
         engine = self.engine
         pause = float(_env.get("DEVICEOPS_CORE_STEP_PAUSE_MS") or 0) / 1e3
         while True:
-            self._receive()
             if not engine.has_work:
-                await self._sock.poll()  # idle: wait for a message
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             self._sent_in_step = False
             await engine.run_step()
@@ -324,8 +313,7 @@ class EngineCore:
                 self._flush()  # else this step's news go out while the next one runs
             if engine.failure is not None:
                 self._engine_failed()
-            if pause:
-                await asyncio.sleep(pause)
+            await asyncio.sleep(pause)  # the receiver queues what arrived during the step
 
     def _overlapped_flush(self) -> None:
         """The step's device work is enqueued: send the previous step's news meanwhile."""
@@ -373,7 +361,7 @@ class EngineCore:
             front.news = {}
             msg = Step(pack_i64(rids), pack_i32(counts), pack_i32(tokens), done, lps, stats,
                        phases)
-            self._io.send_multipart([front.ident, encode(msg)], copy=False)
+            self._sock.send_multipart([front.ident, encode(msg)], copy=False)
         self._send_s += time.perf_counter() - t0
 
     def _engine_failed(self) -> None:
@@ -384,7 +372,7 @@ class EngineCore:
         why = str(self.engine.failure or "the engine failed")
         log.error("engine on %s failed (%s); exiting for a restart", self.device, why)
         for front in self._fronts.values():
-            self._io.send_multipart([front.ident, encode(Failed(why))])
+            self._sock.send_multipart([front.ident, encode(Failed(why))])
         self.on_failed()
 
 
