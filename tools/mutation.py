@@ -74,6 +74,7 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/core_client.py": ["tests/test_serve_cores.py"],
     "nn/serving/protocol.py": ["tests/test_serve_cores.py"],
     "nn/serving/detokenize.py": ["tests/test_serve_http.py", "tests/test_sampling_effects.py"],
+    "nn/serving/tool_calls.py": ["tests/test_serve_tool_calls.py"],
     "nn/serving/guard.py": ["tests/test_serve_guard.py", "tests/test_serve_guard_near_miss.py",
                             "tests/test_serve_exposure.py"],
     "nn/serving/openai.py": ["tests/test_serve_request_fields.py", "tests/test_serve_http.py",
