@@ -7,15 +7,19 @@ Usage::
         [--device cpu|cuda | --devices 0,1|all|cpu:0,cpu:1] [--dtype float16]
         [--max-batch 32] [--max-seq 2048] [--max-queue N] [--drain-timeout 10]
 
-Routes and errors: :mod:`.http`. The server listens at once and loads the
-model in a worker thread (``/health`` is 503 until it is ready). SIGTERM or SIGINT stops
-accepting connections, answers 503 to new requests on open connections, lets in-flight
-generations finish for up to ``--drain-timeout`` seconds, then cancels the rest (freeing
-their KV slots) and exits with status 0.
+Routes and errors: :mod:`.http`. This process is the HTTP front; the model runs in an
+engine core process per device (:mod:`.core`, started and supervised by
+:mod:`.core_process`), which the front talks to over ZeroMQ. The server listens at once and
+starts the cores (``/health`` is 503 until they answer); when no core can start, ``serve``
+exits with status 1 and one line, ``serve: cannot start: <reason>``. SIGTERM or SIGINT
+stops accepting connections, answers 503 to new requests on open connections, lets
+in-flight generations finish for up to ``--drain-timeout`` seconds, then cancels the rest
+(freeing their KV slots), stops the cores and exits with status 0. ``--api-servers N``
+runs N front processes on the port (:mod:`.fronts`).
 
-**Data-parallel serving** (``--devices``, exclusive with ``--device``): the model is
-loaded once per device and each copy gets its own :class:`~deviceops.nn.Engine`
-(``--max-batch``, ``--max-queue`` are per engine), all in this one process and event loop.
+**Data-parallel serving** (``--devices``, exclusive with ``--device``): one engine core
+process per device, each with its own :class:`~deviceops.nn.Engine` (``--max-batch``,
+``--max-queue`` are per engine), behind this front.
 ``--devices 0,1`` (or ``cuda:0,cuda:1``) names GPUs, ``all`` every GPU, ``cpu:0,cpu:1``
 emulated devices of the cpu backend. Each request goes to the engine with the fewest
 pending tokens (prompt tokens not yet prefilled plus ``max_tokens`` not yet generated,
@@ -23,13 +27,13 @@ over its queued and running requests; :mod:`.router`). ``/health`` lists
 every engine (device, state, load) and is 200 while one serves; ``/metrics`` labels the
 engine series with ``device``. If a device's engine fails (a step raises), its in-flight
 and queued requests end with 503 (``"code": "device_failed"``; an SSE error event for
-streams) and the other devices keep serving. A device whose model fails to load is listed
-as failed; the server serves on the rest.
+streams), the other devices keep serving, and the core is restarted and rejoins. A device
+whose model fails to load is listed as failed; the server serves on the rest.
 
 **On a Ray cluster** (``--ray [ADDRESS] --replicas N``, the ``ray`` extra: ``pip install
 'deviceops[ray]'``): each replica is a Ray actor owning one engine on one GPU
-(``num_gpus=1``; ``--device cpu``: cpu-backend replicas), this process keeps the HTTP
-front and routes each request to the replica with the fewest pending tokens. ADDRESS is
+(``num_gpus=1``; ``--device cpu``: cpu-backend replicas) and hosting its engine core,
+this process keeps the HTTP front and routes each request to the replica with the fewest pending tokens. ADDRESS is
 ``ray.init``'s (none: a local cluster; ``auto``: the one running here). ``/metrics`` labels
 the engine series ``replica="r0"``; a dead replica leaves routing (503 / an SSE error
 event for its requests), Ray restarts it (``--max-restarts``) and it rejoins;

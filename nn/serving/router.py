@@ -1,8 +1,10 @@
 """Data-parallel serving: one :class:`~deviceops.nn.Engine` per device behind a router.
 
-``python -m deviceops.nn.serve --devices 0,1`` loads the model once per device and builds a
-fail-stop :class:`~deviceops.nn.Engine` over each copy, all in one process and one event
-loop; the HTTP layer (:mod:`.http`) asks the :class:`Router` where each request goes.
+``python -m deviceops.nn.serve --devices 0,1`` runs a fail-stop engine per device, each in
+its own engine core process (:mod:`.core_process` routes over their clients with a
+:class:`~.core_process.CoreRouter`); :func:`~.cli.load_engines` builds the same in one
+process (tests). The HTTP layer (:mod:`.http`) asks the :class:`Router` where each
+request goes.
 
 **Routing rule.** A request goes to the serving engine with the least
 :attr:`~deviceops.nn.Engine.pending_tokens`: for every request it holds, queued or
