@@ -40,6 +40,7 @@ def test_parse_reads_calls_and_leaves_everything_else_as_text() -> None:
     for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not a tool
                  "<tool_call>{not json}</tool_call>",
                  '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
+                 '<tool_call>{"name": "add", "arguments": "{not json"}</tool_call>',
                  "before <tool_call>" + CALL[11:-12]):  # never closed
         assert parse(text, NAMES) == (text, []), text
 
