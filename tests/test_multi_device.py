@@ -408,3 +408,10 @@ async def test_await_to_host_of_another_devices_tensor(pair: Any, anyio_backend:
     t = api.full((32,), 9.0).sync_on(d1.new_stream())
     with deviceops.using(StreamPoolRoundRobin(d0, 2)):
         np.testing.assert_array_equal(await t.to_host(), 9.0)
+
+
+def test_convert_of_another_devices_tensor_is_refused(pair: Any) -> None:
+    d0, d1 = pair
+    t = api.full((8,), 1.0).sync_on(d1.new_stream())
+    with pytest.raises(DeviceError, match="convert"):
+        api.convert(t, deviceops.float16).sync_on(d0.new_stream())
