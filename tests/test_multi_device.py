@@ -415,3 +415,14 @@ def test_convert_of_another_devices_tensor_is_refused(pair: Any) -> None:
     t = api.full((8,), 1.0).sync_on(d1.new_stream())
     with pytest.raises(DeviceError, match="convert"):
         api.convert(t, deviceops.float16).sync_on(d0.new_stream())
+
+
+def test_to_device_copies_on_a_stream_of_the_destination(pair: Any) -> None:
+    d0, d1 = pair
+    s0 = d0.new_stream()
+    t = api.full((8,), 4.0).sync_on(s0)
+    with deviceops.trace() as tr:
+        moved = api.to_device(t, d1).sync_on(s0)
+    assert moved.device is d1
+    assert {r.device for r in traced(tr, "to_device")} == {str(d1)}
+    np.testing.assert_array_equal(to_np(moved), 4.0)
