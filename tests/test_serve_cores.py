@@ -301,7 +301,7 @@ def test_the_supervisor_restarts_a_failed_core_but_not_a_stopped_or_unloadable_o
     class Stand(CoreProcess):
         def __init__(self, statuses: list[int]) -> None:
             super().__init__(CoreSpec("x"), "ipc://unused", reason_file=str(tmp_path / "why"),
-                             max_restarts=5)
+                             max_restarts=2)
             self.statuses, self.starts = statuses, 0
 
         def start(self) -> None:  # as CoreProcess.start, with a process that just exits
@@ -331,7 +331,7 @@ def test_the_supervisor_restarts_a_failed_core_but_not_a_stopped_or_unloadable_o
     p = run([core_mod.EXIT_LOAD], 1)
     assert p.restarts == 0 and p.dead
     # a core that keeps failing is given up after max_restarts within the window
-    p = run([core_mod.EXIT_FAILED], 6)
+    p = run([core_mod.EXIT_FAILED], 3)
     assert "times within" in (p.dead or "")
 
 
