@@ -173,3 +173,19 @@ def overlapped(recs: list[Any]) -> bool:
     """Whether all ``recs`` (trace records) ran at one time: some instant lies in every one."""
     return max(r.start for r in recs) < min(r.end for r in recs)
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat_template() -> str:
+    """SmolLM2's chat template, read once from its GGUF (reading the file's metadata takes
+    seconds); skips without the weights."""
+    from deviceops.nn.checkpoint import smollm2_path
+
+    try:
+        path = smollm2_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"needs the SmolLM2 GGUF: {exc}")
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode()

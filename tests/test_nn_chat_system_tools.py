@@ -109,19 +109,10 @@ def test_a_request_with_a_system_message_and_tools(qwen: Any, role: str) -> None
     assert ids({"messages": _chat(None), "tools": TOOLS}) == qwen.encode(_want(DEFAULT))
 
 
-def test_smollm2_keeps_a_users_system_message() -> None:
+def test_smollm2_keeps_a_users_system_message(smollm2_chat_template: str) -> None:
     """SmolLM2's own template (from its GGUF): a user's system message replaces the default
     one, and is rendered once."""
-    from deviceops.nn.checkpoint import smollm2_path
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2 not installed: {exc}")
-    import gguf
-
-    field = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"]
-    t = ChatTemplate(bytes(field.parts[field.data[0]]).decode())
+    t = ChatTemplate(smollm2_chat_template)
     got = t.render(_chat(MINE))
     assert got == (f"<|im_start|>system\n{MINE}<|im_end|>\n<|im_start|>user\nWeather in "
                    "Paris?<|im_end|>\n<|im_start|>assistant\n")

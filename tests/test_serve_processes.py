@@ -5,7 +5,7 @@ cpu:0,cpu:1``, kill -9 of one core mid-stream fails only that core's requests, t
 survivors finish, the core is restarted and serves again with no KV blocks held; SIGTERM
 leaves no process behind; a model that cannot load makes ``serve`` exit non-zero with a
 one-line reason; a prompt that cannot fit is refused before tokenising; ``--api-servers 2``
-runs two fronts on one port. (The cores and their clients in one process:
+runs two fronts on one port; the cores exit when ``serve`` is killed. (The cores and their clients in one process:
 ``tests/test_serve_cores.py``.)
 """
 
@@ -44,22 +44,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def test_prompts_that_cannot_fit_are_refused_before_tokenising(tiny_gguf: str) -> None:
-    """A prompt longer than max_seq times the longest vocabulary entry cannot fit: 400,
-    naming the bound, without being tokenised (a huge text would hold the GIL)."""
-    with _serve("--model", tiny_gguf, "--device", "cpu", "--max-seq", "64") as (_, url):
-        r = httpx.post(url + "/v1/completions", json={"prompt": "ab " * 200_000,
-                                                      "max_tokens": 2}, timeout=30)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert "characters" in err["message"] and "at most" in err["message"], err
-        bound = int(re.search(r"at most (\d+)", err["message"]).group(1))  # type: ignore[union-attr]
-        assert bound < 600_000  # the context's bound, not --max-prompt-chars' million
-        ok = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2,
-                                                       "ignore_eos": True}, timeout=30)
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
 @contextlib.contextmanager
@@ -128,7 +112,7 @@ def test_kill_9_of_one_core_fails_only_its_streams_and_it_comes_back(tiny_gguf: 
     import threading
 
     with _serve("--model", tiny_gguf, "--devices", "cpu:0,cpu:1", "--max-batch", "4",
-                "--max-seq", "256", env={"DEVICEOPS_CORE_STEP_PAUSE_MS": "20"}) as (_, url):
+                "--max-seq", "256", env={"DEVICEOPS_CORE_STEP_PAUSE_MS": "20"}) as (proc, url):
         engines = httpx.get(url + "/health").json()["engines"]
         pids = {e["device"]: e["pid"] for e in engines}
         assert len(pids) == 2 and all(_alive(p) for p in pids.values())
@@ -176,12 +160,31 @@ def test_kill_9_of_one_core_fails_only_its_streams_and_it_comes_back(tiny_gguf: 
         blocks = [ln for ln in metrics.splitlines()
                   if ln.startswith("deviceops_kv_blocks_in_use")]
         assert blocks and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in blocks), blocks
+        # no orphans even after kill -9 of serve itself: the cores watch their parent
+        now = [e["pid"] for e in httpx.get(url + "/health").json()["engines"]]
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in now):
+            assert time.monotonic() < deadline, [p for p in now if _alive(p)]
+            time.sleep(0.1)
 
 
 def test_sigterm_stops_every_core_and_leaves_no_process(tiny_gguf: str) -> None:
+    """A prompt that cannot fit is refused before tokenising; SIGTERM mid-stream: the
+    stream ends normally, serve exits 0 and no core is left."""
     with _serve("--model", tiny_gguf, "--devices", "cpu:0,cpu:1",
                 env={"DEVICEOPS_CORE_STEP_PAUSE_MS": "5"}) as (proc, url):
         pids = [e["pid"] for e in httpx.get(url + "/health").json()["engines"]]
+        # a prompt longer than max_seq times the longest vocabulary entry cannot fit: a 400
+        # naming the context's bound (not --max-prompt-chars' million), before tokenising
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ab " * 200_000,
+                                                      "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "characters" in err["message"] and "at most" in err["message"], err
+        bound = int(re.search(r"at most (\d+)", err["message"]).group(1))  # type: ignore[union-attr]
+        assert bound < 600_000
         out: list[Any] = []
         import threading
 
@@ -226,6 +229,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # ~6 s of process start-ups; ./scripts/test.sh --slow runs it
 def test_api_servers_share_the_port_and_stop_together(tiny_gguf: str) -> None:
     """``--api-servers 2``: two front processes on one port, both serving (each counts its
     own requests in /metrics), both attached to the one core; SIGTERM stops every process."""
@@ -253,16 +257,3 @@ def test_api_servers_share_the_port_and_stop_together(tiny_gguf: str) -> None:
         assert proc.wait(30) == 0
         time.sleep(0.3)
         assert [p for p in kids if _alive(p)] == []
-
-
-def test_cores_exit_when_serve_is_killed(tiny_gguf: str) -> None:
-    """No orphans even after kill -9 of ``serve``: the cores watch their parent."""
-    with _serve("--model", tiny_gguf, "--devices", "cpu:0,cpu:1") as (proc, url):
-        pids = [e["pid"] for e in httpx.get(url + "/health").json()["engines"]]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
-            time.sleep(0.1)

