@@ -126,6 +126,7 @@ def test_multi_gpu_checks_can_fail(tmp_path: Path) -> None:
     assert "copy cpu->cpu:1/ours: bytes equal" in failed
 
 
+@pytest.mark.slow  # four servers, each with its engine-core processes (~12 s)
 def test_multi_gpu_serve_smoke(tmp_path: Path) -> None:
     """The serving section on two emulated cpu devices: four servers (one device at half and
     full clients, twice the rows, --devices cpu,cpu:1), every requested token received."""
