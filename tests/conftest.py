@@ -20,6 +20,7 @@ import gc
 import re
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -189,3 +190,14 @@ def smollm2_chat_template() -> str:
 
     field = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"]
     return bytes(field.parts[field.data[0]]).decode()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random Llama of :mod:`tests.nn_tiny` as a GGUF file (an untied head), written
+    once; the serving tests load it as ``--model``."""
+    from . import nn_tiny
+
+    path = Path(tmp_path_factory.mktemp("tiny_gguf")) / "tiny.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(1, tied=False), "F32")
+    return str(path)

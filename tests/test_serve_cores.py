@@ -23,18 +23,9 @@ from deviceops.nn.serving import protocol as P
 from deviceops.nn.serving.core import EngineCore
 from deviceops.nn.serving.core_client import CoreClient, CoreFailed, CoreStream, _Req, handshake
 
-from . import nn_tiny
-
 pytestmark = [pytest.mark.timeout(120)]
 
 KW: dict[str, Any] = {"max_batch": 2, "max_seq": 96, "max_queue": None, "prefill_chunk": 32}
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = Path(tmp_path_factory.mktemp("tiny_cores")) / "tiny.gguf"
-    nn_tiny.write_gguf(path, nn_tiny.hf_weights(1, tied=False), "F32")
-    return str(path)
 
 
 # -- the protocol ---------------------------------------------------------------------------

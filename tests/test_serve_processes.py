@@ -27,16 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from . import nn_tiny
-
 pytestmark = [pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = Path(tmp_path_factory.mktemp("tiny_procs")) / "tiny.gguf"
-    nn_tiny.write_gguf(path, nn_tiny.hf_weights(1, tied=False), "F32")
-    return str(path)
 
 
 # -- serve, as a user starts it ------------------------------------------------------------

@@ -65,8 +65,11 @@ from .requests import (
     EngineFailed,
     EngineOverloaded,
     EngineStats,
+    SamplingParams,
     TokenLogprob,
     TokenStream,
+    check_kv_budget,
+    prompt_ids,
 )
 
 __all__ = ["CoreClient", "CoreFailed", "CoreModel", "CoreStream", "handshake"]
@@ -166,16 +169,6 @@ class CoreStream(TokenStream):
     def finish_reason(self) -> str | None:
         """``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once finished."""
         return self._req.reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprob | None]:
-        """With ``logprobs``: one :class:`~.requests.TokenLogprob` per token so far."""
-        return list(self._req.logprobs)
-
-    def logprob(self, i: int) -> TokenLogprob | None:
-        """The :class:`~.requests.TokenLogprob` of token ``i`` (with ``logprobs``)."""
-        lps = self._req.logprobs
-        return lps[i] if 0 <= i < len(lps) else None
 
     async def _wait(self) -> None:
         fut = self._req.waiter = asyncio.get_running_loop().create_future()
@@ -278,20 +271,14 @@ class CoreClient:
         pres, freq, bias, lp = check_adjustments(presence_penalty, frequency_penalty,
                                                  logit_bias, logprobs, self.steps.vocab_size,
                                                  "Engine")
-        asked = {"presence_penalty": bool(pres), "frequency_penalty": bool(freq),
-                 "logit_bias": bool(bias), "logprobs": lp is not None}
-        lacking = sorted(k2 for k2, v in asked.items() if v and k2 not in self.sampling_features)
+        asked = SamplingParams(presence_penalty=pres, frequency_penalty=freq, logit_bias=bias,
+                               logprobs=lp).features()
+        lacking = sorted(asked - self.sampling_features)
         if lacking:
             raise ValueError(f"Engine: {', '.join(lacking)} not supported by this model "
                              f"(the core declares {sorted(self.sampling_features)})")
-        total, block = int(self.info.get("kv_blocks_total", 0)), int(
-            self.info.get("kv_block_size", 16))
-        need = min(len(ids) + max_new, self.max_seq)
-        if total and -(-need // block) > total:
-            raise ValueError(
-                f"Engine: prompt ({len(ids)} tokens) plus max_new_tokens ({max_new}) needs "
-                f"more KV blocks than the pool's {total} of {block} positions; lower "
-                "max_new_tokens or build the model with more kv_blocks")
+        check_kv_budget(len(ids), max_new, self.max_seq, int(self.info.get("kv_blocks_total", 0)),
+                        int(self.info.get("kv_block_size", 16)))
         if len(self._reqs) >= self.max_batch + self.max_queue:
             raise EngineOverloaded(
                 f"engine core {self.name}: {len(self._reqs)} requests in flight (max_batch "
@@ -568,24 +555,7 @@ class CoreClient:
         self._sock.send(encode(msg))
 
     def _ids_of(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.model.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise TypeError(f"Engine: prompt must be a str or a list of token ids, got "
-                            f"{type(prompt).__name__}")
-        if not ids:
-            raise ValueError("Engine: prompt is empty (it must have at least one token)")
-        vocab = self.steps.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Engine: prompt token ids {bad[:4]} outside [0, {vocab})")
-        if len(ids) > self.max_seq:
-            raise ValueError(f"Engine: prompt has {len(ids)} tokens, more than max_seq="
-                             f"{self.max_seq} (shorten the prompt)")
-        return ids
+        return prompt_ids(prompt, self.model.encode, self.steps.vocab_size, self.max_seq)
 
     def _notify(self, req: _Req) -> None:
         fut = req.waiter

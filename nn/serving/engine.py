@@ -74,6 +74,8 @@ from .requests import (
     SamplingParams,
     StepModel,
     _Request,
+    check_kv_budget,
+    prompt_ids,
 )
 from .scheduler import Scheduler
 
@@ -216,12 +218,7 @@ class Engine:
                              f"{sorted(self.sampling_features)})")
         req.ignore_eos = bool(ignore_eos)
         total = int(getattr(self.steps, "kv_blocks_total", 0)) if self.scheduler.reserve else 0
-        if total and -(-self.scheduler.budget(req) // self.pool.block_size) > total:
-            raise ValueError(
-                f"Engine: prompt ({len(req.prompt)} tokens) plus max_new_tokens ({req.max_new}) "
-                f"needs more KV blocks than the pool's {total} of {self.pool.block_size} "
-                "positions; lower max_new_tokens or build the model with more kv_blocks"
-            )
+        check_kv_budget(len(req.prompt), req.max_new, self.max_seq, total, self.pool.block_size)
         if len(self._queue) >= self.max_queue:
             raise EngineOverloaded(
                 f"Engine: admission queue full ({len(self._queue)} waiting, max_queue="
@@ -371,27 +368,8 @@ class Engine:
             raise EngineFailed(str(self._failure)) from self._failure.__cause__
         if self._closed:
             raise EngineClosed("Engine: closed; it accepts no new requests")
-        if isinstance(prompt, str):
-            ids = list(self.steps.encode(prompt))
-        elif isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = [int(t) for t in prompt]
-        else:
-            raise TypeError(
-                f"Engine: prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-            )
         vocab = self.steps.vocab_size
-        if not ids:
-            raise ValueError("Engine: prompt is empty (it must have at least one token)")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Engine: prompt token ids {bad[:4]} outside [0, {vocab})")
-        if len(ids) > self.max_seq:
-            raise ValueError(
-                f"Engine: prompt has {len(ids)} tokens, more than max_seq={self.max_seq} "
-                "(shorten the prompt)"
-            )
+        ids = prompt_ids(prompt, self.steps.encode, vocab, self.max_seq)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"Engine: max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 0:

@@ -44,38 +44,39 @@ PHASE_NAMES = ("admit", "enqueue", "wait", "deliver", "recv", "send")
 _LITTLE = sys.byteorder == "little"
 
 
-def pack_i32(xs: Sequence[int]) -> bytes:
-    """``xs`` as little-endian int32 bytes."""
-    a = array("i", xs)
+def _pack(code: str, xs: Sequence[int]) -> bytes:
+    a = array(code, xs)
     if not _LITTLE:
         a.byteswap()
     return a.tobytes()
+
+
+def _unpack(code: str, b: bytes) -> list[int]:
+    a = array(code)
+    a.frombytes(b)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_i32(xs: Sequence[int]) -> bytes:
+    """``xs`` as little-endian int32 bytes."""
+    return _pack("i", xs)
 
 
 def unpack_i32(b: bytes) -> list[int]:
     """The ints :func:`pack_i32` packed."""
-    a = array("i")
-    a.frombytes(b)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tolist()
+    return _unpack("i", b)
 
 
 def pack_i64(xs: Sequence[int]) -> bytes:
     """``xs`` as little-endian int64 bytes."""
-    a = array("q", xs)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tobytes()
+    return _pack("q", xs)
 
 
 def unpack_i64(b: bytes) -> list[int]:
     """The ints :func:`pack_i64` packed."""
-    a = array("q")
-    a.frombytes(b)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tolist()
+    return _unpack("q", b)
 
 
 # -- front -> core --------------------------------------------------------------------------

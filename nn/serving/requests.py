@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FEATURES", "STAT_FIELDS", "EngineClosed", "EngineFailed", "EngineOverloaded", "EngineStats",
            "RequestStream", "Sampled", "SamplingParams", "StepModel", "TokenLogprob",
-           "TokenStream"]
+           "TokenStream", "check_kv_budget", "prompt_ids"]
 
 #: The optional sampling features a step model may declare in ``sampling_features``.
 FEATURES = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
@@ -135,6 +135,48 @@ class StepModel(Protocol):
     def release(self, slot: int) -> None: ...
 
 
+def prompt_ids(prompt: Any, encode: Any, vocab: int, max_seq: int) -> list[int]:
+    """``prompt`` (a ``str``, through ``encode``, or token ids) as checked token ids.
+
+    Raises:
+        TypeError: neither a ``str`` nor a list of ints.
+        ValueError: empty, an id outside ``[0, vocab)``, or longer than ``max_seq``.
+    """
+    if isinstance(prompt, str):
+        ids = list(encode(prompt))
+    elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise TypeError(
+            f"Engine: prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("Engine: prompt is empty (it must have at least one token)")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"Engine: prompt token ids {bad[:4]} outside [0, {vocab})")
+    if len(ids) > max_seq:
+        raise ValueError(f"Engine: prompt has {len(ids)} tokens, more than max_seq={max_seq} "
+                         "(shorten the prompt)")
+    return ids
+
+
+def check_kv_budget(prompt_len: int, max_new: int, max_seq: int, blocks_total: int,
+                    block_size: int) -> None:
+    """Refuse a request whose positions (prompt plus ``max_new``, within ``max_seq``) need
+    more KV blocks than the whole pool has (``blocks_total`` 0: not a paged pool).
+
+    Raises:
+        ValueError: it could never be admitted.
+    """
+    need = min(prompt_len + max_new, max_seq)
+    if blocks_total and -(-need // block_size) > blocks_total:
+        raise ValueError(
+            f"Engine: prompt ({prompt_len} tokens) plus max_new_tokens ({max_new}) needs more "
+            f"KV blocks than the pool's {blocks_total} of {block_size} positions; lower "
+            "max_new_tokens or build the model with more kv_blocks")
+
+
 _QUEUED, _PREFILL, _DECODE, _DONE = range(4)
 
 
@@ -213,6 +255,17 @@ class TokenStream:
         """Tokens generated so far."""
         return list(self._req.out)
 
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """With ``logprobs``: one :class:`TokenLogprob` per token of :attr:`tokens` (so far),
+        else empty (the request record's ``logprobs``)."""
+        return list(self._req.logprobs)
+
+    def logprob(self, i: int) -> TokenLogprob | None:
+        """The :class:`TokenLogprob` of token ``i`` (with ``logprobs``; else ``None``)."""
+        lps = self._req.logprobs
+        return lps[i] if 0 <= i < len(lps) else None
+
     def take_ready(self) -> list[int]:
         """Every token already received and not yet iterated (possibly none), without
         waiting: a consumer that fell behind takes them in one go."""
@@ -279,17 +332,6 @@ class RequestStream(TokenStream):
     def id(self) -> int:
         """The engine-wide request id."""
         return self._req.id
-
-    @property
-    def logprobs(self) -> list[TokenLogprob | None]:
-        """With ``logprobs``: one :class:`TokenLogprob` per token of :attr:`tokens` (so far),
-        else empty."""
-        return list(self._req.logprobs)
-
-    def logprob(self, i: int) -> TokenLogprob | None:
-        """The :class:`TokenLogprob` of token ``i`` (with ``logprobs``; else ``None``)."""
-        lps = self._req.logprobs
-        return lps[i] if 0 <= i < len(lps) else None
 
     @property
     def prompt_tokens(self) -> int:
