@@ -48,6 +48,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_CPU_BLAS_ADAPT", "0",
          "`1` lets the cpu backend change the BLAS thread count at run time (off by default: "
          "some OpenBLAS builds crash when it changes under running calls)."),
+    Knob("DEVICEOPS_FUSED_DECODE", "0",
+         "`1`: a model's decode steps of up to 32 rows run as one persistent kernel "
+         "(`kernels.FusedDecodeModel`; on the cpu backend its NumPy version), and a model that "
+         "cannot is an error; `auto`: on CUDA when the architecture and shapes allow; `0` "
+         "(default): the unfused ops. Off by default: on an H200 the fused step is still "
+         "slower than the unfused graph (benchmarks/RESULTS.md)."),
     Knob("DEVICEOPS_NN_PAGED_PREFILL", "0",
          "`1` prefills the first chunk of a prompt through the paged KV path too (testing)."),
     Knob("DEVICEOPS_SMOLLM2_GGUF", "",

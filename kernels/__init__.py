@@ -11,6 +11,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``                       |
 | ``sampling``    | ``sample``, ``penalize``, ``logprobs``                             |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
+| ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
 
 Every family has the same parts, under the same names (where the part exists):
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 from .attention.op import flash_attention
 from .elementwise.op import add, gelu, mul, saxpy, silu, softmax, swiglu
+from .fused.op import FusedDecodeModel, FusedLayer
 from .gemm.op import gemm, matmul
 from .lookup.op import argmax, embedding
 from .norms.op import add_rms_norm, layer_norm, rms_norm
@@ -50,6 +52,8 @@ from .sampling.op import logprobs, penalize, sample
 from .transformer.op import merge_heads, rope, rope_kv_write
 
 __all__ = [
+    "FusedDecodeModel",
+    "FusedLayer",
     "KernelOp",
     "add",
     "add_rms_norm",

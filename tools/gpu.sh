@@ -18,6 +18,8 @@
 #   bench-gemm     benchmarks/gemm.py (the decode rows M = 1, 8, 32; $GEMM_ARGS replaces them)
 #   bench-attention benchmarks/attention.py --decode-tables ($ATTN_ARGS replaces them)
 #   bench-norms    benchmarks/norms.py
+#   fused-check    tools/fused_check.py: the fused decode kernel against the unfused ops (logits),
+#                  then graph step times of both and the fused kernel's per-phase clock
 #   bench-decode   benchmarks/decode.py on the SmolLM2 GGUF (HF=1: with transformers beside it)
 #   bench-serve    benchmarks/serve.py on the SmolLM2 GGUF ($SERVE_ARGS appended)
 #   bench-soak     benchmarks/soak.py ($SOAK_OPS ops, default 1,000,000)
@@ -155,6 +157,9 @@ bench-op-cost) bench op_cost ;;
 bench-gemm) bench gemm ${GEMM_ARGS:---m 1,8,32} ;;
 bench-attention) bench attention ${ATTN_ARGS:---decode-tables} ;;
 bench-norms) bench norms ;;
+fused-check)
+    timeout 500 python3 tools/fused_check.py > "$OUT/fused_check.log" 2>&1
+    echo "fused-check rc=$?"; tail -22 "$OUT/fused_check.log"; t fused-check ;;
 bench-soak) bench soak --ops "${SOAK_OPS:-1000000}" ;;
 bench-decode)
     need_gguf bench-decode || continue

@@ -32,6 +32,7 @@ import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor
 
 from .forward import Thunk, chain, decoder_ops
+from .fused import fused_rows
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -148,8 +149,10 @@ class Decoder:
         return th
 
     def _build(self, b: int, feat: bool) -> list[Thunk]:
-        """Embed, layers, final norm, LM head, (feature step: ``penalize``) sample into the
-        token buffer, (feature step: ``logprobs``), advance ``start``/``kv_len``."""
+        """Embed, layers, final norm, LM head (one fused kernel for them all when the runner
+        has a fused model and ``b`` fits it: :mod:`.fused`), (feature step: ``penalize``)
+        sample into the token buffer, (feature step: ``logprobs``), advance
+        ``start``/``kv_len``."""
         r, rows = self.r, self.r.rows
         arch, w = r.arch, r.weights
         vw = r.arena.views(b, 1)
@@ -157,10 +160,18 @@ class Decoder:
         logits = r.logits[:b]
         temp, top_k, top_p = rows.temperature[:b], rows.top_k[:b], rows.top_p[:b]
         seed, counter = rows.seed[:b], rows.counter[:b]
-        th = arch.embed_ops(w, tok, vw["resid"])
-        th += decoder_ops(arch, w, r.cache, vw, r.kv.table[:b], st, kl)
-        th += arch.final_norm_ops(w, vw["down"], vw["resid"], vw["normed"])
-        th += arch.lm_head_ops(w, vw["normed"], logits)
+        fused = r.fused
+        if fused is not None and b <= fused_rows(fused):
+            fused.prepare(b, state=rows.state, table=r.kv.table, k_cache=r.cache.k,
+                          v_cache=r.cache.v, logits=logits)
+            th: list[Thunk] = [lambda: fused.step(b, state=rows.state, table=r.kv.table,
+                                                  k_cache=r.cache.k, v_cache=r.cache.v,
+                                                  logits=logits)]
+        else:
+            th = arch.embed_ops(w, tok, vw["resid"])
+            th += decoder_ops(arch, w, r.cache, vw, r.kv.table[:b], st, kl)
+            th += arch.final_norm_ops(w, vw["down"], vw["resid"], vw["normed"])
+            th += arch.lm_head_ops(w, vw["normed"], logits)
         def draw() -> DeviceOp[Any]:
             return kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok)
 

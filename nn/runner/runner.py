@@ -75,6 +75,7 @@ from .._args import check_adjustments, check_sampling
 from ..models import Architecture, LlamaConfig, Weights
 from .decode import Decoder
 from .forward import Arena, buckets, chain
+from .fused import make_fused
 from .paged_kv import BlockAllocator, BlockTable, KVCache
 from .prefill import Prefiller
 from .rows import RowState
@@ -140,6 +141,7 @@ class Runner:
         # paged cache (set before the first prefill)
         self.contiguous_first_chunk = _env.get("DEVICEOPS_NN_PAGED_PREFILL") != "1"
         self.buckets = buckets(max_batch)
+        self.fused = make_fused(self)  # a decode step in one kernel (DEVICEOPS_FUSED_DECODE)
         self.decoder = Decoder(self)
         self.prefiller = Prefiller(self)
         self.busy = False
