@@ -41,6 +41,8 @@ def test_pack_fragment_layout_and_round_trip() -> None:
     np.testing.assert_array_equal(unpack_strips(pack_strips(w, order), order), w)
     with pytest.raises(ValueError, match="multiples of 16"):
         pack_strips(w[:40])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        pack_strips(w[:, :40])
 
 
 def test_qkv_and_gate_up_orders_pair_rows_g_and_g_plus_8() -> None:
@@ -97,7 +99,12 @@ def _model(monkeypatch: pytest.MonkeyPatch, flag: str, dtype: str, device: Any =
     monkeypatch.setenv("DEVICEOPS_FUSED_DECODE", flag)
     c = nn.LlamaConfig(**(cfg or CPU_CFG))
     args = {"max_batch": 4, "max_seq": 200, "kv_block_size": 16, "kv_blocks": 60} | kw
-    return nn.random_model(c, dtype=dtype, device=device, seed=2, **args)
+    w = nn.random_weights(c, seed=2)
+    rng = np.random.default_rng(3)
+    for k in w:  # norm scales away from 1, so a norm that divides by them is caught
+        if k.endswith("norm.weight"):
+            w[k] = (1 + 0.3 * rng.standard_normal(w[k].shape)).astype(np.float32)
+    return nn.CausalLM(c, w, tokenizer=None, dtype=dtype, device=device, **args)
 
 
 def _decode_logits(m: Any, prompts: list[list[int]], toks: list[list[int]], graph: bool) -> np.ndarray:
@@ -149,6 +156,27 @@ def test_knob_values_and_unsupported_model(monkeypatch: pytest.MonkeyPatch) -> N
         _model(monkeypatch, "yes", "float16")
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         _model(monkeypatch, "1", "float32")
+
+
+def test_architecture_with_its_own_forward_is_not_fused() -> None:
+    from types import SimpleNamespace
+
+    from deviceops.nn.models.llama import Llama
+    from deviceops.nn.runner.fused import fused_reason
+
+    class Own(Llama):
+        name = "own"
+
+        def layer_ops(self, layer: Any, io: Any) -> Any:
+            return super().layer_ops(layer, io)
+
+    cfg = nn.LlamaConfig(**CPU_CFG)
+    r = SimpleNamespace(arch=Own(), config=cfg, dtype="float16")
+    assert "own forward" in str(fused_reason(r))  # type: ignore[arg-type]
+    r.arch = Llama()
+    assert fused_reason(r) is None  # type: ignore[arg-type]
+    r.arch = SimpleNamespace(name="other")
+    assert "own forward" in str(fused_reason(r))  # type: ignore[arg-type]
 
 
 def test_step_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,6 +73,11 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/core.py": ["tests/test_serve_cores.py"],
     "nn/serving/core_client.py": ["tests/test_serve_cores.py"],
     "nn/serving/protocol.py": ["tests/test_serve_cores.py"],
+    # the fused decode step's packing, plan and NumPy step (the CUDA kernel: GPU tests)
+    "kernels/fused/_plan.py": ["tests/test_fused_decode.py"],
+    "kernels/fused/_cpu.py": ["tests/test_fused_decode.py"],
+    "kernels/fused/op.py": ["tests/test_fused_decode.py"],
+    "nn/runner/fused.py": ["tests/test_fused_decode.py"],
     "nn/serving/detokenize.py": ["tests/test_detokenize.py", "tests/test_serve_http.py",
                                  "tests/test_sampling_effects.py"],
     "nn/serving/tool_calls.py": ["tests/test_serve_tool_calls.py"],
