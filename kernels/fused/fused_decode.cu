@@ -58,10 +58,12 @@ struct FdParams {
 };
 
 // ------------------------------------------------------------------ memory helpers
-__device__ __forceinline__ uint4 ld_w(const uint4* p) {  // weights: read-only for the launch
+// Weights: read-only for the launch. `volatile`, so the compiler issues a load where it is
+// written (a fragment loaded before a barrier must not be sunk to its use after it).
+__device__ __forceinline__ uint4 ld_w(const uint4* p) {
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 // (the __ldcg builtins: the compiler knows they read global memory, so it keeps them after
@@ -497,7 +499,8 @@ __device__ __forceinline__ void attention_phase(const FdParams& p, const FdLayer
     T* vs = vs_all + warp * 32 * HD;
     const int per_s = B * Hkv;
     const int total = per_s * FD_MAX_SPLITS;
-    const int gw = blockIdx.x * FD_WARPS + warp, nw = gridDim.x * FD_WARPS;
+    // (consecutive items on different SMs)
+    const int gw = warp * gridDim.x + blockIdx.x, nw = gridDim.x * FD_WARPS;
     const float sl2 = (float)p.scale_log2;
     for (int i = gw; i < total; i += nw) {
         const int s = i / per_s, b = (i % per_s) / Hkv, g = i % Hkv;
