@@ -419,7 +419,10 @@ struct LogitEpi {
 
 // ------------------------------------------------------------------ norm rows
 // Warp per row: s = (embed) or round(resid + round(sum(parts) + bias)); s to resid_out (block
-// 0) and the tile; then tile = round(s * rsqrt(mean(s^2) + eps) * w).
+// 0) and the tile; then tile = round(s * rsqrt(mean(s^2) + eps) * w). A lane's chunks (up to
+// NC of 8 values) are loaded together, the scale's with them: one round trip a row (more
+// only beyond 32 * 8 * NC columns or for a second partial).
+#define FD_NC 4
 template <typename T>
 __device__ __forceinline__ void norm_rows(T* tile, int KP, const FdParams& p, const void* resid,
                                           int nparts, const void* bias, const void* w,
@@ -429,42 +432,82 @@ __device__ __forceinline__ void norm_rows(T* tile, int KP, const FdParams& p, co
     for (int b = warp; b < B; b += FD_WARPS) {
         float ss = 0.f;
         T* trow = tile + (long long)b * KP;
-        for (int c8 = lane; c8 < n8; c8 += 32) {
-            float v[8];
-            if (embed) {
-                const long long tok = p.state[3 * p.stride + b];
-                unpack8<T>(v, ld_w((const uint4*)((const T*)p.embed + tok * H + c8 * 8)));
-            } else {
-                unpack8<T>(v, ld_cg16((const T*)resid + (long long)b * H + c8 * 8));
-                if (nparts > 0) {
-                    float o[8];
+        const long long tok = embed ? p.state[3 * p.stride + b] : 0;
+        for (int g0 = 0; g0 < n8; g0 += 32 * FD_NC) {
+            uint4 rv[FD_NC], wv[FD_NC];
+            float4 pa[FD_NC], pb[FD_NC];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) o[e] = bias ? ldT<T>(bias, c8 * 8 + e) : 0.f;
-                    for (int k = 0; k < nparts; ++k) {
-                        const float* pr = p.part + ((long long)k * B + b) * H + c8 * 8;
-                        const float4 u = ld_cg4f(pr), w4 = ld_cg4f(pr + 4);
-                        o[0] += u.x; o[1] += u.y; o[2] += u.z; o[3] += u.w;
-                        o[4] += w4.x; o[5] += w4.y; o[6] += w4.z; o[7] += w4.w;
+            for (int u = 0; u < FD_NC; ++u) {
+                const int c8 = g0 + lane + 32 * u;
+                if (c8 >= n8) continue;
+                wv[u] = ld_w((const uint4*)((const T*)w + c8 * 8));
+                if (embed) {
+                    rv[u] = ld_w((const uint4*)((const T*)p.embed + tok * H + c8 * 8));
+                } else {
+                    rv[u] = ld_cg16((const T*)resid + (long long)b * H + c8 * 8);
+                    if (nparts > 0) {
+                        const float* pr = p.part + (long long)b * H + c8 * 8;
+                        pa[u] = ld_cg4f(pr);
+                        pb[u] = ld_cg4f(pr + 4);
                     }
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + round_to<T>(o[e]));
                 }
             }
-            const uint4 sv = pack8<T>(v);
-            *(uint4*)(trow + c8 * 8) = sv;
-            if (resid_out != nullptr && blockIdx.x == 0) *(uint4*)((T*)resid_out + (long long)b * H + c8 * 8) = sv;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
-        }
-        ss = warp_sum(ss);
-        const float inv = rsqrtf(ss / (float)H + (float)p.eps);
-        for (int c8 = lane; c8 < n8; c8 += 32) {
-            float v[8], wv[8];
-            unpack8<T>(v, *(const uint4*)(trow + c8 * 8));
-            unpack8<T>(wv, ld_w((const uint4*)((const T*)w + c8 * 8)));
+            for (int u = 0; u < FD_NC; ++u) {
+                const int c8 = g0 + lane + 32 * u;
+                if (c8 >= n8) continue;
+                float v[8];
+                unpack8<T>(v, rv[u]);
+                if (!embed && nparts > 0) {
+                    float o[8] = {pa[u].x, pa[u].y, pa[u].z, pa[u].w, pb[u].x, pb[u].y, pb[u].z, pb[u].w};
+                    for (int k = 1; k < nparts; ++k) {  // (a K split in several partials)
+                        const float* pr = p.part + ((long long)k * B + b) * H + c8 * 8;
+                        const float4 x = ld_cg4f(pr), y = ld_cg4f(pr + 4);
+                        o[0] += x.x; o[1] += x.y; o[2] += x.z; o[3] += x.w;
+                        o[4] += y.x; o[5] += y.y; o[6] += y.z; o[7] += y.w;
+                    }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * wv[e];
-            *(uint4*)(trow + c8 * 8) = pack8<T>(v);
+                    for (int e = 0; e < 8; ++e) {
+                        const float bb = bias ? ldT<T>(bias, c8 * 8 + e) : 0.f;
+                        v[e] = round_to<T>(v[e] + round_to<T>(o[e] + bb));
+                    }
+                }
+                const uint4 sv = pack8<T>(v);
+                rv[u] = sv;
+                if (resid_out != nullptr && blockIdx.x == 0) *(uint4*)((T*)resid_out + (long long)b * H + c8 * 8) = sv;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+            }
+            if (g0 + 32 * FD_NC < n8) {  // (rows longer than the registers: stage in the tile)
+#pragma unroll
+                for (int u = 0; u < FD_NC; ++u) {
+                    const int c8 = g0 + lane + 32 * u;
+                    if (c8 < n8) *(uint4*)(trow + c8 * 8) = rv[u];
+                }
+            } else {
+                ss = warp_sum(ss);
+                const float inv = rsqrtf(ss / (float)H + (float)p.eps);
+                // the earlier groups (long rows) from the tile, the last from registers
+                for (int c8 = lane; c8 < g0; c8 += 32) {
+                    float v[8], ww[8];
+                    unpack8<T>(v, *(const uint4*)(trow + c8 * 8));
+                    unpack8<T>(ww, ld_w((const uint4*)((const T*)w + c8 * 8)));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * ww[e];
+                    *(uint4*)(trow + c8 * 8) = pack8<T>(v);
+                }
+#pragma unroll
+                for (int u = 0; u < FD_NC; ++u) {
+                    const int c8 = g0 + lane + 32 * u;
+                    if (c8 >= n8) continue;
+                    float v[8], ww[8];
+                    unpack8<T>(v, rv[u]);
+                    unpack8<T>(ww, wv[u]);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * ww[e];
+                    *(uint4*)(trow + c8 * 8) = pack8<T>(v);
+                }
+            }
         }
     }
 }
@@ -709,13 +752,14 @@ __global__ void __launch_bounds__(FD_THREADS, 1) fused_decode(const FdParams* __
         __syncthreads();
         gemv_phase<T, NT>(pre, ly.wqkv, s_qkv, k_h, 1, wq, tile, KP, red, QkvEpi<T, NT, HD>{&p, &ly, B});
         arr = bar_arrive(p.bar);
-        preload(pre, ly.wo, s_h, k_q, ks_o, wo);
         prefetch_items(ly.wo, s_h, k_q, ks_o, wo, 4);
         bar_wait(p.bar, arr);
         tick(p, tk);
-        // B: attention
+        // B: attention (nothing held in registers across it)
         attention_phase<T, HD>(p, ly, qs, vs);
-        grid_sync(p.bar);
+        arr = bar_arrive(p.bar);
+        preload(pre, ly.wo, s_h, k_q, ks_o, wo);
+        bar_wait(p.bar, arr);
         tick(p, tk);
         // C: O projection (partials)
         tile_load<T>(tile, KP, p.att, B, Hq * HD);

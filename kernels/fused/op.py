@@ -107,13 +107,15 @@ def _wps(items: int, ksteps_per_item: int, warps: int) -> int:
 
 def phase_plan(*, blocks: int, hidden: int, ffn: int, vocab: int, n_heads: int, n_kv_heads: int,
                head_dim: int) -> dict[str, int]:
-    """K splits (``ks_o``, ``ks_d``: float32 partials summed by the next phase) and warps per
-    item (``wps_*``) of each projection, for a grid of ``blocks`` blocks of 8 warps."""
+    """K splits (``ks_o``, ``ks_d``: float32 partials summed by the next phase; one each, so
+    the next norm reads them with the residual in one round trip; the kernel takes more) and
+    warps per item (``wps_*``) of each projection, for a grid of ``blocks`` blocks of 8
+    warps."""
     warps = blocks * _WARPS
     k_h, k_q, k_f = hidden // 16, n_heads * head_dim // 16, ffn // 16
     s_qkv, s_h, s_gu, s_v = (n_heads + 2 * n_kv_heads) * head_dim // 16, hidden // 16, ffn // 8, vocab // 16
-    ks_o = max(1, min(4, blocks // s_h, k_q))
-    ks_d = max(1, min(4, blocks // s_h, k_f))
+    # one partial each (rounded by the next norm, read with the residual in one round trip)
+    ks_o = ks_d = 1
     return {
         "ks_o": ks_o, "ks_d": ks_d,
         "wps_qkv": _wps(s_qkv, k_h, warps),
