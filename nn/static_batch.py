@@ -12,7 +12,13 @@ influence each other, so a batch returns, row for row, what each prompt returns 
 (sampling too: every row uses ``seed`` and its own counter).
 
 The only host synchronization of a step is reading the chosen tokens (``generate``
-blocks on it; ``stream`` awaits it, so the event loop — asyncio or trio — keeps running).
+blocks on it; ``stream`` awaits it, so the event loop — asyncio or trio — keeps running),
+and the device does not wait for it: step ``k + 1`` is enqueued (its rows feed the tokens
+step ``k`` sampled, still on the device: ``decode_step`` with ``tokens=None``) before step
+``k``'s tokens are read, so the GPU always has the next step queued while the host reads
+and checks the last one. A row that turns out to have stopped at step ``k`` computed one
+token more in step ``k + 1``, which is dropped (no row ever feeds a position at or past
+``max_seq``, or more tokens than ``max_new_tokens``).
 Both run every op on the model's own stream (``model.device_stream``; ``stream`` schedules
 its reads with ``model.policy``), never on the default policy's, so a model on one device
 generates while the default device is another, and models on several devices generate
@@ -80,6 +86,7 @@ class _Rows:
         self.graph = graph
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = [max_new == 0] * len(prompts)
+        self.fed = [0] * len(prompts)  # tokens produced or in flight, per row
 
     def start(self) -> Tensor:
         """Prefill every row (slot i) and sample its first token; returns the token view."""
@@ -87,12 +94,16 @@ class _Rows:
         for i, ids in enumerate(self.prompts):
             self.m.set_sampling(i, temperature=t, top_k=k, top_p=p, seed=sd)
             self.m.prefill(i, ids, 0, sample=True, graph=self.graph)
+            self.fed[i] = 1
         return self.m.runner.rows.tokens[: len(self.prompts)]
 
     def accept(self, host: np.ndarray, rows: Sequence[int]) -> list[tuple[int, int]]:
-        """Record the tokens of ``rows`` read from the device; returns ``(row, token)`` pairs."""
+        """Record the tokens of ``rows`` read from the device (a row already stopped: its
+        token, computed ahead, is dropped); returns ``(row, token)`` pairs."""
         new = []
         for i in rows:
+            if self.done[i]:
+                continue
             tok = int(host[i])
             self.out[i].append(tok)
             new.append((i, tok))
@@ -111,11 +122,25 @@ class _Rows:
             self.done[i] = True
             self.m.release(i)
 
-    def step(self, rows: list[int]) -> Tensor:
-        """Enqueue one decode step of ``rows``; returns the token view."""
-        toks = [self.out[i][-1] for i in rows]
-        pos = [len(self.prompts[i]) + len(self.out[i]) - 1 for i in rows]
-        return self.m.decode_step(rows, toks, pos, graph=self.graph)
+    def feedable(self, rows: Sequence[int]) -> list[int]:
+        """The rows of ``rows`` that may take one more step: not stopped as far as the host
+        knows, under ``max_new`` counting the tokens in flight, and a next position inside
+        ``max_seq``."""
+        return [i for i in rows if not self.done[i] and self.fed[i] < self.max_new
+                and len(self.prompts[i]) + self.fed[i] - 1 < self.m.max_seq]
+
+    def step(self, rows: list[int], *, known: bool) -> Any:
+        """Enqueue one decode step of ``rows`` and the read of its tokens; returns the read's
+        future. ``known``: the rows' input tokens are on the host (the first step after
+        prefill); else every row feeds what the previous step sampled (``tokens=None``)."""
+        pos = [len(self.prompts[i]) + self.fed[i] - 1 for i in rows]
+        if known:
+            view = self.m.decode_step(rows, [self.out[i][-1] for i in rows], pos, graph=self.graph)
+        else:
+            view = self.m.runner.decoder.step(rows, None, pos, self.graph)
+        for i in rows:
+            self.fed[i] += 1
+        return self.m.read(view).schedule(self.m.policy)
 
 
 def _setup(model: CausalLM, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
@@ -176,9 +201,13 @@ def generate(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temperat
                 try:
                     view = rows.start()
                     rows.accept(model.read(view).sync_on(s), range(len(rows.prompts)))
-                    while act := rows.active():
-                        view = rows.step(act)
-                        rows.accept(model.read(view).sync_on(s), act)
+                    cur = rows.feedable(rows.active())
+                    fut = rows.step(cur, known=True) if cur else None
+                    while fut is not None:
+                        nxt = rows.feedable(cur)  # (enqueued before this step's tokens are read)
+                        fut_next = rows.step(nxt, known=False) if nxt else None
+                        rows.accept(fut.result(), cur)
+                        fut, cur = fut_next, nxt
                 finally:
                     rows.close()
             results += rows.out
@@ -216,9 +245,13 @@ async def stream(model: CausalLM, prompt: Any, max_new_tokens: int = 32, *, temp
             view = rows.start()
             for _, tok in rows.accept(await model.read(view).schedule(on_model), [0]):
                 yield tok
-            while act := rows.active():
-                view = rows.step(act)
-                for _, tok in rows.accept(await model.read(view).schedule(on_model), act):
+            cur = rows.feedable(rows.active())
+            fut = rows.step(cur, known=True) if cur else None
+            while fut is not None:
+                nxt = rows.feedable(cur)  # (enqueued before this step's tokens are read)
+                fut_next = rows.step(nxt, known=False) if nxt else None
+                for _, tok in rows.accept(await fut, cur):
                     yield tok
+                fut, cur = fut_next, nxt
         finally:
             rows.close()

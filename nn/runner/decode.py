@@ -58,11 +58,27 @@ class Decoder:
         self.feature_graphs: dict[int, Any] = {}
         self._thunks: dict[tuple[int, bool], list[Thunk]] = {}
 
-    def step(self, slots: list[int], tokens: list[int], positions: list[int],
+    def step(self, slots: list[int], tokens: list[int] | None, positions: list[int],
              graph: bool | None) -> Tensor:
         """One decode step of checked rows: grow their blocks, upload the state if it
-        changed, run the bucket's step; returns the ``(bucket,)`` token view."""
+        changed, run the bucket's step; returns the ``(bucket,)`` token view.
+
+        ``tokens=None``: every row continues from the previous step (its input is the token
+        that step sampled, still on the device): the host need not have read it, so a step
+        can be enqueued before the previous one's tokens are read. An upload (the set of
+        rows changed) then leaves the device's tokens as they are.
+
+        Raises:
+            ValueError: ``tokens=None`` for a row that does not continue from the previous
+                step at its next position.
+        """
         r, rows = self.r, self.r.rows
+        if tokens is None:
+            sa0 = np.asarray(slots, np.intp)
+            if not (bool(rows.cont[sa0].all())
+                    and bool((rows.h_state[0, sa0] == np.asarray(positions)).all())):
+                raise ValueError("decode_step: tokens=None needs every row to continue from the "
+                                 "previous step at its next position; give the tokens")
         bs, rb = r.kv.block_size, r.kv.row_blocks
         for x, p in zip(slots, positions, strict=True):
             if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
@@ -87,7 +103,8 @@ class Decoder:
         want[0, sa] = pa
         want[1, sa] = pa + 1
         want[2, sa] = 1
-        want[3, sa] = np.asarray(tokens, np.int32)  # a continuing row's is the one there
+        if tokens is not None:
+            want[3, sa] = np.asarray(tokens, np.int32)  # a continuing row's is the one there
         want[4, sa] = rows.h_features[sa]
         idle = ~active[:b]
         want[2, :b][idle] = 0
@@ -98,9 +115,10 @@ class Decoder:
         changed = rows.dirty or fresh or not (np.array_equal(want[:3, :b], old[:3, :b])
                                               and np.array_equal(want[4, :b], old[4, :b]))
         if changed:
-            want[3, slots] = tokens  # continuing rows too: the shadow holds their previous input
+            if tokens is not None:
+                want[3, slots] = tokens  # continuing rows too: the shadow holds their previous input
             want[3, :b][want[3, :b] < 0] = 0  # unknown tokens of idle rows: any valid id
-            rows.upload_state(want)
+            rows.upload_state(want, tokens=tokens is not None)
             rows.upload_counters()
             rows.dirty = False
         if use_graph:

@@ -144,9 +144,16 @@ class RowState:
         idle[3, :b][idle[3, :b] < 0] = 0
         return idle
 
-    def upload_state(self, state: np.ndarray) -> None:
-        """Copy ``state`` ``(5, max_batch)`` to the device rows (not the shadow)."""
-        api.memcpy(self.state, api.from_host(state)).async_on(self.stream)
+    def upload_state(self, state: np.ndarray, *, tokens: bool = True) -> None:
+        """Copy ``state`` ``(5, max_batch)`` to the device rows (not the shadow); with
+        ``tokens=False`` every row but ``tokens``, which keeps what the last step sampled."""
+        if tokens:
+            api.memcpy(self.state, api.from_host(state)).async_on(self.stream)
+            return
+        api.memcpy(self.state[0:3], api.from_host(np.ascontiguousarray(state[0:3]))
+                   ).async_on(self.stream)
+        api.memcpy(self.state[4:5], api.from_host(np.ascontiguousarray(state[4:5]))
+                   ).async_on(self.stream)
 
     def upload_counters(self) -> None:
         """Copy the host counters to the device."""

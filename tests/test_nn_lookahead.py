@@ -1,0 +1,108 @@
+"""Decode steps enqueued ahead of the host (``generate`` / ``stream`` and
+``decode_step(tokens=None)``), on the cpu backend.
+
+The static batch enqueues step k + 1 before it reads step k's tokens: rows feed what the
+last step sampled, still on the device. Checked here: ``tokens=None`` continues exactly as
+passing the tokens does, and is refused for a row that does not continue; a batch whose rows
+stop at different steps (a stop id, ``max_new_tokens``, ``max_seq``) returns row for row what
+each prompt returns alone, streams the same tokens, and gives every block back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from deviceops import api, nn
+
+CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+           num_kv_heads=2, head_dim=16, rope_theta=1e4)
+
+
+def _model(**kw: Any) -> Any:
+    args = {"max_batch": 4, "max_seq": 64, "kv_block_size": 16, "kv_blocks": 40} | kw
+    return nn.random_model(nn.LlamaConfig(**CFG), dtype="float32", device="cpu", seed=4, **args)
+
+
+def _tokens(m: Any, view: Any) -> list[int]:
+    return [int(x) for x in np.asarray(m.read(view).sync_on(m.device_stream))]
+
+
+def test_tokens_none_continues_as_the_tokens_do() -> None:
+    prompts = [[5, 6, 7], [9] * 20]
+    outs = []
+    for use_none in (False, True):
+        m = _model()
+        for i, p in enumerate(prompts):
+            m.prefill(i, p, sample=True)
+        last = _tokens(m, m.runner.rows.tokens[:2])
+        seq = [last]
+        for k in range(6):
+            pos = [len(p) + k for p in prompts]
+            if use_none and k > 0:
+                view = m.runner.decoder.step([0, 1], None, pos, False)
+            else:
+                view = m.decode_step([0, 1], last, pos, graph=False)
+            last = _tokens(m, view)[:2]
+            seq.append(last)
+        outs.append(seq)
+    assert outs[0] == outs[1]
+
+
+def test_tokens_none_refused_for_a_row_that_does_not_continue() -> None:
+    m = _model()
+    m.prefill(0, [1, 2, 3], sample=True)
+    with pytest.raises(ValueError, match="tokens=None needs every row to continue"):
+        m.runner.decoder.step([0], None, [3], False)  # fresh after prefill: no previous step
+    t = _tokens(m, m.runner.rows.tokens[:1])
+    m.decode_step([0], t, [3], graph=False)
+    with pytest.raises(ValueError, match="tokens=None needs every row to continue"):
+        m.runner.decoder.step([0], None, [7], False)  # not its next position
+
+
+def test_batch_rows_stopping_at_different_steps_match_each_alone() -> None:
+    m = _model(max_seq=40)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (4, 9, 33, 17)]  # 33: max_seq at 7 new
+    for stop in (None, [11, 40, 57]):
+        for t, seed in ((0.0, None), (1.0, 123)):
+            kw = {"temperature": t, "seed": seed, "stop": stop}
+            batch = m.generate(prompts, 12, **kw)
+            alone = [m.generate(p, 12, **kw) for p in prompts]
+            assert batch == alone, (stop, t)
+            assert len(batch[2]) <= 40 - 33 + 1  # no position fed at or past max_seq
+            assert all(len(r) <= 12 for r in batch)
+    assert all(m.blocks_held(i) == 0 for i in range(4))
+
+
+def test_stream_gives_what_generate_gives() -> None:
+    m = _model()
+    want = m.generate([3, 4, 5, 6], 20, temperature=1.0, seed=7)
+
+    async def run() -> list[int]:
+        return [t async for t in m.stream([3, 4, 5, 6], 20, temperature=1.0, seed=7)]
+
+    assert anyio.run(run) == want
+    assert m.blocks_held(0) == 0
+
+
+def test_stream_closed_early_gives_its_blocks_back() -> None:
+    m = _model()
+
+    async def run() -> list[int]:
+        got = []
+        agen = m.stream([3, 4, 5, 6], 30)
+        async for t in agen:
+            got.append(t)
+            if len(got) == 3:
+                break
+        await agen.aclose()
+        return got
+
+    assert len(anyio.run(run)) == 3
+    assert m.blocks_held(0) == 0
+    assert m.generate([3, 4, 5, 6], 5) == m.generate([3, 4, 5, 6], 5)  # the model still works
+    assert np.asarray(api.to_host(m.runner.rows.tokens).sync_on(m.device_stream)).dtype == np.int32
