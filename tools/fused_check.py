@@ -1,7 +1,8 @@
 """Fused decode on the GPU against the unfused ops: logits of teacher-forced decode steps on
 a SmolLM2-shaped random model (float16 and bfloat16, buckets 1, 8 and 32, contexts short and
 past 2,048 keys), then graph step times of both. A development check; the tests are
-tests/test_fused_decode.py. ``--quick``: float16 only."""
+tests/test_fused_decode.py. ``--quick``: float16 only; ``--variants``: step times with parts of
+the kernel left out (where the time goes)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,46 @@ def logits_run(m: nn.CausalLM, prompts: list[list[int]], toks: list[list[int]], 
     return np.stack(out)
 
 
+VARIANTS = {"all": 0, "no attention": 1, "no projections": 2, "no norms": 4, "no tile loads": 8,
+            "no L2 prefetch": 16, "barriers doubled": 32, "barriers only": 1 | 2 | 4 | 8 | 16}
+
+
+def variants() -> None:
+    """Step times of the fused kernel with parts left out (FD_SKIP_*): where the time goes."""
+    rng = np.random.default_rng(0)
+    for b in (1, 32):
+        m = model("1", "float16", 32, 512)
+        f = m.runner.fused
+        prompts = [rng.integers(0, 4096, 200).tolist() for _ in range(b)]
+        for i, p in enumerate(prompts):
+            m.prefill(i, p, sample=False)
+        st, k0 = m.device_stream, 0
+        line = []
+        for name, v in VARIANTS.items():
+            f.variant = v
+            f._steps.clear()  # (new launch records, new graphs: a development tool's reset)
+            m.runner.decoder.graphs.clear()
+            m.runner.decoder._thunks.clear()
+            m.decode_step(list(range(b)), [1] * b, [200 + k0 % 300] * b)
+            k0 += 1
+            ts = []
+            for _ in range(3):
+                api.to_host(m.runner.logits).sync_on(st)
+                t0 = time.perf_counter()
+                for _ in range(40):
+                    m.decode_step(list(range(b)), [1] * b, [200 + k0 % 300] * b)
+                    k0 += 1
+                api.to_host(m.runner.logits).sync_on(st)
+                ts.append((time.perf_counter() - t0) / 40 * 1e3)
+            line.append(f"{name} {min(ts):.3f}")
+        print(f"variants b={b} (ms/step): " + "; ".join(line), flush=True)
+        del m
+
+
 def main() -> int:
+    if "--variants" in sys.argv:
+        variants()
+        return 0
     rng = np.random.default_rng(0)
     bad = 0
     dtypes = ("float16",) if "--quick" in sys.argv else ("float16", "bfloat16")

@@ -55,7 +55,17 @@ struct FdParams {
     long long ks_o, ks_d, wps_qkv, wps_o, wps_gu, wps_d, wps_head;
     unsigned long long* ticks;  // profiling (null: off): block 0's clock after every barrier
     long long detail;           // profiling: ticks inside phase C from ticks[5 * layers + 3]
+    long long variant;          // timing experiments only (FD_SKIP_*): parts left out or doubled
 };
+
+// Timing variants (FdParams::variant; 0 in use): leave a part of every phase out, or run each
+// barrier twice, so differences of step times place the time (the results are then wrong).
+#define FD_SKIP_ATTN 1
+#define FD_SKIP_GEMV 2
+#define FD_SKIP_NORM 4
+#define FD_SKIP_TILE 8
+#define FD_SKIP_PREFETCH 16  // the L2 prefetches (the register preloads stay)
+#define FD_DOUBLE_BAR 32
 
 // ------------------------------------------------------------------ memory helpers
 // Weights: read-only for the launch. `volatile`, so the compiler issues a load where it is
@@ -733,6 +743,7 @@ __global__ void __launch_bounds__(FD_THREADS, 1) fused_decode(const FdParams* __
     const int k_h = H / 16, k_q = Hq * HD / 16, k_f = F / 16;
     const int wq = (int)p.wps_qkv, wo = (int)p.wps_o, wg = (int)p.wps_gu, wd = (int)p.wps_d;
     int tk = 0;
+    const int vm = (int)p.variant;
     tick(p, tk);
     if (p.ticks != nullptr) {  // profiling: the cost of 64 barriers
         for (int i = 0; i < 64; ++i) grid_sync(p.bar);
@@ -748,61 +759,66 @@ __global__ void __launch_bounds__(FD_THREADS, 1) fused_decode(const FdParams* __
         const FdLayer& ly = p.layers[L];
         const void* bd_prev = L > 0 ? p.layers[L - 1].bd : nullptr;
         // A: norm 1, QKV, RoPE, KV write
-        norm_rows<T>(tile, KP, p, rcur, L > 0 ? ks_d : 0, bd_prev, ly.n1, rnext, L == 0);
+        if (!(vm & FD_SKIP_NORM)) norm_rows<T>(tile, KP, p, rcur, L > 0 ? ks_d : 0, bd_prev, ly.n1, rnext, L == 0);
         __syncthreads();
-        gemv_phase<T, NT>(pre, ly.wqkv, s_qkv, k_h, 1, wq, tile, KP, red, QkvEpi<T, NT, HD>{&p, &ly, B});
+        if (!(vm & FD_SKIP_GEMV)) gemv_phase<T, NT>(pre, ly.wqkv, s_qkv, k_h, 1, wq, tile, KP, red, QkvEpi<T, NT, HD>{&p, &ly, B});
         arr = bar_arrive(p.bar);
-        prefetch_items(ly.wo, s_h, k_q, ks_o, wo, 4);
+        if (!(vm & FD_SKIP_PREFETCH)) prefetch_items(ly.wo, s_h, k_q, ks_o, wo, 4);
         bar_wait(p.bar, arr);
+        if (vm & FD_DOUBLE_BAR) grid_sync(p.bar);
         tick(p, tk);
         // B: attention (nothing held in registers across it)
-        attention_phase<T, HD>(p, ly, qs, vs);
+        if (!(vm & FD_SKIP_ATTN)) attention_phase<T, HD>(p, ly, qs, vs);
         arr = bar_arrive(p.bar);
         preload(pre, ly.wo, s_h, k_q, ks_o, wo);
         bar_wait(p.bar, arr);
+        if (vm & FD_DOUBLE_BAR) grid_sync(p.bar);
         tick(p, tk);
         // C: O projection (partials)
-        tile_load<T>(tile, KP, p.att, B, Hq * HD);
+        if (!(vm & FD_SKIP_TILE)) tile_load<T>(tile, KP, p.att, B, Hq * HD);
         __syncthreads();
         if (p.detail) tick_at(p, dt + 3 * L);
-        gemv_phase<T, NT>(pre, ly.wo, s_h, k_q, ks_o, wo, tile, KP, red, PartEpi<NT>{p.part, B, H});
+        if (!(vm & FD_SKIP_GEMV)) gemv_phase<T, NT>(pre, ly.wo, s_h, k_q, ks_o, wo, tile, KP, red, PartEpi<NT>{p.part, B, H});
         if (p.detail) tick_at(p, dt + 3 * L + 1);
         arr = bar_arrive(p.bar);
         if (p.detail) tick_at(p, dt + 3 * L + 2);
         preload(pre, ly.wgu, s_gu, k_h, 1, wg);
-        prefetch_items(ly.wgu, s_gu, k_h, 1, wg, 4);
+        if (!(vm & FD_SKIP_PREFETCH)) prefetch_items(ly.wgu, s_gu, k_h, 1, wg, 4);
         bar_wait(p.bar, arr);
+        if (vm & FD_DOUBLE_BAR) grid_sync(p.bar);
         tick(p, tk);
         // D: norm 2, gate/up, SwiGLU
-        norm_rows<T>(tile, KP, p, rnext, ks_o, ly.bo, ly.n2, rcur, false);
+        if (!(vm & FD_SKIP_NORM)) norm_rows<T>(tile, KP, p, rnext, ks_o, ly.bo, ly.n2, rcur, false);
         __syncthreads();
-        gemv_phase<T, NT>(pre, ly.wgu, s_gu, k_h, 1, wg, tile, KP, red, SwigluEpi<T, NT>{p.act, ly.bgu, B, F});
+        if (!(vm & FD_SKIP_GEMV)) gemv_phase<T, NT>(pre, ly.wgu, s_gu, k_h, 1, wg, tile, KP, red, SwigluEpi<T, NT>{p.act, ly.bgu, B, F});
         arr = bar_arrive(p.bar);
         preload(pre, ly.wd, s_h, k_f, ks_d, wd);
-        prefetch_items(ly.wd, s_h, k_f, ks_d, wd, 4);
+        if (!(vm & FD_SKIP_PREFETCH)) prefetch_items(ly.wd, s_h, k_f, ks_d, wd, 4);
         bar_wait(p.bar, arr);
+        if (vm & FD_DOUBLE_BAR) grid_sync(p.bar);
         tick(p, tk);
         // E: down projection (partials)
-        tile_load<T>(tile, KP, p.act, B, F);
+        if (!(vm & FD_SKIP_TILE)) tile_load<T>(tile, KP, p.act, B, F);
         __syncthreads();
-        gemv_phase<T, NT>(pre, ly.wd, s_h, k_f, ks_d, wd, tile, KP, red, PartEpi<NT>{p.part, B, H});
+        if (!(vm & FD_SKIP_GEMV)) gemv_phase<T, NT>(pre, ly.wd, s_h, k_f, ks_d, wd, tile, KP, red, PartEpi<NT>{p.part, B, H});
         arr = bar_arrive(p.bar);
         if (L + 1 < nL) {
             preload(pre, p.layers[L + 1].wqkv, s_qkv, k_h, 1, wq);
-            prefetch_items(p.layers[L + 1].wqkv, s_qkv, k_h, 1, wq, 4);
+            if (!(vm & FD_SKIP_PREFETCH)) prefetch_items(p.layers[L + 1].wqkv, s_qkv, k_h, 1, wq, 4);
         } else {
             preload(pre, p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head);
-            prefetch_items(p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head, 4);
+            if (!(vm & FD_SKIP_PREFETCH)) prefetch_items(p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head, 4);
         }
         bar_wait(p.bar, arr);
+        if (vm & FD_DOUBLE_BAR) grid_sync(p.bar);
         tick(p, tk);
     }
     if (nL == 0) preload(pre, p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head);
     // final norm, LM head
-    norm_rows<T>(tile, KP, p, rcur, ks_d, nL > 0 ? p.layers[nL - 1].bd : nullptr, p.norm_f, nullptr,
+    if (!(vm & FD_SKIP_NORM)) norm_rows<T>(tile, KP, p, rcur, ks_d, nL > 0 ? p.layers[nL - 1].bd : nullptr, p.norm_f, nullptr,
                  nL == 0);
     __syncthreads();
-    gemv_phase<T, NT>(pre, p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head, tile, KP, red,
+    if (!(vm & FD_SKIP_GEMV)) gemv_phase<T, NT>(pre, p.w_head, (int)(p.V / 16), k_h, 1, (int)p.wps_head, tile, KP, red,
                       LogitEpi<T, NT>{p.logits, B, (int)p.V});
     tick(p, tk);
 }

@@ -158,7 +158,7 @@ class _Packer:
 _PARAMS = ("layers", "n_layers", "embed", "w_head", "norm_f", "state", "stride", "table", "mb",
            "nb", "bs", "logits", "r0", "r1", "q", "att", "act", "part", "attp", "bar", "done",
            "B", "H", "Hq", "Hkv", "F", "V", "KP", "eps", "log2_theta", "scale_log2", "ks_o",
-           "ks_d", "wps_qkv", "wps_o", "wps_gu", "wps_d", "wps_head", "ticks", "detail")
+           "ks_d", "wps_qkv", "wps_o", "wps_gu", "wps_d", "wps_head", "ticks", "detail", "variant")
 _FLOAT_PARAMS = {"eps", "log2_theta", "scale_log2"}
 # FdLayer: 12 pointers
 _LAYER = ("wqkv", "wo", "wgu", "wd", "bqkv", "bo", "bgu", "bd", "n1", "n2", "kc", "vc")
@@ -263,6 +263,9 @@ class FusedDecodeModel:
         #: after every phase's barrier, at the end; with ``8 * layers + 3``, also three
         #: ticks inside each O-projection phase (``None``: off).
         self.ticks: Tensor | None = None
+        #: Timing experiments only (``FD_SKIP_*`` in fused_decode.cu: parts of every phase left
+        #: out, or every barrier doubled; the logits are then wrong). Set before the first step.
+        self.variant = 0
 
     @property
     def nbytes(self) -> int:
@@ -351,6 +354,7 @@ class FusedDecodeModel:
             "scale_log2": math.log2(math.e) / math.sqrt(self.head_dim), **self.plan,
             "ticks": 0 if self.ticks is None else _ptr(self.ticks),
             "detail": int(self.ticks is not None and self.ticks.shape[0] >= 8 * self.n_layers + 3),
+            "variant": self.variant,
         }
         rec = np.zeros(len(_PARAMS), np.uint64)
         for i, k in enumerate(_PARAMS):
