@@ -207,7 +207,13 @@ def default_device() -> Device:
         if ok:
             dev = device(0)
         else:
-            _log.warning("deviceops: %s; using the cpu backend (NumPy).", reason)
+            # without CuPy nobody asked for a GPU: the cpu backend quietly (a debug line);
+            # CuPy installed but no usable GPU is a surprise: a warning. Asking for a GPU
+            # (DEVICEOPS_DEVICE=cuda, device("cuda")) raises DeviceError with the reason.
+            import importlib.util
+
+            say = _log.warning if importlib.util.find_spec("cupy") is not None else _log.debug
+            say("deviceops: %s; using the cpu backend (NumPy).", reason)
             dev = device("cpu")
     _default = dev
     return dev

@@ -31,7 +31,7 @@ import numpy as np
 
 from deviceops import _env
 
-from . import models
+from . import models, weight_cache
 from .models import LlamaConfig
 
 __all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
@@ -92,62 +92,122 @@ def _field_value(f: Any) -> Any:
         return None
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def _progress(total: int | None, desc: str, enabled: bool) -> Any:
+    """A tqdm bar of ``total`` tensors named ``desc`` (cleared when done); ``total`` ``None``:
+    one blocking step, shown as its name only."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+    fmt = None if total is not None else "{desc} ..."
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False,
+                bar_format=fmt)
 
 
-def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None) -> Checkpoint:
-    """Read and dequantize a GGUF file into a :class:`Checkpoint` (float32 weights).
+def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
+              dtype: str = "float32") -> Checkpoint:
+    """Read and dequantize a GGUF file into a :class:`Checkpoint` (weights in ``dtype``).
+
+    The converted weights are cached on disk (:mod:`.weight_cache`,
+    ``DEVICEOPS_WEIGHT_CACHE``): a second read of the same file for the same dtype maps
+    them instead of converting again.
 
     Args:
         path: the ``.gguf`` file.
-        progress: show a tqdm bar; ``None``: for files over 20 MB.
+        progress: show a tqdm bar for each step ("reading NAME", "converting NAME",
+            "caching NAME"; or "loading NAME from cache"); ``None``: for files over 20 MB.
+        dtype: the weights' dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (each
+            tensor dequantized to float32, then cast).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a GGUF file, an architecture that is not registered, an unsupported
             tensor type, or a weight whose shape does not fit the metadata.
     """
-    import gguf
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"load_gguf: no such file: {str(p)!r}")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"load_gguf: dtype {dtype!r} is not one of float32, float16, bfloat16")
+    show = progress if progress is not None else p.stat().st_size > 20_000_000
+    root = weight_cache.cache_root()
+    if root is not None:
+        entry = weight_cache.load_entry(root, p, dtype, _conversion_version)
+        if entry is not None:
+            arch = models.get(entry.architecture, what="load_gguf")
+            weights = {}
+            with _progress(len(entry.weights), f"loading {p.name} from cache", show) as bar:
+                for name, a in entry.weights.items():
+                    weights[name] = a
+                    bar.update(1)
+            return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), weights)
+    meta, tensor_names, arch, weights = _convert_gguf(p, dtype, show)
+    ck = _checkpoint(p, arch, meta, tensor_names, weights)
+    if root is not None:
+        try:
+            with _progress(len(weights), f"caching {p.name}", show) as bar:
+                weight_cache.store_entry(root, p, dtype, meta=meta,
+                                         tensor_names=sorted(tensor_names),
+                                         architecture=arch.name,
+                                         conversion_version=arch.conversion_version,
+                                         weights=weights, on_tensor=lambda: bar.update(1))
+        except OSError as exc:
+            raise OSError(f"load_gguf: cannot write the converted weights of {p.name} to the "
+                          f"weight cache {str(root)!r} ({exc}); free space there, point "
+                          "DEVICEOPS_WEIGHT_CACHE at a writable folder, or set it to 0 (no "
+                          "cache)") from exc
+    return ck
+
+
+def _conversion_version(architecture: str) -> int | None:
     try:
-        reader = gguf.GGUFReader(str(p))
+        return models.get(architecture, what="load_gguf").conversion_version
+    except ValueError:
+        return None
+
+
+def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str],
+                weights: dict[str, np.ndarray]) -> Checkpoint:
+    tok_meta: dict[str, Any] = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokens = tok_meta.get("tokenizer.ggml.tokens")
+    cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
+                                tensors=tensor_names)
+    check_weights(cfg, weights, repr(str(p)), "load_gguf")
+    return Checkpoint(cfg, weights, tokenizer_meta=tok_meta,
+                      chat_template=tok_meta.get("tokenizer.chat_template"), source=str(p))
+
+
+def _convert_gguf(p: Path, dtype: str, show: bool
+                  ) -> tuple[dict[str, Any], set[str], Any, dict[str, np.ndarray]]:
+    """Parse ``p`` and convert its tensors: (metadata, tensor names, architecture, weights)."""
+    import gguf
+
+    try:
+        with _progress(None, f"reading {p.name}", show):  # the metadata: seconds for a vocabulary
+            reader = gguf.GGUFReader(str(p))
     except Exception as exc:
         raise ValueError(f"load_gguf: {str(p)!r} is not a readable GGUF file ({exc})") from exc
-    meta = {k: _field_value(f) for k, f in reader.fields.items()
-            if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")}
-    tok_meta: dict[str, Any] = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
-    for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-        if k in reader.fields:
-            tok_meta[k] = _field_value(reader.fields[k])
-    tokens = tok_meta.get("tokenizer.ggml.tokens")
+    meta = {k: _field_value(f) for k, f in reader.fields.items()}
     arch = models.get(str(meta.get("general.architecture", "")), what="load_gguf")
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = meta.get("tokenizer.ggml.tokens")
     cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
-                                tensors={t.name for t in reader.tensors})
-    show = progress if progress is not None else p.stat().st_size > 20_000_000
+                                tensors=tensor_names)
+    target = weight_cache.np_dtype(dtype)
     weights: dict[str, np.ndarray] = {}
-    with _progress(len(reader.tensors), f"loading {p.name}", show) as bar:
+    with _progress(len(reader.tensors), f"converting {p.name}", show) as bar:
         for t in reader.tensors:
             hf = arch.hf_name(t.name)
             tname = t.tensor_type.name
             if tname not in _SUPPORTED:
                 raise ValueError(f"load_gguf: tensor {t.name!r} has type {tname}, which deviceops.nn "
                                  f"does not dequantize (supported: {', '.join(_SUPPORTED)})")
-            shape = tuple(int(s) for s in reversed(t.shape))
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             if hf is None:
                 bar.update(1)
                 continue  # a tensor the architecture does not use (Llama: rope_freqs)
-            weights[hf] = np.ascontiguousarray(arch.from_gguf(hf, w, cfg))
+            shape = tuple(int(s) for s in reversed(t.shape))
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            weights[hf] = np.ascontiguousarray(arch.from_gguf(hf, w, cfg), dtype=target)
             bar.update(1)
-    check_weights(cfg, weights, repr(str(p)), "load_gguf")
-    return Checkpoint(cfg, weights, tokenizer_meta=tok_meta,
-                      chat_template=tok_meta.get("tokenizer.chat_template"), source=str(p))
+    return meta, tensor_names, arch, weights
 
 
 def smollm2_path() -> Path:

@@ -59,17 +59,9 @@ def device_spec(text: str) -> str | int:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from pathlib import Path
+    from .load import load_named
 
-    import deviceops.nn as nn
-
-    kw: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "max_batch": 1}
-    if args.model in (None, "smollm2"):
-        return nn.smollm2(**kw)
-    if args.model == "qwen2.5-coder-0.5b":
-        return nn.qwen2_5_coder_0_5b(**kw)
-    p = Path(args.model)
-    return nn.load_safetensors(p, **kw) if p.is_dir() else nn.load_gguf(p, **kw)
+    return load_named(args.model, dtype=args.dtype, device=args.device, max_batch=1)
 
 
 def use_chat(model: Any, args: argparse.Namespace) -> bool:
@@ -164,14 +156,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print tokens, time and tokens/s to stderr")
     args = p.parse_args(argv)
-    if args.device is not None:
-        import deviceops
+    import deviceops
 
+    from .load import check_model
+
+    try:
+        check_model(args.model, folders=True, what=p.prog)
+    except ValueError as exc:  # one line, before anything is loaded
+        print(exc, file=sys.stderr)
+        return 2
+    if args.device is not None:
         try:
             args.device = deviceops.device(args.device)
         except deviceops.DeviceError as exc:  # e.g. cuda:3 on a 2-GPU machine, or no GPU
             p.error(f"--device {args.device}: {exc}")
-    model = _load(args)
+    try:
+        model = _load(args)
+    except (FileNotFoundError, ValueError, deviceops.DeviceError) as exc:
+        # weights not installed (the message gives the pip command), a file that is not a
+        # GGUF, an architecture that is not registered, DEVICEOPS_DEVICE=cuda without a
+        # GPU: one line, no traceback
+        print(f"{p.prog}: {exc}", file=sys.stderr)
+        return 1
     try:
         return int(anyio.run(_run, model, args))
     except ValueError as exc:  # e.g. --chat without a template, a bad sampling argument

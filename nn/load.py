@@ -8,6 +8,7 @@ architecture from the checkpoint (or the config) through :mod:`deviceops.nn.mode
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,12 +21,49 @@ from .checkpoint import (
     read_safetensors,
     smollm2_path,
 )
-from .model import CausalLM, resolve_device
+from .model import CausalLM, model_dtype, resolve_device
 from .models import LlamaConfig
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
-__all__ = ["load_gguf", "load_safetensors", "qwen2_5_coder_0_5b", "random_model", "random_weights",
-           "smollm2"]
+__all__ = ["NAMED_MODELS", "check_model", "load_gguf", "load_named", "load_safetensors",
+           "qwen2_5_coder_0_5b", "random_model", "random_weights", "smollm2"]
+
+#: the model names the ``generate`` and ``serve`` commands take (``--model``), each with
+#: its loader in this module; anything else must be a path to a ``.gguf`` file (or, for
+#: ``generate``, a Hugging Face folder)
+NAMED_MODELS = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen2_5_coder_0_5b"}
+
+
+def check_model(model: str, *, folders: bool, what: str) -> None:
+    """Refuse a ``--model`` that is neither a name of :data:`NAMED_MODELS` nor an existing
+    ``.gguf`` file (nor, with ``folders``, an existing folder), before anything is loaded.
+
+    Raises:
+        ValueError: one line naming ``model`` and the valid choices, prefixed by ``what``
+            (the command).
+    """
+    if model in NAMED_MODELS:
+        return
+    path = Path(model)
+    if (model.endswith(".gguf") and path.is_file()) or (folders and path.is_dir()):
+        return
+    choices = ", ".join(map(repr, NAMED_MODELS))
+    paths = "a path to a .gguf file or a Hugging Face folder" if folders else "a path to a .gguf file"
+    problem = ("no such file" if model.endswith(".gguf") and not path.exists()
+               else "unknown model")
+    raise ValueError(f"{what}: {problem} {model!r} (use {choices}, or {paths})")
+
+
+def load_named(model: str, **kw: Any) -> CausalLM:
+    """Load ``model`` as the commands take it: a name of :data:`NAMED_MODELS`, a ``.gguf``
+    file or a Hugging Face folder; ``kw`` as :func:`load_gguf` takes them."""
+    named = NAMED_MODELS.get(model)
+    if named == "smollm2":
+        return smollm2(**kw)
+    if named == "qwen2_5_coder_0_5b":
+        return qwen2_5_coder_0_5b(**kw)
+    p = Path(model)
+    return load_safetensors(p, **kw) if p.is_dir() else load_gguf(p, **kw)
 
 SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -83,7 +121,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
 
     Tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants) are dequantized with
     the ``gguf`` package and converted to ``dtype``; the tokenizer and chat template
-    come from the file's metadata.
+    come from the file's metadata. The converted weights are cached on disk
+    (``DEVICEOPS_WEIGHT_CACHE``; :mod:`deviceops.nn.weight_cache`), so the next load of
+    the same file for the same dtype skips the conversion.
 
     Args:
         path: the ``.gguf`` file.
@@ -111,7 +151,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
         ' Paris.\\n\\nThe answer is: 2'
     """
     dev = resolve_device(device, "load_gguf")  # a bad device fails before the file is read
-    ck = read_gguf(path, progress=progress)
+    dtype = model_dtype(dtype, dev)
+    ck = read_gguf(path, progress=progress, dtype=dtype)
     return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=dev,
                   max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks)

@@ -43,7 +43,8 @@ from .runner import BlockAllocator, KVCache, KVCacheFull, Runner, buckets
 from .runner.forward import chain
 from .tokenizer import TextCodec
 
-__all__ = ["CausalLM", "KVCacheFull", "buckets", "chain", "check_sampling", "resolve_device"]
+__all__ = ["CausalLM", "KVCacheFull", "buckets", "chain", "check_sampling", "model_dtype",
+           "resolve_device"]
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -66,6 +67,24 @@ def resolve_device(device: Any, what: str = "CausalLM") -> deviceops.Device:
         return deviceops.device(device)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{what}: {exc}") from exc
+
+
+def model_dtype(dtype: Any, device: deviceops.Device) -> str:
+    """A model's dtype: ``dtype`` as a name of :data:`_DTYPES`; ``None``: float32 on the
+    cpu backend, float16 on CUDA.
+
+    Raises:
+        ValueError: a dtype that is not float32, float16 or bfloat16.
+    """
+    if dtype is None:
+        return "float32" if device.is_cpu else "float16"
+    try:
+        name = dtype if dtype in _DTYPES else str(np.dtype(dtype))
+    except TypeError:
+        name = str(dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"CausalLM: dtype {dtype!r} is not supported; use one of {_DTYPES}")
+    return name
 
 
 class CausalLM(TextCodec):
@@ -117,11 +136,7 @@ class CausalLM(TextCodec):
                  kv_blocks: int | None = None) -> None:
         arch = models.get(config.architecture, what="CausalLM")
         dev = resolve_device(device)
-        if dtype is None:
-            dtype = "float32" if dev.is_cpu else "float16"
-        dtype = str(np.dtype(dtype)) if dtype not in _DTYPES else dtype
-        if dtype not in _DTYPES:
-            raise ValueError(f"CausalLM: dtype {dtype!r} is not supported; use one of {_DTYPES}")
+        dtype = model_dtype(dtype, dev)
         if max_batch is None:
             max_batch = 4 if dev.is_cpu else 32
         if max_seq is None:
@@ -143,7 +158,10 @@ class CausalLM(TextCodec):
         stream = dev.new_stream()
 
         def upload(a: np.ndarray) -> Tensor:
-            return api.from_host(np.ascontiguousarray(a, dtype=np.float32), dtype).sync_on(stream)
+            # weights already in the model's dtype (read_gguf(dtype=...)) are copied as they
+            # are; others go through float32 (one rounding to the dtype, whatever they were)
+            host = a if str(a.dtype) == dtype else np.ascontiguousarray(a, dtype=np.float32)
+            return api.from_host(host, dtype).sync_on(stream)
 
         self.weights = arch.bind(config, weights, upload)
         self.runner = Runner(arch, config, self.weights, device=dev, dtype=dtype, stream=stream,

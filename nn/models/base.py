@@ -110,6 +110,10 @@ class Architecture:
     gguf_names: ClassVar[tuple[str, ...]] = ()
     #: Hugging Face ``config.json`` ``architectures`` entries (and ``model_type`` values).
     hf_names: ClassVar[tuple[str, ...]] = ()
+    #: Bump it when :meth:`hf_name` or :meth:`from_gguf` changes what a GGUF file converts
+    #: to: converted weights cached on disk (:mod:`deviceops.nn.weight_cache`) made by
+    #: another version are rebuilt.
+    conversion_version: ClassVar[int] = 1
 
     # -- checkpoints ------------------------------------------------------------------------
     def config_from_gguf(self, meta: Mapping[str, Any], *, vocab_size: int | None,

@@ -4,11 +4,14 @@
   has been sent in full (a stream included)::
 
       POST /v1/chat/completions 200 12 tokens 0.84 s
-      GET /health 503 - 0.001 s
+      GET /v1/models 200 - 0.001 s
 
   method, path, status, the tokens generated (``-`` for a request that generated nothing:
   the route handler puts its request stream in the ASGI scope under
-  :data:`SCOPE_KEY`), and the time from the request's arrival to its last byte.
+  :data:`SCOPE_KEY`), and the time from the request's arrival to its last byte. Polls of
+  ``/health`` (a readiness loop asks every second) are logged at DEBUG when they answer
+  200 or 503 (ready, not ready), so the default level shows only the requests that did
+  something; any other status of theirs is logged at INFO.
 * :class:`ListeningFilter`: uvicorn logs "Uvicorn running on http://...", which reads as if
   the server could serve while the model is still loading (seconds; ``/health`` is 503 until
   then). The filter rewords it to "listening on http://...: loading the model"; the app logs
@@ -22,7 +25,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["SCOPE_KEY", "AccessLog", "ListeningFilter", "request_line"]
+__all__ = ["POLLED_PATHS", "SCOPE_KEY", "AccessLog", "ListeningFilter", "request_level",
+           "request_line"]
 
 SCOPE_KEY = "deviceops.request"  # the RequestStream of a generation request (set by :mod:`.http`)
 
@@ -41,8 +45,19 @@ def request_line(method: str, path: str, status: int, tokens: int | None, second
     return f"{method} {path} {status} {tok} {seconds:.3f} s"
 
 
+#: paths whose 200/503 answers are polls, logged at DEBUG (the module docstring)
+POLLED_PATHS = frozenset({"/health"})
+
+
+def request_level(path: str, status: int) -> int:
+    """The level of a request's line: DEBUG for a poll of :data:`POLLED_PATHS` answering
+    200 or 503, else INFO."""
+    return logging.DEBUG if path in POLLED_PATHS and status in (200, 503) else logging.INFO
+
+
 class AccessLog:
-    """ASGI middleware logging one line per HTTP request at INFO (see the module docstring).
+    """ASGI middleware logging one line per HTTP request (see the module docstring): at
+    INFO, polls of ``/health`` at DEBUG (:func:`request_level`).
 
     Args:
         app: the ASGI application.
@@ -70,9 +85,10 @@ class AccessLog:
         finally:
             stream = scope.get(SCOPE_KEY)
             tokens = None if stream is None else len(stream.tokens)
-            self.log.info("%s", request_line(str(scope.get("method", "?")),
-                                             str(scope.get("path", "?")), status[0], tokens,
-                                             time.perf_counter() - t0))
+            path = str(scope.get("path", "?"))
+            self.log.log(request_level(path, status[0]), "%s",
+                         request_line(str(scope.get("method", "?")), path, status[0], tokens,
+                                      time.perf_counter() - t0))
 
 
 class ListeningFilter(logging.Filter):

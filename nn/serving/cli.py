@@ -59,6 +59,7 @@ import uvicorn
 
 from deviceops import _env
 
+from ..load import NAMED_MODELS, check_model
 from .access_log import AccessLog, ListeningFilter
 from .engine import Engine
 from .guard import Exposure, HeadTimeout, TimedH11Protocol, TimedHttpToolsProtocol
@@ -71,14 +72,9 @@ __all__ = ["load_engine", "load_engines", "main", "parse_devices"]
 log = logging.getLogger("deviceops.nn.serve")
 
 
-#: the models ``--model`` names (else a path to a .gguf file): name -> ``deviceops.nn`` loader
-NAMED_MODELS = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen2_5_coder_0_5b"}
-
-
 def _check_model(model: str) -> None:
-    if model not in NAMED_MODELS and not (model.endswith(".gguf") and os.path.exists(model)):
-        raise ValueError(f"serve: unknown model {model!r} (use one of "
-                         f"{', '.join(map(repr, NAMED_MODELS))} or a path to a .gguf file)")
+    """``--model``'s check, shared with ``generate`` (:func:`deviceops.nn.load.check_model`)."""
+    check_model(model, folders=False, what="serve")
 
 
 def _build_engine(model: str, *, device: str | int | None, dtype: str | None, max_batch: int,
@@ -338,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--log-level", default="info",
-                   help="info logs 'ready' once the model is loaded and one line per request")
+                   help="info logs 'ready' once the model is loaded and one line per request "
+                        "(debug: the /health polls too)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="serve replicas that are Ray actors (pip install 'deviceops[ray]'); "
                         "ADDRESS as ray.init takes it: none starts a local cluster, 'auto' "

@@ -1,0 +1,183 @@
+"""The on-disk cache of converted GGUF weights (``deviceops.nn.weight_cache``,
+``DEVICEOPS_WEIGHT_CACHE``): a hit gives the arrays a conversion gives without parsing the
+file, a changed file or another conversion version is a miss, the knob turns it off, and a
+damaged entry is rebuilt."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deviceops import api
+
+from . import nn_tiny
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _no_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make parsing a GGUF file fail: a read that succeeds came from the cache."""
+    import gguf
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("the GGUF file was parsed again: not a cache hit")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DEVICEOPS_WEIGHT_CACHE", str(root))
+    return root
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_hit_returns_the_converted_arrays(dtype: str, cache: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops.nn.checkpoint import read_gguf
+
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(5, tied=False), "Q4_1")
+    first = read_gguf(path, progress=False, dtype=dtype)
+    assert len(_entries(cache)) == 1
+    with monkeypatch.context() as mp:
+        mp.setenv("DEVICEOPS_WEIGHT_CACHE", "0")
+        plain = read_gguf(path, progress=False, dtype=dtype)
+    _no_parse(monkeypatch)
+    hit = read_gguf(path, progress=False, dtype=dtype)
+    assert hit.config == first.config == plain.config
+    assert hit.tokenizer_meta == plain.tokenizer_meta and hit.chat_template == plain.chat_template
+    assert sorted(hit.weights) == sorted(plain.weights)
+    for name, a in plain.weights.items():
+        assert hit.weights[name].dtype == a.dtype and str(a.dtype) == dtype, name
+        np.testing.assert_array_equal(np.asarray(hit.weights[name]).view(np.uint8),
+                                      a.view(np.uint8), err_msg=name)
+
+
+def test_model_from_the_cache_gives_the_same_logits(cache: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops import nn
+
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(6), "Q8_0")
+
+    def logits() -> np.ndarray:
+        m = nn.load_gguf(path, device="cpu", dtype="float16", max_batch=1, max_seq=32)
+        ids = m.encode("the theme")
+        return np.asarray(api.to_host(m.logits(ids).sync_on(m.device_stream))
+                          .sync_on(m.device_stream))
+
+    cold = logits()
+    _no_parse(monkeypatch)
+    np.testing.assert_array_equal(logits(), cold)
+
+
+def test_changed_file_is_converted_again(cache: Path, tmp_path: Path) -> None:
+    from deviceops.nn.checkpoint import read_gguf
+
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(7), "F32")
+    read_gguf(path, progress=False)
+    old = _entries(cache)
+    w = nn_tiny.hf_weights(8)
+    nn_tiny.write_gguf(path, w, "F32")  # same size, other bytes and time
+    ck = read_gguf(path, progress=False)
+    for name, a in w.items():
+        np.testing.assert_array_equal(ck.weights[name], a, err_msg=name)
+    new = _entries(cache)
+    assert len(new) == 1 and new != old  # the stale entry of the same file was removed
+
+
+def test_another_conversion_version_is_a_miss(cache: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops.nn import models
+    from deviceops.nn.checkpoint import read_gguf
+
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(9), "F32")
+    read_gguf(path, progress=False)
+    arch = type(models.get("llama"))
+    monkeypatch.setattr(arch, "conversion_version", arch.conversion_version + 1)
+    import gguf
+
+    parsed: list[str] = []
+    real = gguf.GGUFReader
+
+    def counting(p: str) -> object:
+        parsed.append(p)
+        return real(p)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    read_gguf(path, progress=False)
+    assert parsed == [str(path)]
+    parsed.clear()
+    read_gguf(path, progress=False)  # stored again under the new version: a hit
+    assert parsed == []
+
+
+@pytest.mark.parametrize("value", ["0", ""])
+def test_knob_turns_the_cache_off(value: str, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops.nn.checkpoint import read_gguf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(10), "F32")
+    monkeypatch.setenv("DEVICEOPS_WEIGHT_CACHE", "1")
+    read_gguf(path, progress=False)  # the default folder under $XDG_CACHE_HOME
+    assert len(_entries(tmp_path / "xdg" / "deviceops" / "weights")) == 1
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg2"))
+    monkeypatch.setenv("DEVICEOPS_WEIGHT_CACHE", value)
+    read_gguf(path, progress=False)
+    read_gguf(path, progress=False)
+    assert not (tmp_path / "xdg2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "xdg"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove", "index"])
+def test_damaged_entry_is_rebuilt(damage: str, cache: Path, tmp_path: Path,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    from deviceops.nn.checkpoint import read_gguf
+
+    path = tmp_path / "m.gguf"
+    w = nn_tiny.hf_weights(11)
+    nn_tiny.write_gguf(path, w, "F32")
+    read_gguf(path, progress=False)
+    (entry,) = _entries(cache)
+    victim = max(entry.glob("*.npy"), key=lambda f: f.stat().st_size)
+    size = victim.stat().st_size
+    if damage == "truncate":
+        os.truncate(victim, size // 2)
+    elif damage == "remove":
+        victim.unlink()
+    else:
+        (entry / "index.json").write_text('{"format": 1, "dty')
+    with caplog.at_level(logging.WARNING, logger="deviceops.nn"):
+        ck = read_gguf(path, progress=False)
+    assert any("damaged" in r.getMessage() for r in caplog.records), caplog.text
+    for name, a in w.items():
+        np.testing.assert_array_equal(ck.weights[name], a, err_msg=name)
+    assert _entries(cache) == [entry] and victim.stat().st_size == size  # rebuilt whole
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deviceops.nn"):
+        read_gguf(path, progress=False)
+    assert not caplog.records
+
+
+def test_unwritable_cache_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops.nn.checkpoint import read_gguf
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("DEVICEOPS_WEIGHT_CACHE", str(blocker / "cache"))
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(12), "F32")
+    with pytest.raises(OSError, match="DEVICEOPS_WEIGHT_CACHE"):
+        read_gguf(path, progress=False)
