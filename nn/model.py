@@ -12,7 +12,8 @@ runner's buffers.
 Step API (documented in :mod:`deviceops.nn.runner.runner`; what :mod:`.static_batch` and
 the serving engine use; every method enqueues on :attr:`CausalLM.device_stream` and
 returns without waiting): ``set_sampling``, ``prefill``, ``decode_step``, ``reserve``,
-``blocks_held``, ``release``, ``read``, ``capture_graphs``.
+``blocks_held``, ``release``, ``share_prefix``, ``cache_prefix``, ``read``,
+``capture_graphs``.
 
 Devices: a model lives on one device (``device=``: ``"cpu"``, ``"cpu:N"``, ``"cuda"``,
 ``"cuda:N"``, an int N or a :class:`~deviceops.Device`; default: the default device when
@@ -312,6 +313,21 @@ class CausalLM(TextCodec):
     def blocks_held(self, slot: int) -> int:
         """Blocks row ``slot`` holds."""
         return self.runner.blocks_held(slot)
+
+    def share_prefix(self, slot: int, hashes: Sequence[bytes], start: int = 0) -> int:
+        """Prefix caching: point row ``slot``'s blocks from ``start`` on at the cached blocks
+        of ``hashes`` (a prompt's full-block hash chain,
+        :func:`~deviceops.nn.runner.prefix_cache.block_hashes`) as far as they are cached;
+        returns the positions the row now shares (prefill it from there). The row must
+        have written nothing from ``start`` on."""
+        return self.runner.share_prefix(slot, hashes, start)
+
+    def cache_prefix(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Prefix caching: cache row ``slot``'s leading full blocks, which it has written,
+        under ``hashes`` (their tokens' hash chain); returns the blocks newly cached. They
+        stay cached after :meth:`release` until the pool needs them (least recently used
+        first); ``blocks.clear_cache()`` drops every idle one."""
+        return self.runner.cache_prefix(slot, hashes)
 
     def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
                 graph: bool | None = None) -> Tensor | None:

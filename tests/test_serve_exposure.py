@@ -80,7 +80,7 @@ UNSUPPORTED = [
     ("/v1/completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
     ("/v1/completions", {"logit_bias": {"100000": 10}}, "logit_bias"),  # not a token id
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 17}, "n"),  # more choices than MAX_N (n > 1 itself is served)
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "required"}, "tool_choice"),

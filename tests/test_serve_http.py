@@ -186,7 +186,7 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -3}, "top_k"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),  # more than MAX_N choices
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),

@@ -1,7 +1,8 @@
 """Request fields current OpenAI clients send that change nothing here, and the refusals'
 codes (issue 43, point 5): ``store`` and ``metadata`` are accepted (checked as OpenAI checks
-them, then unused), ``n`` > 1, chat ``echo`` and ``echo`` with ``logprobs`` are 400s with
-``"code": "unsupported_parameter"`` naming the field (the toy model, cpu only).
+them, then unused), chat ``echo`` and ``echo`` with ``logprobs`` are 400s with
+``"code": "unsupported_parameter"`` naming the field, ``n`` beyond its bound one with
+``"integer_above_max_value"`` (the toy model, cpu only).
 """
 
 from __future__ import annotations
@@ -133,11 +134,22 @@ def test_the_openai_client_sends_store_and_metadata() -> None:
 # -- the refusals' codes ---------------------------------------------------------------------
 @pytest.mark.parametrize("path, base", [("/v1/completions", COMPLETION),
                                         ("/v1/chat/completions", CHAT)], ids=["completions", "chat"])
-@pytest.mark.parametrize("n", [2, 4, 128])
-def test_n_above_one_is_unsupported_parameter(server: ServerThread, path: str,
-                                              base: dict[str, Any], n: int) -> None:
-    msg = _refusal(_post(server, path, {**base, "n": n}), "n", "unsupported_parameter")
-    assert f"'n'={n}" in msg
+@pytest.mark.parametrize("n", [17, 128])
+def test_n_above_the_bound_is_integer_above_max_value(server: ServerThread, path: str,
+                                                      base: dict[str, Any], n: int) -> None:
+    """``n`` up to MAX_N (16) is served (tests/test_serve_n_choices.py); beyond it a 400."""
+    msg = _refusal(_post(server, path, {**base, "n": n}), "n", "integer_above_max_value")
+    assert f"'n'={n}" in msg and "at most 16" in msg
+
+
+def test_n_above_the_engine_queue_is_refused(server: ServerThread) -> None:
+    """Each choice is one engine request: more than the engine queues at once (max_queue 8
+    here) could never be admitted together, a 400 naming ``n`` and the flag."""
+    msg = _refusal(_post(server, "/v1/completions", {**COMPLETION, "n": 9}), "n",
+                   "integer_above_max_value")
+    assert "at most 8" in msg and "--max-queue" in msg
+    r = _post(server, "/v1/completions", {**COMPLETION, "n": 8})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
 
 
 @pytest.mark.parametrize("n", [0, -1, 1.5, "2", True])

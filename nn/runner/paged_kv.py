@@ -14,6 +14,12 @@ Block 0 is the *null block*: never handed out, it is what a table entry holds be
 block is allocated (so every entry is a valid id; padding keys of a prefill graph past a
 row's blocks land there, harmlessly). :class:`BlockAllocator` hands out the others.
 
+Prefix caching (:mod:`.prefix_cache`): blocks are reference-counted; a row's full blocks can
+be cached under the hash of their token prefix (:meth:`BlockTable.cache_prefix`) and another
+row can point its table at them (:meth:`BlockTable.share_prefix`) instead of writing them.
+Cached blocks no row references stay cached (idle) until the allocator needs them (least
+recently used first). A row never writes into a cached block (:meth:`BlockTable.frozen`).
+
 Capacity: SmolLM2-135M in float16 needs 23,040 bytes per token (368,640 per 16-token
 block), 47.2 MB per 2,048-token sequence (128 blocks). On an H100 with 82.48 GB free after
 the CUDA context and weights, that is 1,747 concurrent 2,048-token sequences
@@ -26,11 +32,14 @@ positions.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from deviceops import Stream, Tensor, api
+
+from .prefix_cache import PrefixCache
 
 __all__ = ["BlockAllocator", "BlockTable", "KVCache", "KVCacheFull", "kv_bytes_per_token",
            "max_concurrent_sequences"]
@@ -82,7 +91,15 @@ class KVCache:
 
 
 class BlockAllocator:
-    """Free list of KV blocks ``reserved .. num_blocks-1`` (lowest id first).
+    """Free list of KV blocks ``reserved .. num_blocks-1`` (lowest id first), with reference
+    counts and the prefix cache (:class:`~.prefix_cache.PrefixCache`).
+
+    A block handed out by :meth:`acquire` has one reference; :meth:`share` adds one (a row
+    pointing at a block another row wrote), :meth:`release` drops one. A block whose count
+    reaches zero goes back to the free list, unless it was cached (:meth:`cache`): then it
+    stays in the cache, *idle*, until a row shares it again or :meth:`acquire` evicts it
+    (least recently used first) because the free list ran short. A referenced block is
+    never freed or evicted.
 
     Args:
         num_blocks: blocks in the pool.
@@ -108,7 +125,8 @@ class BlockAllocator:
         self.block_size = int(block_size)
         self.reserved = int(reserved)
         self._free: list[int] = list(range(self.num_blocks - 1, self.reserved - 1, -1))
-        self._held: set[int] = set()
+        self._ref: dict[int, int] = {}  # referenced block -> references
+        self.prefix = PrefixCache()
 
     @property
     def capacity(self) -> int:
@@ -117,37 +135,100 @@ class BlockAllocator:
 
     @property
     def free(self) -> int:
-        """Blocks available to :meth:`acquire`."""
-        return len(self._free)
+        """Blocks available to :meth:`acquire`: the free list and the idle cached blocks."""
+        return len(self._free) + self.prefix.idle
 
     @property
     def in_use(self) -> int:
-        """Blocks handed out and not released."""
-        return len(self._held)
+        """Blocks referenced by rows (a block shared by several rows counts once)."""
+        return len(self._ref)
+
+    @property
+    def cached(self) -> int:
+        """Blocks in the prefix cache, referenced or idle."""
+        return len(self.prefix)
+
+    @property
+    def idle(self) -> int:
+        """Cached blocks no row references (reclaimable; part of :attr:`free`)."""
+        return self.prefix.idle
+
+    def refs(self, block: int) -> int:
+        """References to ``block`` (0: free or idle)."""
+        return self._ref.get(block, 0)
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks ``n_tokens`` positions need."""
         return -(-max(int(n_tokens), 0) // self.block_size)
 
     def acquire(self, n: int) -> list[int] | None:
-        """``n`` free block ids (lowest first), or ``None`` (nothing taken) when fewer are free."""
+        """``n`` blocks with one reference each (the free list's lowest ids first, then idle
+        cached blocks, least recently used first, evicted from the cache), or ``None``
+        (nothing taken) when fewer are available."""
         if n < 0:
             raise ValueError(f"BlockAllocator.acquire: n={n} must be >= 0")
-        if n > len(self._free):
+        if n > self.free:
             return None
-        ids = [self._free.pop() for _ in range(n)]
-        self._held.update(ids)
+        k = min(n, len(self._free))
+        ids = [self._free.pop() for _ in range(k)]
+        ids += [self.prefix.evict() for _ in range(n - k)]
+        for i in ids:
+            self._ref[i] = 1
         return ids
 
+    def share(self, ids: list[int]) -> None:
+        """One more reference to each block (referenced, or idle in the cache; anything else
+        raises ``ValueError``, nothing shared)."""
+        bad = [i for i in ids if i not in self._ref and not self.prefix.is_idle(i)]
+        if bad:
+            raise ValueError(f"BlockAllocator.share: blocks {bad} are neither held nor cached")
+        for i in ids:
+            if i in self._ref:
+                self._ref[i] += 1
+            else:
+                self.prefix.unpark(i)
+                self._ref[i] = 1
+
     def release(self, ids: list[int]) -> None:
-        """Give blocks back (a block not held raises ``ValueError``, nothing released)."""
-        bad = [i for i in ids if i not in self._held]
-        if bad or len(set(ids)) != len(ids):
+        """Drop one reference to each block (a block not held raises ``ValueError``, nothing
+        released); a block left without references is freed, or parked idle when cached."""
+        bad = [i for i in ids if i not in self._ref]
+        counts: dict[int, int] = {}
+        for i in ids:
+            counts[i] = counts.get(i, 0) + 1
+        over = [i for i, c in counts.items() if c > self._ref.get(i, 0)]
+        if bad or over:
             raise ValueError(f"BlockAllocator.release: blocks {bad or ids} are not held "
                              "(double release?)")
-        self._held.difference_update(ids)
-        self._free.extend(ids)
-        self._free.sort(reverse=True)  # pop() hands out the lowest id
+        freed = False
+        for i in ids:
+            left = self._ref[i] - 1
+            if left:
+                self._ref[i] = left
+                continue
+            del self._ref[i]
+            if self.prefix.hash_of(i) is not None:
+                self.prefix.park(i)
+            else:
+                self._free.append(i)
+                freed = True
+        if freed:
+            self._free.sort(reverse=True)  # pop() hands out the lowest id
+
+    def cache(self, h: bytes, block: int) -> bool:
+        """Cache ``block`` (held) under the prefix hash ``h``; ``False`` when ``h`` is already
+        cached by another block or ``block`` already has a hash (nothing changes)."""
+        if block not in self._ref:
+            raise ValueError(f"BlockAllocator.cache: block {block} is not held")
+        return self.prefix.insert(h, block)
+
+    def clear_cache(self) -> int:
+        """Empty the prefix cache: idle blocks go back to the free list, referenced ones stay
+        with their rows (freed when released). Returns the blocks freed."""
+        idle = self.prefix.forget()
+        self._free.extend(idle)
+        self._free.sort(reverse=True)
+        return len(idle)
 
 
 class BlockTable:
@@ -177,6 +258,10 @@ class BlockTable:
         row[:len(held)] = held
         return row
 
+    def _upload(self, slot: int) -> None:
+        # the whole row: entries past the blocks held go back to the null block
+        api.memcpy(self.table[slot], api.from_host(self.row(slot))).async_on(self.stream)
+
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Give row ``slot`` blocks for positions ``[0, n_tokens)`` (keeping those it holds)
         and upload its table row; ``False``, taking nothing, when too few are free."""
@@ -188,8 +273,7 @@ class BlockTable:
         if ids is None:
             return False
         held += ids
-        # the whole row: entries past the blocks held go back to the null block
-        api.memcpy(self.table[slot], api.from_host(self.row(slot))).async_on(self.stream)
+        self._upload(slot)
         return True
 
     def grow(self, slot: int, n_tokens: int, what: str) -> None:
@@ -202,8 +286,75 @@ class BlockTable:
                 f"pool has {a.free} free of {a.capacity} (release finished rows, or build the "
                 "model with a larger kv_blocks)")
 
+    def frozen(self, slot: int) -> int:
+        """Positions of row ``slot`` in its leading cached blocks: they hold a prefix other
+        rows may read, and the row must not write there."""
+        n = 0
+        for b in self.row_blocks[slot]:
+            if self.allocator.prefix.hash_of(b) is None:
+                break
+            n += 1
+        return n * self.block_size
+
+    def share_prefix(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
+        """Point row ``slot``'s blocks ``start // block_size ..`` at the cached blocks of
+        ``hashes`` (a prefix's hash chain, :func:`~.prefix_cache.block_hashes`), as far as
+        they are cached, and upload its table row; returns the positions the row now shares
+        (``start`` when nothing more is cached).
+
+        The row has written nothing from ``start`` on: blocks it holds there (reserved,
+        unwritten) are given back as cached ones replace them.
+        """
+        bs, a = self.block_size, self.allocator
+        if start % bs:
+            raise ValueError(f"share_prefix: start={start} is not a multiple of the block size "
+                             f"{bs}")
+        held = self.row_blocks[slot]
+        j = start // bs
+        if j > len(held):
+            raise ValueError(f"share_prefix: row {slot} holds {len(held)} blocks, fewer than "
+                             f"start={start} covers")
+        changed = False
+        while j < len(hashes):
+            b = a.prefix.lookup(hashes[j])
+            if b is None:
+                break
+            if j < len(held) and held[j] == b:
+                j += 1
+                continue
+            a.share([b])
+            if j < len(held):
+                a.release([held[j]])
+                held[j] = b
+            else:
+                held.append(b)
+            changed = True
+            j += 1
+        if changed:
+            self._upload(slot)
+        return j * bs
+
+    def cache_prefix(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Cache row ``slot``'s leading blocks under ``hashes`` (the hash chain of the tokens
+        it has written there: every block is full); blocks already cached, or whose hash
+        another block holds, are left as they are. Returns the blocks newly cached."""
+        held, a = self.row_blocks[slot], self.allocator
+        if len(hashes) > len(held):
+            raise ValueError(f"cache_prefix: {len(hashes)} block hashes for row {slot}, which "
+                             f"holds {len(held)} blocks")
+        n = 0
+        for h, b in zip(hashes, held, strict=False):
+            old = a.prefix.hash_of(b)
+            if old is not None:
+                if old != h:
+                    raise ValueError(f"cache_prefix: row {slot}'s block {b} is cached under "
+                                     "another prefix (the tokens given are not the row's)")
+                continue
+            n += a.cache(h, b)
+        return n
+
     def release(self, slot: int) -> None:
-        """Give row ``slot``'s blocks back to the pool (its table row is left as it is: an
+        """Drop row ``slot``'s references to its blocks (its table row is left as it is: an
         idle row writes nothing, and the next :meth:`reserve` rewrites it)."""
         held = self.row_blocks[slot]
         if held:

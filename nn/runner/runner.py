@@ -47,7 +47,11 @@ engine use; every method enqueues on :attr:`Runner.stream` and returns without w
   themselves (raising :class:`~.paged_kv.KVCacheFull` when the pool is exhausted), so an
   explicit reserve is only needed to claim memory up front (the serving engine does).
 * ``release(slot)``: forget the row (it becomes inactive at the next decode step) and give
-  its blocks back to the pool.
+  its blocks back to the pool (cached ones stay cached, idle, until evicted).
+* ``share_prefix(slot, hashes, start=0) -> int`` / ``cache_prefix(slot, hashes) -> int``:
+  prefix caching (:mod:`.prefix_cache`): point the row at the cached blocks of a prompt's
+  hash chain (it then prefills from the returned position on), and cache the row's written
+  full blocks under theirs. ``prefill`` refuses to write into the row's cached blocks.
 * ``read(view) -> DeviceOp[np.ndarray]``: the host copy of a token view.
 * ``read_logprobs(n) -> DeviceOp[(values, ids)]``: host copies of rows ``0 .. n-1`` of the
   log-probability buffers (``(n, 21)`` float32: the sampled token's, then the top 20; ``(n,
@@ -209,6 +213,20 @@ class Runner:
         self.rows.cont[slot] = False
         self.kv.release(slot)
 
+    def share_prefix(self, slot: int, hashes: Sequence[bytes], start: int = 0) -> int:
+        """Point row ``slot`` at the cached blocks of ``hashes`` from position ``start`` on
+        (:meth:`~.paged_kv.BlockTable.share_prefix`); the positions it now shares."""
+        slot = self.check_slot(slot, "share_prefix")
+        if len(hashes) > self.kv.max_blocks:
+            raise ValueError(f"share_prefix: {len(hashes)} block hashes exceed the row's "
+                             f"{self.kv.max_blocks} blocks")
+        return self.kv.share_prefix(slot, hashes, int(start))
+
+    def cache_prefix(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Cache row ``slot``'s leading (written, full) blocks under ``hashes``
+        (:meth:`~.paged_kv.BlockTable.cache_prefix`); the blocks newly cached."""
+        return self.kv.cache_prefix(self.check_slot(slot, "cache_prefix"), hashes)
+
     def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
                 graph: bool | None = None) -> Tensor | None:
         """Write the KV of ``ids`` at ``start ..`` of row ``slot``; sample the next token."""
@@ -217,6 +235,11 @@ class Runner:
         if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
             raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
                              f"max_seq={self.max_seq} (start must be an int >= 0)")
+        frozen = self.kv.frozen(slot)
+        if start < frozen:
+            raise ValueError(f"prefill: row {slot}'s positions 0..{frozen - 1} are cached blocks "
+                             f"other rows may read; start={start} would overwrite them (write "
+                             f"from {frozen} on, or release the row first)")
         return self.prefiller.prefill(slot, ids_l, start, sample, graph)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],

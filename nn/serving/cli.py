@@ -79,7 +79,7 @@ def _check_model(model: str) -> None:
 
 def _build_engine(model: str, *, device: str | int | None, dtype: str | None, max_batch: int,
                   max_seq: int, max_queue: int | None, prefill_chunk: int,
-                  fail_stop: bool) -> Engine:
+                  fail_stop: bool, prefix_cache: bool = True) -> Engine:
     import deviceops
     import deviceops.nn as nnx
 
@@ -93,20 +93,21 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
     # every decode bucket's and prefill length's graph is captured now, not in a request's
     # step (Engine does it at construction)
     return Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,
-                  prefill_chunk=prefill_chunk, fail_stop=fail_stop)
+                  prefill_chunk=prefill_chunk, fail_stop=fail_stop, prefix_cache=prefix_cache)
 
 
 def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtype: str | None = None,
                 max_batch: int = 32, max_seq: int = 2048, max_queue: int | None = None,
-                prefill_chunk: int = 512) -> Engine:
+                prefill_chunk: int = 512, prefix_cache: bool = True) -> Engine:
     """Load ``model`` (a name of :data:`NAMED_MODELS` or a ``.gguf`` path) and wrap it in an :class:`Engine`.
 
     ``dtype`` ``None``: the model's default (float16 on CUDA, float32 on the cpu backend).
     The model's KV cache is allocated for ``max_batch`` rows of ``max_seq`` positions.
+    ``prefix_cache``: the engine's prefix caching (``serve --no-prefix-cache``: off).
     """
     engine = _build_engine(model, device=device, dtype=dtype, max_batch=max_batch,
                            max_seq=max_seq, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                           fail_stop=False)
+                           fail_stop=False, prefix_cache=prefix_cache)
     gc.collect()
     gc.freeze()  # a full cyclic GC would otherwise walk the start-up heap mid-step
     return engine
@@ -114,7 +115,7 @@ def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtyp
 
 def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str | None = None,
                  max_batch: int = 32, max_seq: int = 2048, max_queue: int | None = None,
-                 prefill_chunk: int = 512) -> Router:
+                 prefill_chunk: int = 512, prefix_cache: bool = True) -> Router:
     """Load ``model`` on each of ``devices`` (one after another) behind a :class:`Router`.
 
     Each device gets its own model copy and fail-stop :class:`Engine` (``max_batch``,
@@ -124,7 +125,8 @@ def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str |
     Args:
         model: a name of :data:`NAMED_MODELS` or a path to a ``.gguf`` file.
         devices: device names, e.g. from :func:`parse_devices` (``["cuda:0", "cuda:1"]``).
-        dtype, max_batch, max_seq, max_queue, prefill_chunk: as :func:`load_engine`.
+        dtype, max_batch, max_seq, max_queue, prefill_chunk, prefix_cache: as
+            :func:`load_engine`.
 
     Raises:
         ValueError: an unknown model, or no devices.
@@ -138,7 +140,8 @@ def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str |
         try:
             engine = _build_engine(model, device=name, dtype=dtype, max_batch=max_batch,
                                    max_seq=max_seq, max_queue=max_queue,
-                                   prefill_chunk=prefill_chunk, fail_stop=True)
+                                   prefill_chunk=prefill_chunk, fail_stop=True,
+                                   prefix_cache=prefix_cache)
         except Exception as exc:  # this device is out; the others may serve
             log.exception("loading %s on %s failed", model, name)
             replicas.append(Replica(name, None, f"{type(exc).__name__}: {exc}"))
@@ -331,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "max-batch")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled per step")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="turn prefix caching off: every prompt is prefilled in full (by "
+                        "default full KV blocks of a prompt prefix computed before are reused)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -411,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    device=args.device, dtype=args.dtype,
                                    max_batch=args.max_batch, max_seq=args.max_seq,
                                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                                   num_cpus=args.replica_cpus, max_restarts=args.max_restarts)
+                                   num_cpus=args.replica_cpus, max_restarts=args.max_restarts,
+                                   prefix_cache=args.prefix_cache)
         from .core import CoreSpec
         from .core_process import start_cores
 
@@ -424,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         spec = CoreSpec(args.model, dtype=args.dtype, max_batch=args.max_batch,
                         max_seq=args.max_seq, max_queue=args.max_queue,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache)
         where: list[str | None] = list(devices) if devices is not None else [
             None if device is None else ("cpu" if device == "cpu" else "cuda:0")]
         router = start_cores(spec, where, per_device=devices is not None,

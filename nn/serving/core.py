@@ -96,7 +96,7 @@ PARENT_CHECK_S = 0.5
 class CoreSpec:
     """What a core loads: the model (a name of ``serve``'s models or a ``.gguf`` path), the
     device (``"cuda:1"``, ``"cpu:1"``; ``None``: the default device), and the engine's
-    limits, as ``python -m deviceops.nn.serve`` takes them."""
+    limits and prefix caching, as ``python -m deviceops.nn.serve`` takes them."""
 
     model: str = "smollm2"
     device: str | None = None
@@ -105,6 +105,7 @@ class CoreSpec:
     max_seq: int = 2048
     max_queue: int | None = None
     prefill_chunk: int = 512
+    prefix_cache: bool = True
 
     def to_json(self) -> str:
         """The spec as the ``--spec`` argument."""
@@ -396,7 +397,7 @@ def _build(spec: CoreSpec) -> Any:
     return _build_engine(spec.model, device=spec.device, dtype=spec.dtype,
                          max_batch=spec.max_batch, max_seq=spec.max_seq,
                          max_queue=spec.max_queue, prefill_chunk=spec.prefill_chunk,
-                         fail_stop=True)
+                         fail_stop=True, prefix_cache=spec.prefix_cache)
 
 
 async def _watch_parent(core: EngineCore, parent: int) -> None:

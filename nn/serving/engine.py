@@ -43,6 +43,18 @@ takes the engine out of service: every queued and running request ends with
 :class:`EngineFailed` (its ``__cause__`` the step's error), :attr:`Engine.failure` holds it
 and new requests are refused with it, so a router sends them to another device.
 
+**Prefix caching** (on by default with a paged ``CausalLM``; ``prefix_cache=False`` turns it
+off): full KV blocks are cached under the hash of their token prefix and a later request
+whose prompt starts with the same full blocks shares them (reference-counted, read-only)
+instead of prefilling them again; its prefill starts at the first uncached position, and
+the block holding its last prompt token is always computed, so greedy outputs are the same
+with and without the cache. Requests with one prompt start admitted together prefill the
+shared blocks once (:mod:`.scheduler`). Cached blocks no request references are evicted,
+least recently used first, when admission needs blocks; ``kv_blocks_in_use`` counts the
+blocks requests reference, ``kv_blocks_cached`` the cache's, and the hit and miss counters
+are prompt tokens (:class:`~.requests.EngineStats`). :meth:`Engine.clear_prefix_cache`
+drops the idle ones.
+
 The model side is the :class:`~.requests.StepModel` protocol (prefill a prompt chunk into a
 slot, decode a set of slots, release a slot); :func:`~.step_model.step_model` adapts a
 ``CausalLM`` to it. Cancellation (``aclose()``, a cancelled consumer task, a dropped
@@ -113,11 +125,15 @@ class Engine:
         fail_stop: a step that raises (a device error) takes the engine out of service
             instead of failing only that step's requests (module docstring, *Failure*);
             for engines behind a router that can send new requests elsewhere.
+        prefix_cache: reuse the KV blocks of prompt prefixes computed before (module
+            docstring, *Prefix caching*). ``None`` (default): on when the step model can
+            (a paged ``CausalLM``); ``True``: on, ``ValueError`` when the step model cannot;
+            ``False``: off (``serve --no-prefix-cache``).
 
     Attributes:
         model, steps (the step model), scheduler (:class:`~.scheduler.Scheduler`: queue,
         running batch, slots, step), pool (its :class:`~.slots.SlotPool`), max_batch,
-        max_seq, max_queue, prefill_chunk, fail_stop.
+        max_seq, max_queue, prefill_chunk, fail_stop, prefix_cache (whether it is on).
 
     Example:
         >>> engine = Engine(deviceops.nn.smollm2(), max_batch=8)
@@ -134,6 +150,7 @@ class Engine:
         max_queue: int | None = None,
         prefill_chunk: int = 512,
         fail_stop: bool = False,
+        prefix_cache: bool | None = None,
     ) -> None:
         if isinstance(model, StepModel):
             steps: StepModel = model
@@ -157,10 +174,19 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         self.fail_stop = bool(fail_stop)
         self._failure: EngineFailed | None = None
+        can = hasattr(steps, "reserve") and all(
+            hasattr(steps, n) for n in ("prefix_hashes", "share_prefix", "cache_prefix",
+                                        "clear_prefix_cache"))
+        if prefix_cache is True and not can:
+            raise ValueError(f"Engine: prefix_cache=True, but {type(steps).__name__} has no "
+                             "paged KV with prefix caching (reserve, prefix_hashes, "
+                             "share_prefix, cache_prefix, clear_prefix_cache); pass "
+                             "prefix_cache=None or False")
+        self.prefix_cache = can if prefix_cache is None else bool(prefix_cache)
         self.scheduler = Scheduler(steps, max_batch=self.max_batch, max_seq=self.max_seq,
                                    prefill_chunk=self.prefill_chunk, fail_stop=self.fail_stop,
                                    notify=self._notify, space_freed=self._space_freed,
-                                   fail=self._fail)
+                                   fail=self._fail, prefix_cache=self.prefix_cache)
         self.pool = self.scheduler.pool
         self._queue = self.scheduler.queue
         self._active = self.scheduler.active  # hold slots: prefill or decode, admission order
@@ -274,10 +300,11 @@ class Engine:
         """Queue, batch and KV occupancy now, and counters since construction."""
         u = self.pool.usage()
         sc = self.scheduler
-        blocks, total = u.blocks_in_use, 0
+        blocks, total, cached = u.blocks_in_use, 0, 0
         if sc.reserve is not None:  # real block counts of the paged cache
             blocks = int(getattr(self.steps, "kv_blocks_in_use", blocks))
             total = int(getattr(self.steps, "kv_blocks_total", 0))
+            cached = int(getattr(self.steps, "kv_blocks_cached", 0))
         return EngineStats(
             queued=len(self._queue),
             running=len(self._active),
@@ -293,8 +320,19 @@ class Engine:
             cancelled=sc.cancelled,
             kv_blocks_total=total,
             pending_tokens=self.pending_tokens,
+            kv_blocks_cached=cached,
+            prefix_cache_hit_tokens=sc.prefix_hits,
+            prefix_cache_miss_tokens=sc.prefix_misses,
             host_phases=tuple(sc.phase_s.items()),
         )
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached KV block no running request references (they go back to the
+        free list; blocks in use stay until their requests finish and are then cached as
+        usual). Returns the blocks freed; 0 with prefix caching off."""
+        if not self.prefix_cache:
+            return 0
+        return int(self.steps.clear_prefix_cache())  # type: ignore[attr-defined]
 
     @property
     def pending_tokens(self) -> int:

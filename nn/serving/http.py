@@ -5,6 +5,15 @@ server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /hea
 (200 once the model is loaded, 503 while loading or draining), ``GET /metrics``
 (Prometheus text, :mod:`.metrics`).
 
+**Choices.** ``"n": N`` (at most :data:`~.openai.MAX_N`) runs N engine requests on one
+engine, choice ``i`` with seed ``seed + i`` (:func:`~.openai.choice_seed`); they share the
+prompt's full KV blocks through the engine's prefix cache (prefilled once). The response
+lists the choices by ``index``; streamed, each chunk carries one choice's delta, its
+``choices[0].index`` naming it, and each choice ends with its own ``finish_reason`` chunk;
+``usage.completion_tokens`` is their sum. A failure of any choice fails the response (500 /
+503, or one error event). Time to first token and inter-token latency are observed per
+choice.
+
 Every bad request gets 400 and an OpenAI-style JSON error naming the field
 (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``; parsing,
 validation and the response bodies are :mod:`.openai`, the text of a token stream
@@ -31,15 +40,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.to_thread
+from anyio.streams.memory import MemoryObjectSendStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -57,6 +68,8 @@ from .openai import (
     BadRequest,
     Job,
     Limits,
+    choice_body,
+    choice_seed,
     completion_body,
     device_failed_message,
     error_response,
@@ -110,6 +123,54 @@ class AppState:
     def engine(self) -> Engine | None:
         """The first device's engine (the only one without ``--devices``), or ``None``."""
         return None if self.router is None else self.router.replicas[0].engine
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One choice of a request: its index, stream, detokenizer, and (not streamed) the text
+    and log-probability entries so far."""
+
+    index: int
+    stream: RequestStream
+    detok: Detokenizer
+    text: str = ""
+    entries: list[Entry] = field(default_factory=list)
+
+
+class _AllTokens:
+    """What the access log reads of a request with several choices: every choice's tokens."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.streams for t in s.tokens]
+
+
+class _EventStream(StreamingResponse):
+    """A ``text/event-stream`` response whose events ``run(emit)`` sends (one task sends; the
+    choices' producers run in ``run``'s task group, never across a generator's ``yield``)."""
+
+    def __init__(self, run: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(_no_body(), media_type="text/event-stream", headers=headers)
+        self._run = run
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+
+        async def emit(chunk: bytes) -> None:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        await self._run(emit)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _no_body() -> AsyncIterator[bytes]:
+    return
+    yield b""  # an async generator that yields nothing (the body is _EventStream._run's)
 
 
 def _context_bound(limits: Limits, router: Router) -> Limits:
@@ -316,9 +377,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             engine = replica.engine
             assert engine is not None
             try:
-                s = engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
-                                  top_k=job.top_k, top_p=job.top_p, seed=job.seed,
-                                  ignore_eos=job.ignore_eos, **job.features())
+                streams = _start(engine, job)
                 break
             except EngineOverloaded as exc:
                 full.append(exc)
@@ -340,32 +399,51 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             return error_response(503, router.unavailable_reason(), kind="server_unavailable",
                           retry_after=retry_after, code="device_failed")
         metrics.prompt_tokens.inc(len(job.ids))
-        state.live.add(s)
-        request.scope["deviceops.request"] = s  # the access log counts its tokens (serve)
+        state.live.update(streams)
+        # the access log counts the tokens generated (serve): every choice's
+        request.scope["deviceops.request"] = streams[0] if len(streams) == 1 else _AllTokens(
+            streams)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        detok = Detokenizer(engine.model, engine.steps.eos_ids, job.stop)
+        choices = [_Choice(i, st, Detokenizer(engine.model, engine.steps.eos_ids, job.stop))
+                   for i, st in enumerate(streams)]
         if job.stream:
-            return StreamingResponse(
-                _sse(s, detok, job, chat, rid, t0, replica), media_type="text/event-stream",
+            return _EventStream(
+                lambda emit: _sse(choices, job, chat, rid, t0, replica, emit),
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, failed, entries = job.echo or "", None, []
+        failed: BaseException | None = None
         async with anyio.create_task_group() as tg:
-            async def watch() -> None:  # a client that goes away cancels its generation
+            async def watch() -> None:  # a client that goes away cancels its generations
                 while (await request.receive())["type"] != "http.disconnect":
                     pass
-                s.cancel()
+                for c in choices:
+                    c.stream.cancel()
                 tg.cancel_scope.cancel()
+
+            async def collect(c: _Choice) -> None:
+                nonlocal failed
+                c.text = job.echo or ""
+                try:
+                    async for piece, got in _tokens(c.stream, c.detok, job, t0):
+                        c.text += piece
+                        c.entries += got
+                except Exception as exc:  # the step failed: 500 (503: its device), server goes on
+                    if failed is None or isinstance(exc, EngineFailed):
+                        failed = exc
+                    for other in choices:  # the response fails as a whole
+                        other.stream.cancel()
+                finally:
+                    c.stream.cancel()
 
             tg.start_soon(watch)
             try:
-                async for piece, got in _tokens(s, detok, job, t0):
-                    text += piece
-                    entries += got
-            except Exception as exc:  # the step failed: 500, the server goes on
-                failed = exc
+                async with anyio.create_task_group() as each:
+                    for c in choices:
+                        each.start_soon(collect, c)
             finally:
-                s.cancel()
+                for c in choices:
+                    c.stream.cancel()
                 tg.cancel_scope.cancel()
+        state.live.difference_update(streams)
         if isinstance(failed, EngineFailed):  # its device failed: retry elsewhere
             log.error("generation %s failed with device %s: %r", rid, replica.device,
                       failed.__cause__)
@@ -375,21 +453,39 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         if failed is not None:
             log.error("generation %s failed: %r", rid, failed)
             return error_response(500, f"generation failed: {failed}", kind="server_error")
-        state.live.discard(s)
-        reason = finish_reason(s, detok.stopped)
-        if reason == "cancelled" and state.aborting:
-            reason = "abort"  # shut down past the drain time: the text so far
-        elif reason == "cancelled":
-            return Response(status_code=499)  # nobody is listening
-        lp = None if job.logprobs is None else choice_logprobs(entries, detok.decode, chat)
-        content: str | None = text
-        calls: list[dict[str, Any]] = []
-        if job.tool_names:  # the reply's <tool_call> blocks become tool_calls
-            content, calls = parse_tool_calls(text, job.tool_names)
-            if calls and reason == "stop":
-                reason = "tool_calls"
-        return JSONResponse(completion_body(rid, chat, model_name, content, reason,
-                                            usage(s, job), lp, calls or None))
+        bodies = []
+        for c in choices:
+            reason = finish_reason(c.stream, c.detok.stopped)
+            if reason == "cancelled" and state.aborting:
+                reason = "abort"  # shut down past the drain time: the text so far
+            elif reason == "cancelled":
+                return Response(status_code=499)  # nobody is listening
+            lp = None if job.logprobs is None else choice_logprobs(c.entries, c.detok.decode,
+                                                                   chat)
+            content: str | None = c.text
+            calls: list[dict[str, Any]] = []
+            if job.tool_names:  # the reply's <tool_call> blocks become tool_calls
+                content, calls = parse_tool_calls(c.text, job.tool_names)
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            bodies.append(choice_body(c.index, chat, content, reason, lp, calls or None))
+        return JSONResponse(completion_body(rid, chat, model_name, bodies, usage(streams, job)))
+
+    def _start(engine: Engine, job: Job) -> list[RequestStream]:
+        """Queue the job's ``n`` choices on ``engine`` (choice ``i`` with seed
+        :func:`~.openai.choice_seed`); none stays queued when one is refused."""
+        out: list[RequestStream] = []
+        try:
+            for i in range(job.n):
+                out.append(engine.stream(job.ids, job.max_tokens, temperature=job.temperature,
+                                         top_k=job.top_k, top_p=job.top_p,
+                                         seed=choice_seed(job.seed, i),
+                                         ignore_eos=job.ignore_eos, **job.features()))
+        except BaseException:
+            for st in out:
+                st.cancel()
+            raise
+        return out
 
     def _parse(raw: bytes, chat: bool, engine: Engine) -> Job:
         # a key "role" is the only way these bytes appear in JSON text (inside a string the
@@ -447,70 +543,99 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             if last is not None:
                 metrics.duration.observe(time.perf_counter() - t0)
 
-    async def _sse(s: RequestStream, detok: Detokenizer, job: Job, chat: bool, rid: str,
-                   t0: float, replica: Replica) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed completion, ending with ``[DONE]``."""
+    async def _sse(choices: list[_Choice], job: Job, chat: bool, rid: str, t0: float,
+                   replica: Replica, emit: Callable[[bytes], Awaitable[None]]) -> None:
+        """The server-sent events of a streamed completion, ending with ``[DONE]``: each
+        choice's chunks (``choices[0].index`` names it) as its tokens arrive."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        failed: list[BaseException] = []
+        streams = [c.stream for c in choices]
 
-        def chunk(piece: str | None, reason: str | None, first: bool = False,
-                  entries: list[Entry] | None = None,
-                  calls: list[dict[str, Any]] | None = None) -> bytes:
-            lp = None if job.logprobs is None or entries is None else choice_logprobs(
-                entries, detok.decode, chat)
-            return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp,
-                                calls)
+        async def produce(c: _Choice, out: MemoryObjectSendStream[bytes]) -> None:
+            detok = c.detok
 
-        # with tools: text that may open a <tool_call> waits; each closed call is one delta
-        tcs = ToolCallStream(job.tool_names) if job.tool_names else None
+            def chunk(piece: str | None, reason: str | None, first: bool = False,
+                      entries: list[Entry] | None = None,
+                      calls: list[dict[str, Any]] | None = None) -> bytes:
+                lp = None if job.logprobs is None or entries is None else choice_logprobs(
+                    entries, detok.decode, chat)
+                return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp,
+                                    calls, index=c.index)
 
-        def pieces(piece: str, got: list[Entry]) -> Iterator[bytes]:
-            if tcs is None:
-                yield chunk(piece, None, entries=got)
-                return
-            text, calls = tcs.push(piece)
-            if text or got:
-                yield chunk(text, None, entries=got)
-            first_index = tcs.calls - len(calls)  # a call's index in the whole reply
-            for k, call in enumerate(calls):
-                yield chunk(None, None, calls=[{"index": first_index + k, **call}])
+            # with tools: text that may open a <tool_call> waits; each closed call is one delta
+            tcs = ToolCallStream(job.tool_names) if job.tool_names else None
 
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            elif job.echo:
-                yield chunk(job.echo, None)  # completions echo: the prompt first
-            try:
-                async for piece, got in _tokens(s, detok, job, t0):
-                    for ev in pieces(piece, got):
-                        yield ev
-                if tcs is not None:
-                    rest, _ = tcs.finish()
-                    if rest:
-                        yield chunk(rest, None)
-            except EngineFailed as exc:  # its device failed: a 503 error event, then [DONE]
-                log.error("generation %s failed with device %s: %r", rid, replica.device,
-                          exc.__cause__)
-                n = len(state.router.serving) if state.router is not None else 0
-                yield sse_event({"error": {"message": device_failed_message(replica, exc, n),
-                                           "type": "server_unavailable", "param": None,
-                                           "code": "device_failed"}})
-            except Exception as exc:  # the step failed: an error event, then [DONE]
-                log.error("generation %s failed: %r", rid, exc)
-                yield sse_event({"error": {"message": f"generation failed: {exc}",
-                                           "type": "server_error"}})
-            else:
-                reason = finish_reason(s, detok.stopped)
+            def pieces(piece: str, got: list[Entry]) -> Iterator[bytes]:
+                if tcs is None:
+                    yield chunk(piece, None, entries=got)
+                    return
+                text, calls = tcs.push(piece)
+                if text or got:
+                    yield chunk(text, None, entries=got)
+                first_index = tcs.calls - len(calls)  # a call's index in the whole reply
+                for k, call in enumerate(calls):
+                    yield chunk(None, None, calls=[{"index": first_index + k, **call}])
+
+            async with out:
+                try:
+                    if chat:
+                        await out.send(chunk(None, None, first=True))
+                    elif job.echo:
+                        await out.send(chunk(job.echo, None))  # completions echo: the prompt first
+                    async for piece, got in _tokens(c.stream, detok, job, t0):
+                        for ev in pieces(piece, got):
+                            await out.send(ev)
+                    if tcs is not None:
+                        rest, _ = tcs.finish()
+                        if rest:
+                            await out.send(chunk(rest, None))
+                except Exception as exc:  # the step failed: one error event for the response
+                    failed.append(exc)
+                    for st in streams:
+                        st.cancel()
+                    return
+                finally:
+                    c.stream.cancel()
+                if failed:
+                    return  # another choice failed: the response ends with its error
+                reason = finish_reason(c.stream, detok.stopped)
                 if tcs is not None and tcs.calls and reason == "stop":
                     reason = "tool_calls"
-                yield chunk(None, "abort" if reason == "cancelled" and state.aborting else reason)
-                if job.include_usage:
-                    yield sse_event({"id": rid, "object": obj, "created": created,
-                                     "model": model_name, "choices": [], "usage": usage(s, job)})
-            yield b"data: [DONE]\n\n"
+                await out.send(chunk(None, "abort" if reason == "cancelled" and state.aborting
+                                     else reason))
+
+        try:
+            send, receive = anyio.create_memory_object_stream[bytes](math.inf)
+            async with anyio.create_task_group() as tg:
+                for c in choices:
+                    tg.start_soon(produce, c, send.clone())
+                send.close()
+                async with receive:
+                    async for ev in receive:
+                        await emit(ev)
+            if failed:
+                exc = next((e for e in failed if isinstance(e, EngineFailed)), failed[0])
+                if isinstance(exc, EngineFailed):  # its device failed: a 503 error event
+                    log.error("generation %s failed with device %s: %r", rid, replica.device,
+                              exc.__cause__)
+                    n = len(state.router.serving) if state.router is not None else 0
+                    await emit(sse_event({"error": {
+                        "message": device_failed_message(replica, exc, n),
+                        "type": "server_unavailable", "param": None, "code": "device_failed"}}))
+                else:  # the step failed: an error event, then [DONE]
+                    log.error("generation %s failed: %r", rid, exc)
+                    await emit(sse_event({"error": {"message": f"generation failed: {exc}",
+                                                    "type": "server_error"}}))
+            elif job.include_usage:
+                await emit(sse_event({"id": rid, "object": obj, "created": created,
+                                      "model": model_name, "choices": [],
+                                      "usage": usage(streams, job)}))
+            await emit(b"data: [DONE]\n\n")
         finally:
-            state.live.discard(s)
-            s.cancel()  # client gone (generator closed) or done: the slot is freed
+            state.live.difference_update(streams)
+            for st in streams:
+                st.cancel()  # client gone or done: the slots are freed
 
     async def model_route(request: Request) -> Response:
         mid = request.path_params["model_id"]

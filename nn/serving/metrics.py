@@ -3,7 +3,8 @@
 Counters and histograms are fed by the HTTP layer as requests run (requests by endpoint
 and status, prompt and generated tokens, time to first token, inter-token latency,
 request duration); the engine's occupancy (running requests, queue depth, batch
-occupancy, KV slots / blocks / tokens in use, steps) is read from
+occupancy, KV slots / blocks / tokens in use, cached KV blocks, steps, prefix-cache hit and
+miss tokens) is read from
 :meth:`~deviceops.nn.Engine.stats` at every scrape.
 
 With one engine per device (``serve --devices``) every engine series carries a
@@ -65,8 +66,12 @@ def _gauges(st: Any) -> dict[str, tuple[str, float]]:
         "deviceops_engine_max_batch": ("KV slots (max concurrent requests)", st.max_batch),
         "deviceops_kv_slots_in_use": ("KV-cache slots (batch rows) held", st.slots_in_use),
         "deviceops_kv_blocks_in_use": (
-            "KV blocks held by running requests (paged cache; reserved at admission)",
-            st.kv_blocks_in_use),
+            "KV blocks held by running requests (paged cache; reserved at admission; a block "
+            "shared through the prefix cache counts once)", st.kv_blocks_in_use),
+        "deviceops_kv_blocks_cached": (
+            "KV blocks in the prefix cache, in use by requests or idle (idle ones are evicted, "
+            "least recently used first, when admission needs blocks)",
+            getattr(st, "kv_blocks_cached", 0)),
         "deviceops_kv_blocks_total": (
             "KV blocks of the pool (0: a step model without paged memory)",
             getattr(st, "kv_blocks_total", 0)),
@@ -81,6 +86,13 @@ def _counters(st: Any) -> dict[str, tuple[str, float]]:
         "deviceops_engine_decode_rows": ("decode rows computed (sum of batch sizes)",
                                          st.decode_rows),
         "deviceops_engine_prefill_tokens": ("prompt tokens prefilled", st.prefill_tokens),
+        "deviceops_prefix_cache_hit_tokens": (
+            "prompt tokens whose KV blocks came from the prefix cache (not prefilled)",
+            getattr(st, "prefix_cache_hit_tokens", 0)),
+        "deviceops_prefix_cache_miss_tokens": (
+            "prompt tokens prefilled by requests that looked the prefix cache up (its misses; "
+            "the block holding a prompt's last token is always prefilled)",
+            getattr(st, "prefix_cache_miss_tokens", 0)),
     }
 
 

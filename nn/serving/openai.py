@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,12 @@ from .engine import Engine, EngineFailed, RequestStream
 from .guard import openai_error_body
 from .router import Replica
 
-__all__ = ["BadRequest", "Job", "Limits", "completion_body", "device_failed_message", "error_response",
-           "finish_reason", "parse_request", "sse_event", "stream_chunk", "usage"]
+__all__ = ["MAX_N", "BadRequest", "Job", "Limits", "choice_body", "choice_seed",
+           "completion_body", "device_failed_message", "error_response", "finish_reason",
+           "parse_request", "sse_event", "stream_chunk", "usage"]
+
+#: The most choices (``n``) one request may ask for.
+MAX_N = 16
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -100,6 +105,8 @@ class Job:
     #: chat with ``tools``: their names; the reply's ``<tool_call>`` blocks naming one of them
     #: become ``tool_calls`` (:mod:`.tool_calls`)
     tool_names: tuple[str, ...] = ()
+    #: choices to generate, each its own request (seed ``seed + i``: :func:`choice_seed`)
+    n: int = 1
 
     def features(self) -> dict[str, Any]:
         """The engine arguments of the optional features this job asks for (only those, so
@@ -264,8 +271,9 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
                          "'logprobs', or 'logprobs' without 'echo' (the request was not run)",
                          code="unsupported_parameter")
     fmt = body.get("response_format")
+    best_of = body.get("best_of")
     asked = {
-        "best_of": body.get("best_of") not in (None, 1),
+        "best_of": best_of is not None and not (_is_int(best_of) and best_of == 1),
         "suffix": body.get("suffix") not in (None, ""),
         "response_format": fmt is not None and fmt != {"type": "text"},
     }
@@ -387,10 +395,15 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
     n = body.get("n")
     if n is not None and (not _is_int(n) or n < 1):
         raise BadRequest("n", f"'n' must be an integer >= 1, got {n!r}")
-    if n is not None and n > 1:
-        raise BadRequest("n", f"'n'={n}: only one choice per request is supported yet (n=1); "
-                         "send n separate requests (the request was not run)",
-                         code="unsupported_parameter")
+    if n is not None and n > MAX_N:
+        raise BadRequest("n", f"'n'={n}: this server generates at most {MAX_N} choices per "
+                         f"request; ask for n <= {MAX_N} (the request was not run)",
+                         code="integer_above_max_value")
+    queue = getattr(engine, "max_queue", None)
+    if n is not None and n > 1 and isinstance(queue, int) and n > queue:
+        raise BadRequest("n", f"'n'={n}: the engine queues at most {queue} requests at once and "
+                         f"each choice is one; ask for n <= {queue} (serve --max-queue)",
+                         code="integer_above_max_value")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
         raise BadRequest("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
@@ -463,7 +476,14 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
     names = tuple(t["function"]["name"] for t in tools) if tools else ()
     return Job(ids, int(max_tokens), stream, float(temperature),
                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
-               include_usage, echo=echo, tool_names=names, **feats)
+               include_usage, echo=echo, tool_names=names, n=1 if n is None else int(n),
+               **feats)
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i``: ``seed + i`` (modulo 2**63) when the request gave one, else
+    ``None`` (a fresh random seed per choice)."""
+    return None if seed is None else (seed + i) % 2**63
 
 
 def finish_reason(s: RequestStream, stopped: bool) -> str:
@@ -473,9 +493,10 @@ def finish_reason(s: RequestStream, stopped: bool) -> str:
     return s.finish_reason or "cancelled"
 
 
-def usage(s: RequestStream, job: Job) -> dict[str, int]:
-    """The ``usage`` object: prompt, completion and total tokens."""
-    n = len(s.tokens)
+def usage(streams: Sequence[RequestStream], job: Job) -> dict[str, int]:
+    """The ``usage`` object: the prompt's tokens (once), every choice's completion tokens
+    summed, and their total."""
+    n = sum(len(s.tokens) for s in streams)
     return {"prompt_tokens": len(job.ids), "completion_tokens": n,
             "total_tokens": len(job.ids) + n}
 
@@ -486,34 +507,37 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def completion_body(rid: str, chat: bool, model_name: str, text: str | None, reason: str,
-                    use: dict[str, int], logprobs: dict[str, Any] | None = None,
-                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response
-    (``logprobs``: the choice's object, :mod:`.logprobs`; ``tool_calls``: the chat
-    message's calls, :mod:`.tool_calls`)."""
+def choice_body(index: int, chat: bool, text: str | None, reason: str,
+                logprobs: dict[str, Any] | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response (``logprobs``: the choice's object,
+    :mod:`.logprobs`; ``tool_calls``: the chat message's calls, :mod:`.tool_calls`)."""
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "message": message,
-                                  "logprobs": logprobs, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        obj = "text_completion"
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def completion_body(rid: str, chat: bool, model_name: str, choices: list[dict[str, Any]],
+                    use: dict[str, int]) -> dict[str, Any]:
+    """A whole (non-streamed) ``text_completion`` / ``chat.completion`` response with its
+    choices (:func:`choice_body`, index 0 .. n-1)."""
+    obj = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
 
 
 def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str | None,
                  reason: str | None, first: bool = False,
                  logprobs: dict[str, Any] | None = None,
-                 tool_calls: list[dict[str, Any]] | None = None) -> bytes:
-    """One streamed chunk (``chat.completion.chunk`` / ``text_completion``) as an SSE event;
-    ``first``: the chat stream's opening delta with the assistant role; ``logprobs``: the
-    chunk's tokens' object (:mod:`.logprobs`); ``tool_calls``: the delta's calls, each with
-    its ``index`` in the reply (:mod:`.tool_calls`)."""
+                 tool_calls: list[dict[str, Any]] | None = None, index: int = 0) -> bytes:
+    """One streamed chunk (``chat.completion.chunk`` / ``text_completion``) of choice
+    ``index`` as an SSE event; ``first``: the chat stream's opening delta with the assistant
+    role; ``logprobs``: the chunk's tokens' object (:mod:`.logprobs`); ``tool_calls``: the
+    delta's calls, each with its ``index`` in the reply (:mod:`.tool_calls`)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         delta: dict[str, Any] = {}
@@ -523,9 +547,10 @@ def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str
             delta["content"] = piece
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": piece or "", "logprobs": logprobs,
+                  "finish_reason": reason}
     return sse_event({"id": rid, "object": obj, "created": created, "model": model_name,
                       "choices": [choice]})

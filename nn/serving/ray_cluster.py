@@ -84,6 +84,7 @@ class ReplicaSpec:
             ``python -m deviceops.nn.serve`` takes them (per replica).
         num_cpus: CPUs Ray reserves per replica.
         max_restarts: times Ray restarts a replica that died (``-1``: always).
+        prefix_cache: the engine's prefix caching (``serve --no-prefix-cache``: off).
     """
 
     model: str = "smollm2"
@@ -95,6 +96,7 @@ class ReplicaSpec:
     prefill_chunk: int = 512
     num_cpus: float = 1.0
     max_restarts: int = 4
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):

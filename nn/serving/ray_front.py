@@ -288,7 +288,8 @@ def load_ray_router(model: str = "smollm2", *, address: str | None = None,
                     dtype: str | None = None, max_batch: int = 32, max_seq: int = 2048,
                     max_queue: int | None = None, prefill_chunk: int = 512,
                     num_cpus: float = 1.0, max_restarts: int = 4,
-                    ray_init: dict[str, Any] | None = None) -> RayRouter:
+                    ray_init: dict[str, Any] | None = None,
+                    prefix_cache: bool = True) -> RayRouter:
     """Connect to Ray, start the replicas and wait until they serve (``serve --ray``).
 
     Args:
@@ -299,6 +300,7 @@ def load_ray_router(model: str = "smollm2", *, address: str | None = None,
         dtype, max_batch, max_seq, max_queue, prefill_chunk: per replica, as ``serve``.
         num_cpus, max_restarts: Ray's, per replica.
         ray_init: more ``ray.init`` arguments when this call connects.
+        prefix_cache: the engines' prefix caching (``serve --no-prefix-cache``: off).
     """
     from .cli import _check_model
 
@@ -309,7 +311,7 @@ def load_ray_router(model: str = "smollm2", *, address: str | None = None,
         ray = init_ray(address, **(ray_init or {}))
         device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
     spec = ReplicaSpec(model, device, dtype, max_batch, max_seq, max_queue, prefill_chunk,
-                       num_cpus, max_restarts)
+                       num_cpus, max_restarts, prefix_cache)
     return RayRouter.start(spec, replicas, address=address, ray_init=ray_init)
 
 

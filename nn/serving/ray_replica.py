@@ -48,7 +48,7 @@ class _ReplicaServer:
         self.engine = _build_engine(spec.model, device=device, dtype=spec.dtype,
                                     max_batch=spec.max_batch, max_seq=spec.max_seq,
                                     max_queue=spec.max_queue, prefill_chunk=spec.prefill_chunk,
-                                    fail_stop=True)
+                                    fail_stop=True, prefix_cache=spec.prefix_cache)
         tune_await()
         import ray
 

@@ -202,6 +202,8 @@ class _Request:
     event: anyio.Event | None = None
     t_submit: float = 0.0
     t_first: float | None = None
+    hashes: list[bytes] = field(default_factory=list)  # prefix caching: full prompt blocks'
+    started: bool = False  # its first prompt chunk was enqueued
 
     @property
     def finished(self) -> bool:
@@ -211,6 +213,9 @@ class _Request:
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot: queue, running batch, KV slots and cumulative counters.
+
+    ``kv_blocks_in_use`` counts the blocks running requests reference (a block shared by
+    several counts once); ``kv_blocks_cached`` the prefix cache's, some of them also in use.
 
     ``pending_tokens`` is the work the engine still holds, in tokens
     (:attr:`~deviceops.nn.Engine.pending_tokens`): what the data-parallel router compares.
@@ -230,6 +235,12 @@ class EngineStats:
     cancelled: int
     kv_blocks_total: int = 0
     pending_tokens: int = 0
+    #: KV blocks in the prefix cache (referenced by running requests or idle, reclaimable)
+    kv_blocks_cached: int = 0
+    #: prompt tokens whose KV came from the prefix cache / that were prefilled, over the
+    #: requests that looked the cache up (both 0 with prefix caching off)
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_miss_tokens: int = 0
     #: cumulative host seconds of the steps by phase (``(name, seconds)`` pairs: the
     #: scheduler's admit / enqueue / wait / deliver, and an engine core's recv / send)
     host_phases: tuple[tuple[str, float], ...] = ()

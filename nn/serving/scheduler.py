@@ -7,6 +7,19 @@ the KV blocks of their whole budget), enqueue the batched decode and this step's
 chunks, then wait for the decode tokens and the prompts' first tokens and deliver them. It
 tells the engine, through the callbacks it is built with, when a request has news for its
 consumer, when the queue has room, and when a fail-stop step failed.
+
+**Prefix caching** (a step model with ``prefix_hashes``/``share_prefix``/``cache_prefix``,
+``prefix_cache`` on): at admission a request's row points at the cached blocks of its
+prompt's longest cached full-block prefix (never the block holding its last prompt token,
+so its first token is sampled from logits computed now) and reserves only the rest of its
+budget. Each prompt chunk's full blocks are cached as soon as the chunk is enqueued (the
+stream orders any later read after the write), and the chunk budget goes to the requests
+in admission order, so when a request's first chunk comes every earlier request has
+enqueued its whole prompt: the request looks the cache up again then and shares what they
+cached (its unwritten reserved blocks there go back). ``n`` choices of one prompt, or many
+clients with one system prompt admitted together, prefill the shared blocks once. A
+finished request's written full blocks (prompt and generated tokens) stay cached; a failed
+prefill or step empties the cache.
 """
 
 from __future__ import annotations
@@ -57,6 +70,8 @@ class Scheduler:
             over its plain async methods).
         reserve: the step model's ``reserve`` (paged KV), or ``None``.
         steps_run, decode_rows, prefill_tokens, generated, finished, cancelled: counters.
+        prefix: prefix caching is on; prefix_hits, prefix_misses: prompt tokens taken from
+            the cache / prefilled by the requests that looked it up.
         phase_s: host seconds spent so far in each phase of the steps, by name
             (:data:`PHASES`: ``admit``, ``enqueue`` (building and launching the decode and
             prompt chunks), ``wait`` (awaiting the device's results), ``deliver`` (handing
@@ -65,7 +80,8 @@ class Scheduler:
 
     def __init__(self, steps: StepModel, *, max_batch: int, max_seq: int, prefill_chunk: int,
                  fail_stop: bool, notify: Callable[[_Request], None],
-                 space_freed: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+                 space_freed: Callable[[], None], fail: Callable[[BaseException], None],
+                 prefix_cache: bool = False) -> None:
         self.steps = steps
         self.max_seq = max_seq
         self.prefill_chunk = prefill_chunk
@@ -77,7 +93,11 @@ class Scheduler:
         self.submit_decode: Submit = getattr(steps, "submit_decode", None) or _lazy(steps.decode_step)
         self.submit_prefill: Submit = getattr(steps, "submit_prefill", None) or _lazy(steps.prefill)
         block = int(getattr(steps, "kv_block_size", 16))
+        self.block = block
         self.pool = SlotPool(max_batch, max_seq, block_size=block)
+        #: prefix caching is on (module docstring); the caller checked the step model has it
+        self.prefix = bool(prefix_cache)
+        self.prefix_hits = self.prefix_misses = 0  # prompt tokens: from the cache / prefilled
         self.queue: deque[_Request] = deque()
         self.active: list[_Request] = []
         self.stepping = False
@@ -98,6 +118,8 @@ class Scheduler:
         if req.state == _DONE:
             return
         if req.slot >= 0:
+            if self.prefix and reason != "error":
+                self._cache_written(req)
             self.steps.release(req.slot)
             self.pool.release(req.slot)
             req.slot = -1
@@ -126,6 +148,7 @@ class Scheduler:
             try:
                 await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
+                self._forget_prefixes()  # ... and what it cached may be wrong
                 if self.fail_stop:  # ... and takes a fail-stop engine out of service
                     self._fail(exc)
                 else:
@@ -147,7 +170,14 @@ class Scheduler:
                 continue
             slot = self.pool.acquire()
             assert slot is not None
+            shared = 0
+            if self.prefix:
+                if not req.hashes:
+                    req.hashes = self.steps.prefix_hashes(req.prompt)  # type: ignore[attr-defined]
+                shared = self.steps.share_prefix(slot, self._shareable(req), 0)  # type: ignore[attr-defined]
             if self.reserve is not None and not self.reserve(slot, self.budget(req)):
+                if self.prefix:
+                    self.steps.release(slot)  # the cached blocks it pointed at
                 self.pool.release(slot)
                 if not self.active:  # nothing will give blocks back: it can never fit
                     self.queue.popleft()
@@ -161,7 +191,8 @@ class Scheduler:
                 return  # wait for blocks (first come, first served)
             self.queue.popleft()
             self._space_freed()
-            req.slot, req.state = slot, _PREFILL
+            req.slot, req.state, req.prefilled = slot, _PREFILL, shared
+            self.pool.set_length(slot, shared)
             self.active.append(req)
 
     async def _decode_and_prefill(self) -> None:
@@ -200,6 +231,7 @@ class Scheduler:
             except Exception as exc:  # this request's prefill failed: only it ends
                 if self._device_failed(exc):
                     raise  # ... unless the device did: the whole step fails
+                self._forget_prefixes()  # its blocks were cached when enqueued
                 self.finish(req, "error", exc)
                 continue
             req.prefilled += n
@@ -223,6 +255,9 @@ class Scheduler:
                 break
             if req.cancelled:
                 continue
+            if self.prefix and not req.started:
+                self._share_first(req)
+            req.started = True
             n = min(len(req.prompt) - req.prefilled, budget)
             start = req.prefilled
             last = start + n == len(req.prompt)
@@ -237,7 +272,37 @@ class Scheduler:
                 continue
             budget -= n
             out.append((req, n, last, wait))
+            bs = self.block
+            if self.prefix and (start + n) // bs > start // bs:  # blocks it filled: cached now
+                self.steps.cache_prefix(req.slot, req.hashes[:(start + n) // bs])  # type: ignore[attr-defined]
         return out
+
+    # -- prefix caching (module docstring) ------------------------------------------------
+    def _shareable(self, req: _Request) -> list[bytes]:
+        """The prompt's block hashes a request may share: every full block but one holding
+        its last prompt token (that token's logits are computed, not cached)."""
+        return req.hashes[:(len(req.prompt) - 1) // self.block]
+
+    def _share_first(self, req: _Request) -> None:
+        """Before ``req``'s first chunk: share what is cached now. The chunk budget goes to
+        the requests in admission order, so every earlier request has enqueued its whole
+        prompt by now and its full blocks are cached: a request admitted together with
+        others of the same prompt start shares their blocks instead of prefilling them."""
+        req.prefilled = self.steps.share_prefix(req.slot, self._shareable(req), req.prefilled)  # type: ignore[attr-defined]
+        self.pool.set_length(req.slot, req.prefilled)
+        self.prefix_hits += req.prefilled
+        self.prefix_misses += len(req.prompt) - req.prefilled
+
+    def _cache_written(self, req: _Request) -> None:
+        """Cache the full blocks ``req``'s row has written (prompt and generated tokens)."""
+        n = req.pos if req.state == _DECODE else req.prefilled
+        toks = (req.prompt + req.out)[:n]
+        self.steps.cache_prefix(req.slot, self.steps.prefix_hashes(toks, req.hashes))  # type: ignore[attr-defined]
+
+    def _forget_prefixes(self) -> None:
+        """Empty the prefix cache (after a failure its blocks may hold wrong keys)."""
+        if self.prefix:
+            self.steps.clear_prefix_cache()  # type: ignore[attr-defined]
 
     def _device_failed(self, exc: BaseException) -> bool:
         """A fail-stop engine treats a launch or driver error of one request as the device's."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from deviceops.scheduling import SingleStream
 
+from ..runner.prefix_cache import block_hashes
 from .requests import FEATURES, Sampled, SamplingParams, TokenLogprob
 
 __all__ = ["CausalLMSteps", "step_model"]
@@ -46,6 +47,7 @@ class CausalLMSteps:
             )
         self.model = model
         self._lp: dict[int, int] = {}  # slot -> top log-probabilities its request asked for
+        self._first: dict[int, int] = {}  # slot -> position of its first prefill chunk
         self._decode = _step_decode(model)
         self._policy = SingleStream(model.device_stream)
         self._eos = frozenset(int(t) for t in model.config.stop_ids)
@@ -88,7 +90,7 @@ class CausalLMSteps:
                        *, last: bool) -> Callable[[], Awaitable[int | None]]:
         """Enqueue a prefill chunk now; the returned callable awaits its token (``last``)."""
         m = self.model
-        if start == 0:
+        if start == self._first.get(slot, 0):  # the request's first chunk
             extra: dict[str, Any] = {}
             if params.features():
                 extra = {"presence_penalty": params.presence_penalty,
@@ -145,6 +147,7 @@ class CausalLMSteps:
 
     def release(self, slot: int) -> None:
         self._lp.pop(slot, None)
+        self._first.pop(slot, None)
         self.model.release(slot)
 
     def warmup(self) -> None:
@@ -172,6 +175,31 @@ class CausalLMSteps:
     def kv_block_size(self) -> int:
         """Positions per KV block."""
         return int(self.model.block_size)
+
+    # -- prefix caching (optional StepModel extension the engine uses when present) ---------
+    def prefix_hashes(self, ids: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+        """The hash chain of ``ids``' full KV blocks (``known``: a prefix's chain, reused)."""
+        return block_hashes(ids, int(self.model.block_size), known)
+
+    def share_prefix(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
+        """Point ``slot`` at the cached blocks of ``hashes`` from ``start`` on; the positions
+        it now shares: its first prefill chunk starts there (and sets its sampling state)."""
+        n = int(self.model.share_prefix(slot, hashes, start))
+        self._first[slot] = n
+        return n
+
+    def cache_prefix(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Cache ``slot``'s written full blocks under ``hashes``; the blocks newly cached."""
+        return int(self.model.cache_prefix(slot, hashes))
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block no row references (back to the free list); the count."""
+        return int(self.model.blocks.clear_cache())
+
+    @property
+    def kv_blocks_cached(self) -> int:
+        """KV blocks in the prefix cache (referenced by rows or idle)."""
+        return int(self.model.blocks.cached)
 
 
 async def _none() -> None:
