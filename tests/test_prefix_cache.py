@@ -43,6 +43,7 @@ def test_hash_chain_names_the_whole_prefix() -> None:
         block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], BS)
     with pytest.raises(ValueError, match="block_size=0"):
         block_hashes([1], 0)
+    assert len(block_hashes([1, 2, 3], 1)) == 3  # blocks of one position are blocks too
 
 
 def test_allocator_counts_references_parks_cached_blocks_and_evicts_lru() -> None:
@@ -118,7 +119,13 @@ def test_rows_share_cached_blocks_and_never_write_into_them(tiny: Any) -> None:
     assert table[2, :3].tolist() == rows0[:3] and table[1, :2].tolist() == rows0[:2]
     with pytest.raises(ValueError, match="not a multiple of the block size"):
         m.share_prefix(3, h, 2)
-    for r in (0, 1, 2):
+    # a row whose blocks are all full: its hashes may name every one of them
+    m.set_sampling(3)
+    m.prefill(3, p[:12])
+    assert m.blocks_held(3) == 3 and m.cache_prefix(3, h) == 0  # row 0's blocks hold them
+    with pytest.raises(ValueError, match="4 block hashes for row 3, which holds 3 blocks"):
+        m.cache_prefix(3, block_hashes(p[:12] + p[:4], BS))
+    for r in (0, 1, 2, 3):
         m.release(r)
     assert m.blocks.in_use == 0 and m.blocks.cached == 3 and m.blocks.idle == 3
 

@@ -64,9 +64,10 @@ _ERROR_TESTS = ["tests/test_error_delivery.py", "tests/test_reliability_errors.p
 MODULES: dict[str, list[str]] = {
     "nn/serving/requests.py": _ENGINE_TESTS,
     "nn/serving/http.py": ["tests/test_sampling_effects.py", "tests/test_serve_http.py",
-                    "tests/test_serve_devices.py"],
+                    "tests/test_serve_devices.py", "tests/test_serve_n_choices.py"],
     "nn/serving/engine.py": _ENGINE_TESTS,
-    "nn/serving/scheduler.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py"],
+    "nn/serving/scheduler.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py",
+                                "tests/test_prefix_cache.py"],
     "nn/serving/slots.py": ["tests/test_engine.py", "tests/test_small_contracts.py"],
     # the engine core and its client in one process (the serve subprocesses of
     # tests/test_serve_processes.py would import the unmutated install)
@@ -84,8 +85,10 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/guard.py": ["tests/test_serve_guard.py", "tests/test_serve_guard_near_miss.py",
                             "tests/test_serve_exposure.py"],
     "nn/serving/openai.py": ["tests/test_serve_request_fields.py", "tests/test_serve_http.py",
-                             "tests/test_sampling_effects.py"],
-    "nn/runner/paged_kv.py": [*_PAGED_TESTS, "tests/test_small_contracts.py"],
+                             "tests/test_sampling_effects.py", "tests/test_serve_n_choices.py"],
+    "nn/runner/paged_kv.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
+                              "tests/test_prefix_cache.py"],
+    "nn/runner/prefix_cache.py": ["tests/test_prefix_cache.py"],
     "kernels/transformer/_reference.py": [*_PAGED_TESTS, "tests/test_small_contracts.py",
                                    "tests/test_transformer_kernels.py"],
     "kernels/attention/_reference.py": ["tests/test_paged_kv.py", "tests/test_small_contracts.py",

@@ -32,6 +32,7 @@ positions.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -193,11 +194,7 @@ class BlockAllocator:
         """Drop one reference to each block (a block not held raises ``ValueError``, nothing
         released); a block left without references is freed, or parked idle when cached."""
         bad = [i for i in ids if i not in self._ref]
-        counts: dict[int, int] = {}
-        for i in ids:
-            counts[i] = counts.get(i, 0) + 1
-        over = [i for i, c in counts.items() if c > self._ref.get(i, 0)]
-        if bad or over:
+        if bad or any(c > self._ref[i] for i, c in Counter(ids).items()):
             raise ValueError(f"BlockAllocator.release: blocks {bad or ids} are not held "
                              "(double release?)")
         freed = False

@@ -192,7 +192,6 @@ class Scheduler:
             self.queue.popleft()
             self._space_freed()
             req.slot, req.state, req.prefilled = slot, _PREFILL, shared
-            self.pool.set_length(slot, shared)
             self.active.append(req)
 
     async def _decode_and_prefill(self) -> None:
