@@ -99,9 +99,17 @@ def _sse(url: str, body: dict[str, Any], out: list[Any]) -> None:
                 out.append(data if data == "[DONE]" else json.loads(data))
 
 
+def _core_folders() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "deviceops-cores-*")))
+
+
 def test_kill_9_of_one_core_fails_only_its_streams_and_it_comes_back(tiny_gguf: str) -> None:
     import threading
 
+    folders = _core_folders()
     with _serve("--model", tiny_gguf, "--devices", "cpu:0,cpu:1", "--max-batch", "4",
                 "--max-seq", "256", env={"DEVICEOPS_CORE_STEP_PAUSE_MS": "20"}) as (proc, url):
         engines = httpx.get(url + "/health").json()["engines"]
@@ -159,6 +167,8 @@ def test_kill_9_of_one_core_fails_only_its_streams_and_it_comes_back(tiny_gguf: 
         while any(_alive(p) for p in now):
             assert time.monotonic() < deadline, [p for p in now if _alive(p)]
             time.sleep(0.1)
+        # and the last core to go removed serve's socket folder
+        assert _core_folders() - folders == set()
 
 
 def test_sigterm_stops_every_core_and_leaves_no_process(tiny_gguf: str) -> None:

@@ -76,7 +76,7 @@ from .requests import (
 )
 
 __all__ = ["CORE_SPIN_US", "EXIT_FAILED", "EXIT_LOAD", "CoreSpec", "EngineCore", "main",
-           "tune_await"]
+           "remove_ipc_endpoint", "tune_await"]
 
 log = logging.getLogger("deviceops.nn.core")
 
@@ -400,11 +400,26 @@ def _build(spec: CoreSpec) -> Any:
                          fail_stop=True, prefix_cache=spec.prefix_cache)
 
 
+def remove_ipc_endpoint(address: str) -> None:
+    """Remove the socket file of an ``ipc://`` address and, when it is the last one there,
+    its folder (``serve``'s per-run folder; ``rmdir`` leaves a folder that still holds a
+    file). For a core whose ``serve`` died without cleaning up (kill -9): the last core to
+    go leaves nothing in the temporary folder."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
+
+
 async def _watch_parent(core: EngineCore, parent: int) -> None:
     while True:
         await asyncio.sleep(PARENT_CHECK_S)
         if os.getppid() != parent:
             log.warning("the serve process went away; the engine core exits")
+            remove_ipc_endpoint(core.address)
             os._exit(0)
 
 
