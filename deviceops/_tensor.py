@@ -435,6 +435,22 @@ def take_spare(stream: Stream, key: tuple[tuple[int, ...], int]) -> Tensor | Non
     return Tensor(arr, dev, _storage=Storage(arr, dev, stream, key))
 
 
+def adopt_host(stream: Stream, arr: np.ndarray, op: str) -> Tensor:
+    """A tensor of the cpu backend's ``stream`` whose memory is ``arr`` itself (a fresh host
+    array no one else holds: :func:`deviceops.api.from_host`'s snapshot), instead of a new
+    array the snapshot would be copied into.
+
+    Raises:
+        CaptureError: ``stream`` is being captured (as :func:`allocate`).
+        ValueError: ``stream`` is not the cpu backend's.
+    """
+    if not stream.device.is_cpu:
+        raise ValueError(f"{op}: adopt_host needs a cpu stream, got {stream.device}")
+    if stream.capture is not None:
+        allocate(stream, tuple(arr.shape), arr.dtype, op)  # raises the capture error
+    return Tensor(arr, stream.device, _storage=Storage(arr, stream.device, stream, None))
+
+
 def _empty(stream: Stream, shape: tuple[int, ...], dt: np.dtype[Any], op: str) -> Any:
     """``backend.empty``; on out-of-memory, once more after dropping the stream's spares."""
     from ._errors import OutOfMemoryError

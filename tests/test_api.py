@@ -170,3 +170,16 @@ def test_from_host_keeps_zero_dim_shape(stream: deviceops.Stream) -> None:
     t = api.from_host(np.float32(3.5)).sync_on(stream)
     assert t.shape == ()
     assert float(to_np(t)) == 3.5
+
+
+def test_from_host_on_the_cpu_backend_is_a_private_snapshot() -> None:
+    # (the cpu backend keeps the snapshot as the tensor's memory: it must still be a copy of
+    # the caller's array, of the asked dtype, and refused inside a capture like any allocation)
+    s = deviceops.device("cpu").new_stream()
+    a = np.arange(6, dtype=np.float64).reshape(2, 3)
+    t = api.from_host(a, "float32").sync_on(s)
+    assert t.dtype == np.float32 and not np.shares_memory(t.array, a)
+    a[0, 0] = 99.0
+    assert float(api.to_host(t).sync_on(s)[0, 0]) == 0.0
+    with pytest.raises(deviceops.CaptureError):
+        api.from_host(a, "float32").graph_on(s)
