@@ -1,5 +1,6 @@
 """Decode steps enqueued ahead of the host (``generate`` / ``stream`` and
-``decode_step(tokens=None)``), on the cpu backend.
+``decode_step(tokens=None)``), on the cpu backend (where the static batch queues ahead only
+with ``static_batch.AHEAD_ON_CPU``: both loops are run).
 
 The static batch enqueues step k + 1 before it reads step k's tokens: rows feed what the
 last step sampled, still on the device. Checked here: ``tokens=None`` continues exactly as
@@ -17,6 +18,14 @@ import numpy as np
 import pytest
 
 from deviceops import api, nn
+from deviceops.nn import static_batch
+
+
+@pytest.fixture(autouse=True, params=["ahead", "read each step"])
+def _ahead(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both loops of the static batch on the cpu backend: the one CUDA runs (the next step
+    queued ahead) and the cpu backend's default (each step read first)."""
+    monkeypatch.setattr(static_batch, "AHEAD_ON_CPU", request.param == "ahead")
 
 CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
            num_kv_heads=2, head_dim=16, rope_theta=1e4)
