@@ -85,11 +85,17 @@ def part_ticker(env: dict[str, str]) -> dict[str, object]:
 
 
 def part_server(env: dict[str, str]) -> dict[str, object]:
+    import tempfile
+
     import httpx
 
     port = 18000 + os.getpid() % 1000
+    # the server's output goes to a file, read at the end: a pipe read only at the end fills
+    # up under a chatty server and blocks it
+    log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
+        "w+", prefix="first_use_server_", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "deviceops.nn.serve", "--model", "smollm2",
-                            "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            "--port", str(port)], cwd=ROOT, env=env, stdout=log_file,
                            stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     res: dict[str, object] = {}
@@ -140,7 +146,11 @@ def part_server(env: dict[str, str]) -> dict[str, object]:
         res["health_during_first_request_ms"] = worst[0] * 1e3
     finally:
         srv.terminate()
-        out, _ = srv.communicate(timeout=60)
+        srv.wait(timeout=60)
+        log_file.seek(0)
+        out = log_file.read()
+        log_file.close()
+        os.unlink(log_file.name)
     ok = float(res["health_during_first_request_ms"]) <= 50  # type: ignore[arg-type]
     print(f"server: ready after {res['load_s']:.1f} s (worst /health while loading "
           f"{res['health_while_loading_ms']:.1f} ms); first request {res['first_request_s']:.2f} s, "
