@@ -75,6 +75,9 @@ class Backend(ABC):
     #: whether freed small allocations may be kept per stream and handed out again
     #: (only where nothing else, such as a queued host task, may hold the array)
     spare_arrays: bool = False
+    #: whether a device array is a host NumPy array: a fresh host array (``from_host``'s
+    #: snapshot) can then be a tensor's memory as it is, with no copy
+    host_resident: bool = False
     stream_class: type[Stream]
     event_class: type[Event]
 

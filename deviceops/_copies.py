@@ -48,7 +48,7 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
 
     def run(ctx: ExecutionContext) -> Tensor:
         snap = np.array(host, dtype=dt, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray makes them 1-d)
-        if ctx.stream.device.is_cpu:
+        if ctx.stream.backend.host_resident:
             # the snapshot is the tensor's memory: one host copy, not two (weights loading)
             ct = adopt_host(ctx.stream, snap, "from_host")
             launch(ctx, "from_host", (), (ct,), _nothing, _nothing_cuda)

@@ -68,6 +68,7 @@ class CpuBackend(Backend):
 
     kind = "cpu"
     is_cpu = True
+    host_resident = True
     spin_before_park = False
     stream_class = CpuStream
     event_class = CpuEvent

@@ -436,7 +436,8 @@ def take_spare(stream: Stream, key: tuple[tuple[int, ...], int]) -> Tensor | Non
 
 
 def adopt_host(stream: Stream, arr: np.ndarray, op: str) -> Tensor:
-    """A tensor of the cpu backend's ``stream`` whose memory is ``arr`` itself (a fresh host
+    """A tensor of ``stream`` (a backend with ``host_resident`` arrays: the cpu backend)
+    whose memory is ``arr`` itself (a fresh host
     array no one else holds: :func:`deviceops.api.from_host`'s snapshot), instead of a new
     array the snapshot would be copied into.
 
@@ -444,8 +445,9 @@ def adopt_host(stream: Stream, arr: np.ndarray, op: str) -> Tensor:
         CaptureError: ``stream`` is being captured (as :func:`allocate`).
         ValueError: ``stream`` is not the cpu backend's.
     """
-    if not stream.device.is_cpu:
-        raise ValueError(f"{op}: adopt_host needs a cpu stream, got {stream.device}")
+    if not stream.backend.host_resident:
+        raise ValueError(f"{op}: adopt_host needs a stream of a backend whose arrays are host "
+                         f"arrays (the cpu backend's), got {stream.device}")
     if stream.capture is not None:
         allocate(stream, tuple(arr.shape), arr.dtype, op)  # raises the capture error
     return Tensor(arr, stream.device, _storage=Storage(arr, stream.device, stream, None))
