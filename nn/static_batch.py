@@ -140,16 +140,16 @@ class _Rows:
         """Enqueue one decode step of ``rows`` whose last tokens the host has read; returns
         the token view (the ``cpu`` backend's loop)."""
         pos = [len(self.prompts[i]) + len(self.out[i]) - 1 for i in rows]
-        view = self.m.decode_step(rows, [self.out[i][-1] for i in rows], pos, graph=self.graph)
-        for i in rows:
-            self.fed[i] = len(self.out[i]) + 1
-        return view
+        return self.m.decode_step(rows, [self.out[i][-1] for i in rows], pos, graph=self.graph)
 
     def step(self, rows: list[int], *, known: bool) -> Any:
         """Enqueue one decode step of ``rows`` and the read of its tokens; returns the read's
         future. ``known``: the rows' input tokens are on the host (the first step after
         prefill); else every row feeds what the previous step sampled (``tokens=None``)."""
         pos = [len(self.prompts[i]) + self.fed[i] - 1 for i in rows]
+        if max(pos) >= self.m.max_seq:  # (feedable's rule; tokens=None skips decode_step's checks)
+            raise RuntimeError(f"static batch: a step at position {max(pos)} >= max_seq="
+                               f"{self.m.max_seq} was about to be queued")
         if known:
             view = self.m.decode_step(rows, [self.out[i][-1] for i in rows], pos, graph=self.graph)
         else:

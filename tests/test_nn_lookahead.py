@@ -27,8 +27,10 @@ def _ahead(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
     queued ahead) and the cpu backend's default (each step read first)."""
     monkeypatch.setattr(static_batch, "AHEAD_ON_CPU", request.param == "ahead")
 
+# (an untied head: with the embedding as the head, a random model's next token hardly depends
+# on the context, and a wrong position or KV entry would go unseen)
 CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-           num_kv_heads=2, head_dim=16, rope_theta=1e4)
+           num_kv_heads=2, head_dim=16, rope_theta=1e4, tie_word_embeddings=False)
 
 
 def _model(**kw: Any) -> Any:
@@ -115,3 +117,48 @@ def test_stream_closed_early_gives_its_blocks_back() -> None:
     assert m.blocks_held(0) == 0
     assert m.generate([3, 4, 5, 6], 5) == m.generate([3, 4, 5, 6], 5)  # the model still works
     assert np.asarray(api.to_host(m.runner.rows.tokens).sync_on(m.device_stream)).dtype == np.int32
+
+
+def test_both_loops_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (each loop is its own code: positions or stops wrong in one of them show here)
+    m = _model(max_seq=40)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (4, 9, 33, 17)]
+    got = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(static_batch, "AHEAD_ON_CPU", ahead)
+        got[ahead] = [m.generate(prompts, 12, stop=[11, 40], temperature=t, seed=5)
+                      for t in (0.0, 1.0)]
+    assert got[True] == got[False]
+
+
+def test_the_ahead_loop_runs_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    real = static_batch._Rows.step
+
+    def spy(self: Any, rows: list[int], *, known: bool) -> Any:
+        calls.append(known)
+        return real(self, rows, known=known)
+
+    monkeypatch.setattr(static_batch._Rows, "step", spy)
+    m = _model()
+    for ahead in (False, True):
+        monkeypatch.setattr(static_batch, "AHEAD_ON_CPU", ahead)
+        calls.clear()
+        m.generate([3, 4, 5], 6)
+
+        async def run() -> list[int]:
+            return [t async for t in m.stream([3, 4, 5], 6)]
+
+        assert len(anyio.run(run)) == 6
+        assert (calls.count(False) > 0) == ahead, (ahead, calls)
+
+
+def test_stream_of_one_token() -> None:
+    m = _model()
+
+    async def run() -> list[int]:
+        return [t async for t in m.stream([3, 4, 5], 1)]
+
+    got = anyio.run(run)
+    assert got == m.generate([3, 4, 5], 1) and len(got) == 1

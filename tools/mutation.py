@@ -74,6 +74,8 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/core.py": ["tests/test_serve_cores.py"],
     "nn/serving/core_client.py": ["tests/test_serve_cores.py"],
     "nn/serving/protocol.py": ["tests/test_serve_cores.py"],
+    # the static batch (generate / stream), both of its loops
+    "nn/static_batch.py": ["tests/test_nn_lookahead.py", "tests/test_nn_tiny.py"],
     # the fused decode step's packing, plan and NumPy step (the CUDA kernel: GPU tests)
     "kernels/fused/_plan.py": ["tests/test_fused_decode.py"],
     "kernels/fused/_cpu.py": ["tests/test_fused_decode.py"],
