@@ -18,6 +18,8 @@
 #   bench-gemm     benchmarks/gemm.py (the decode rows M = 1, 8, 32; $GEMM_ARGS replaces them)
 #   bench-attention benchmarks/attention.py --decode-tables ($ATTN_ARGS replaces them)
 #   bench-norms    benchmarks/norms.py
+#   generate-timing tools/generate_timing.py: `generate` (the next step queued) against the same
+#                  steps read one at a time, batch 1 and 32, a SmolLM2-shaped random model
 #   fused-check    tools/fused_check.py: the fused decode kernel against the unfused ops (logits),
 #                  then graph step times of both and the fused kernel's per-phase clock
 #   bench-decode   benchmarks/decode.py on the SmolLM2 GGUF (HF=1: with transformers beside it)
@@ -157,6 +159,9 @@ bench-op-cost) bench op_cost ;;
 bench-gemm) bench gemm ${GEMM_ARGS:---m 1,8,32} ;;
 bench-attention) bench attention ${ATTN_ARGS:---decode-tables} ;;
 bench-norms) bench norms ;;
+generate-timing)
+    timeout 300 python3 tools/generate_timing.py > "$OUT/generate_timing.log" 2>&1
+    echo "generate-timing rc=$?"; tail -3 "$OUT/generate_timing.log"; t generate-timing ;;
 fused-check)
     timeout 500 python3 tools/fused_check.py > "$OUT/fused_check.log" 2>&1
     echo "fused-check rc=$?"; tail -22 "$OUT/fused_check.log"; t fused-check ;;

@@ -20,7 +20,7 @@ __all__ = ["fused_decode_cpu"]
 def _unpacked(m: FusedDecodeModel) -> dict[str, Any]:
     """Float32 weights of every layer, unpacked once per model and packed buffer."""
     flat = m.packed.array
-    cache: dict[str, Any] | None = getattr(m, "_cpu_unpacked", None)
+    cache = m.cpu_unpacked
     if cache is not None and cache["src"] is flat:
         return cache
     hd, hq, hkv, h, f, v = m.head_dim, m.n_heads, m.n_kv_heads, m.hidden, m.ffn, m.vocab
@@ -46,7 +46,7 @@ def _unpacked(m: FusedDecodeModel) -> dict[str, Any]:
         })
     cache = {"src": flat, "layers": layers, "head": mat(m.off_head, v, h),
              "norm": vec(m.off_norm, h)}
-    m._cpu_unpacked = cache  # type: ignore[attr-defined]
+    m.cpu_unpacked = cache
     return cache
 
 

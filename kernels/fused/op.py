@@ -258,6 +258,8 @@ class FusedDecodeModel:
         kmax = max(hidden, hq, ffn)
         self.kp = _align(kmax, 64) + 8  # tile row stride: conflict-free fragment reads
         self._steps: dict[tuple[Any, ...], Any] = {}
+        #: (the cpu backend's step: the float32 weights unpacked from :attr:`packed`, once)
+        self.cpu_unpacked: dict[str, Any] | None = None
         #: Profiling: an int64 tensor of at least ``5 * layers + 3`` elements set before the
         #: first step makes block 0 write its clock (ns): at the start, after 64 barriers,
         #: after every phase's barrier, at the end; with ``8 * layers + 3``, also three

@@ -73,12 +73,15 @@ class Decoder:
                 step at its next position.
         """
         r, rows = self.r, self.r.rows
-        if tokens is None:
-            sa0 = np.asarray(slots, np.intp)
-            if not (bool(rows.cont[sa0].all())
-                    and bool((rows.h_state[0, sa0] == np.asarray(positions)).all())):
-                raise ValueError("decode_step: tokens=None needs every row to continue from the "
-                                 "previous step at its next position; give the tokens")
+        sa = np.asarray(slots, np.intp)
+        pa = np.asarray(positions, np.int32)
+        # a row that does not continue from the last step: the state must go up
+        h = rows.h_state
+        fresh = not (bool(rows.cont[sa].all()) and bool((h[0, sa] == pa).all())
+                     and bool((h[2, sa] == 1).all()))
+        if tokens is None and fresh:
+            raise ValueError("decode_step: tokens=None needs every row to continue from the "
+                             "previous step at its next position; give the tokens")
         bs, rb = r.kv.block_size, r.kv.row_blocks
         for x, p in zip(slots, positions, strict=True):
             if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
@@ -94,12 +97,7 @@ class Decoder:
             self.capture(b, feat)
         want = rows.h_state.copy()
         active = np.zeros(r.max_batch, bool)
-        sa = np.asarray(slots, np.intp)
-        pa = np.asarray(positions, np.int32)
         active[sa] = True
-        # a row that does not continue from the last step: the state must go up
-        fresh = not (bool(rows.cont[sa].all()) and bool((want[0, sa] == pa).all())
-                     and bool((want[2, sa] == 1).all()))
         want[0, sa] = pa
         want[1, sa] = pa + 1
         want[2, sa] = 1
