@@ -18,12 +18,16 @@ import anyio
 from _serve_clients import Req, pct
 
 
-async def _http_clients(url: str, rs: list[Req], clients: int) -> dict[str, Any]:
+async def _http_clients(url: str, rs: list[Req], clients: int,
+                        t_start: float | None = None) -> dict[str, Any]:
     """``clients`` streaming clients taking ``rs`` in turn; tokens, TTFT and inter-token gaps
-    as the clients see them, and the wall-clock start and end (``time.time``)."""
+    as the clients see them, the wall-clock start and end (``time.time``) and the wall-clock
+    time of every token event (``events``). ``t_start``: a ``time.time`` to wait for before
+    the first request (client processes start together, whenever each finished importing)."""
     import httpx
 
-    rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": []}
+    rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": [], "events": []}
+    events = rec["events"]
 
     async def one(c: Any, ids: list[int], n: int) -> None:
         body = {"prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
@@ -39,6 +43,7 @@ async def _http_clients(url: str, rs: list[Req], clients: int) -> dict[str, Any]
                     rec["tokens"] += ev["usage"]["completion_tokens"]
                     continue
                 now = time.perf_counter()
+                events.append(time.time())
                 if last is None:
                     rec["ttft"].append(now - t0)
                 else:
@@ -48,6 +53,8 @@ async def _http_clients(url: str, rs: list[Req], clients: int) -> dict[str, Any]
     lim = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=lim) as c:
         nxt = 0
+        if t_start is not None:
+            await anyio.sleep(max(0.0, t_start - time.time()))
 
         async def client() -> None:
             nonlocal nxt
@@ -64,17 +71,36 @@ async def _http_clients(url: str, rs: list[Req], clients: int) -> dict[str, Any]
     return rec
 
 
-def _client_share(url: str, rs: list[Req], clients: int) -> dict[str, Any]:
+def _client_share(url: str, rs: list[Req], clients: int,
+                  t_start: float | None = None) -> dict[str, Any]:
     """One client process's share (a top-level function: run in a spawned process)."""
-    result: dict[str, Any] = anyio.run(_http_clients, url, rs, clients)
+    result: dict[str, Any] = anyio.run(_http_clients, url, rs, clients, t_start)
     return result
+
+
+#: Seconds between handing the client processes their shares and their common start: long
+#: enough for a spawned process to import httpx and anyio, so none starts late.
+START_DELAY_S = 3.0
+
+
+def steady_rate(rec: dict[str, Any], trim: float = 0.1) -> float:
+    """Tokens/s inside the run's middle window (the first and last ``trim`` of the wall time
+    left out: clients starting up and the last requests draining), from the token events'
+    times scaled by tokens per event (a held-back piece merges tokens into one event)."""
+    ev, wall = rec["events"], rec["end"] - rec["start"]
+    if not ev or wall <= 0:
+        return 0.0
+    lo, hi = rec["start"] + trim * wall, rec["end"] - trim * wall
+    inside = sum(1 for t in ev if lo <= t < hi)
+    return inside / (hi - lo) * rec["tokens"] / len(ev)
 
 
 def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) -> dict[str, Any]:
     """``clients`` streaming clients over ``procs`` client processes (one Python process
     parsing every stream's events can become the bottleneck before the server does);
-    request ``i`` goes to process ``i % procs``. ``wall`` spans the first start to the last
-    end."""
+    request ``i`` goes to process ``i % procs``; every process starts its clients at one
+    wall-clock time (:data:`START_DELAY_S` after the shares are handed out). ``wall`` spans
+    the common start to the last end; ``steady_tokens_per_s`` is :func:`steady_rate`'s."""
     if procs <= 1:
         rec = _client_share(url, reqs, clients)
     else:
@@ -84,13 +110,20 @@ def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) ->
         procs = min(procs, clients)  # a process with no client would leave its share undone
         shares = [reqs[i::procs] for i in range(procs)]
         per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+        t_start = time.time() + START_DELAY_S
         with concurrent.futures.ProcessPoolExecutor(
                 procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            recs = list(ex.map(_client_share, [url] * procs, shares, per))
+            recs = list(ex.map(_client_share, [url] * procs, shares, per, [t_start] * procs))
+        late = max(r["start"] for r in recs) - t_start
+        if late > 0.05:
+            print(f"run_http_clients: a client process started {late:.2f} s late "
+                  "(raise START_DELAY_S)", file=sys.stderr)
         rec = {"tokens": sum(r["tokens"] for r in recs), "ttft": [x for r in recs for x in r["ttft"]],
                "itl": [x for r in recs for x in r["itl"]], "start": min(r["start"] for r in recs),
-               "end": max(r["end"] for r in recs)}
+               "end": max(r["end"] for r in recs),
+               "events": [x for r in recs for x in r["events"]]}
     rec["wall"] = rec["end"] - rec["start"]
+    rec["steady_tokens_per_s"] = steady_rate(rec)
     return rec
 
 

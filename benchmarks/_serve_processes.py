@@ -178,6 +178,7 @@ def bench_levels(path: str, reqs_for: Any, levels: list[int], *, client_procs: i
             wall = rec["wall"]
             r = {"clients": c, "client_procs": client_procs, "requests": len(reqs),
                  "tokens": rec["tokens"], "wall_s": wall, "tokens_per_s": rec["tokens"] / wall,
+                 "steady_tokens_per_s": rec["steady_tokens_per_s"],
                  "ttft_p50_ms": pct(rec["ttft"], 50) * 1e3,
                  "ttft_p99_ms": pct(rec["ttft"], 99) * 1e3,
                  "itl_p50_ms": pct(rec["itl"], 50) * 1e3, "itl_p99_ms": pct(rec["itl"], 99) * 1e3,
@@ -190,7 +191,7 @@ def bench_levels(path: str, reqs_for: Any, levels: list[int], *, client_procs: i
             if "server_ttft_p50_le_ms" in prof:
                 phases += f"; server TTFT p50 <= {prof['server_ttft_p50_le_ms']:g} ms"
             print(f"http {c:4d} clients ({client_procs} client procs): "
-                  f"{r['tokens_per_s']:9,.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:.1f} ms  "
+                  f"{r['tokens_per_s']:9,.0f} tok/s (steady {r['steady_tokens_per_s']:,.0f})  TTFT p50 {r['ttft_p50_ms']:.1f} ms  "
                   f"ITL p50/p99 {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms | "
                   f"{prof['steps_per_s']:.0f} steps/s, {prof['rows_per_step']:.1f} rows/step, "
                   f"us/step: {phases} | CPU/s: " + ", ".join(

@@ -280,7 +280,7 @@ def processes_main(args: Any) -> int:
     gc.collect()
 
     def reqs_for(c: int) -> list[Any]:
-        n = c if args.smoke else max(2 * c, 32)
+        n = c if args.smoke else max(args.rounds * c, 32)
         r = random.Random(c)
         return [([r.randrange(100, vocab - 100) for _ in range(r.randint(32, 96))], new)
                 for _ in range(n)]
@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq", type=int, default=1024)
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: every row at max_seq)")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="with --http-levels: requests per client at each level")
     p.add_argument("--http-levels", default=None, metavar="LIST",
                    help="only the multi-process server: these client counts through HTTP "
                         "(clients in --client-procs processes, streaming, 128 new tokens, "

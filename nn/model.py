@@ -353,13 +353,18 @@ class CausalLM(TextCodec):
         """
         return self.runner.prefill(slot, ids, start, sample=sample, graph=graph)
 
-    def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int], *,
-                    graph: bool | None = None) -> Tensor:
+    def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.
 
         Args:
             slots: distinct cache rows.
-            tokens: the token each row feeds (the one it sampled last).
+            tokens: the token each row feeds (the one it sampled last), or ``None``: each
+                row feeds the token still on the device, the one its previous decode step
+                sampled (the row continues at its next position) or the one its last
+                :meth:`prefill` chunk sampled (at the position after that chunk). The host
+                need not have read them: a step can be enqueued before the previous one's
+                tokens are read (what the serving engine's pipelined steps do).
             positions: each row's position (its current length).
             graph: replay the bucket's graph (default; on the cpu backend a recorded step
                 replayed by the stream's worker) or run eagerly (``False``).
@@ -368,7 +373,8 @@ class CausalLM(TextCodec):
             The ``(bucket,)`` int32 token view; ``view[slots[i]]`` is row i's new token.
 
         Raises:
-            ValueError: bad slots, tokens or positions (before anything is enqueued).
+            ValueError: bad slots, tokens or positions (before anything is enqueued);
+                ``tokens=None`` for a row whose token is not on the device for that position.
             KVCacheFull: a row needs a block and the pool has none free.
         """
         return self.runner.decode_step(slots, tokens, positions, graph=graph)

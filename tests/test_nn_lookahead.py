@@ -4,7 +4,8 @@ with ``static_batch.AHEAD_ON_CPU``: both loops are run).
 
 The static batch enqueues step k + 1 before it reads step k's tokens: rows feed what the
 last step sampled, still on the device. Checked here: ``tokens=None`` continues exactly as
-passing the tokens does, and is refused for a row that does not continue; a batch whose rows
+passing the tokens does (and a prefill's sampled token is fed as the read one is), and is
+refused for a row whose token is not on the device for its position; a batch whose rows
 stop at different steps (a stop id, ``max_new_tokens``, ``max_seq``) returns row for row what
 each prompt returns alone, streams the same tokens, and gives every block back.
 """
@@ -63,15 +64,47 @@ def test_tokens_none_continues_as_the_tokens_do() -> None:
     assert outs[0] == outs[1]
 
 
-def test_tokens_none_refused_for_a_row_that_does_not_continue() -> None:
+def test_tokens_none_feeds_the_prefill_token_as_the_host_token_does() -> None:
+    """A row primed by its prefill's sampled token (never read) decodes, through the public
+    ``decode_step(tokens=None)``, exactly what feeding the read token gives; one row fed
+    from its prefill beside one continuing from a decode step too."""
+    prompts = [[5, 6, 7], [9] * 20]
+    outs = []
+    for use_none in (False, True):
+        m = _model()
+        m.prefill(0, prompts[0], sample=True)
+        first0 = _tokens(m, m.runner.rows.tokens[:1])[0]
+        view = m.decode_step([0], None if use_none else [first0], [3], graph=False)
+        a = _tokens(m, view)[0]
+        m.prefill(1, prompts[1], sample=True)  # row 1 primed while row 0 continues
+        first1 = _tokens(m, m.runner.rows.tokens[:2])[1]
+        view = m.decode_step([0, 1], None if use_none else [a, first1], [4, 20], graph=False)
+        b = _tokens(m, view)[:2]
+        view = m.decode_step([0, 1], None if use_none else b, [5, 21], graph=False)
+        outs.append([first0, a, first1, b, _tokens(m, view)[:2]])
+    assert outs[0] == outs[1]
+
+
+def test_tokens_none_refused_for_a_row_whose_token_is_not_on_the_device() -> None:
     m = _model()
     m.prefill(0, [1, 2, 3], sample=True)
-    with pytest.raises(ValueError, match="tokens=None needs every row to continue"):
-        m.runner.decoder.step([0], None, [3], False)  # fresh after prefill: no previous step
+    with pytest.raises(ValueError, match=r"rows \[0\] do neither"):
+        m.decode_step([0], None, [4])  # primed for position 3, not 4
+    m.prefill(1, [1, 2, 3], sample=False)  # nothing sampled: nothing to feed
+    with pytest.raises(ValueError, match=r"rows \[1\] do neither"):
+        m.decode_step([0, 1], None, [3, 3])
     t = _tokens(m, m.runner.rows.tokens[:1])
     m.decode_step([0], t, [3], graph=False)
     with pytest.raises(ValueError, match="tokens=None needs every row to continue"):
-        m.runner.decoder.step([0], None, [7], False)  # not its next position
+        m.decode_step([0], None, [7], graph=False)  # not its next position
+    m.decode_step([0], None, [4], graph=False)  # its next position: fed from the device
+    with pytest.raises(ValueError, match="tokens=None needs every row"):
+        m.decode_step([0], None, [4], graph=False)  # the same position twice
+    m.release(0)
+    with pytest.raises(ValueError, match="tokens=None needs every row"):
+        m.decode_step([0], None, [5], graph=False)  # released: nothing continues
+    with pytest.raises(ValueError, match=r"tokens \(None\)"):
+        m.decode_step([], None, [])
 
 
 def test_batch_rows_stopping_at_different_steps_match_each_alone() -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import deviceops.kernels as kernels
-from deviceops import DeviceOp, Tensor
+from deviceops import DeviceOp, Tensor, api
 
 from .forward import Thunk, chain, decoder_ops
 from .fused import fused_rows
@@ -57,20 +57,23 @@ class Decoder:
         self.graphs: dict[int, Any] = {}
         self.feature_graphs: dict[int, Any] = {}
         self._thunks: dict[tuple[int, bool], list[Thunk]] = {}
+        self._kept: Tensor | None = None  # the rows' tokens across a capture
 
     def step(self, slots: list[int], tokens: list[int] | None, positions: list[int],
              graph: bool | None) -> Tensor:
         """One decode step of checked rows: grow their blocks, upload the state if it
         changed, run the bucket's step; returns the ``(bucket,)`` token view.
 
-        ``tokens=None``: every row continues from the previous step (its input is the token
-        that step sampled, still on the device): the host need not have read it, so a step
-        can be enqueued before the previous one's tokens are read. An upload (the set of
+        ``tokens=None``: every row feeds the token already on the device: a row continuing
+        from the previous step at its next position feeds what that step sampled, a row
+        whose prefill sampled (``rows.primed``) feeds that token at the position after its
+        prompt. The host need not have read them, so a step can be enqueued before the
+        previous one's tokens (or a prompt's first token) are read. An upload (the set of
         rows changed) then leaves the device's tokens as they are.
 
         Raises:
-            ValueError: ``tokens=None`` for a row that does not continue from the previous
-                step at its next position.
+            ValueError: ``tokens=None`` for a row that neither continues from the previous
+                step at its next position nor was primed by a prefill for that position.
         """
         r, rows = self.r, self.r.rows
         sa = np.asarray(slots, np.intp)
@@ -80,8 +83,14 @@ class Decoder:
         fresh = not (bool(rows.cont[sa].all()) and bool((h[0, sa] == pa).all())
                      and bool((h[2, sa] == 1).all()))
         if tokens is None and fresh:
-            raise ValueError("decode_step: tokens=None needs every row to continue from the "
-                             "previous step at its next position; give the tokens")
+            on_device = (rows.cont[sa] & (h[0, sa] == pa) & (h[2, sa] == 1)) | (
+                rows.primed[sa] == pa)
+            if not bool(on_device.all()):
+                bad = [int(x) for x, ok in zip(sa, on_device, strict=True) if not ok]
+                raise ValueError(
+                    f"decode_step: tokens=None needs every row to continue from the previous "
+                    f"step at its next position or to follow its prefill's sampled token; rows "
+                    f"{bad} do neither at the positions given; give the tokens")
         bs, rb = r.kv.block_size, r.kv.row_blocks
         for x, p in zip(slots, positions, strict=True):
             if len(rb[x]) * bs <= p:  # position p needs a block the row does not hold yet
@@ -130,6 +139,7 @@ class Decoder:
         rows.h_state = want
         rows.cont[:] = False
         rows.cont[slots] = True
+        rows.primed[sa] = -1
         return rows.tokens[:b]
 
     def warm_up(self, b: int, feat: bool = False) -> None:
@@ -140,10 +150,17 @@ class Decoder:
         rows.dirty = True  # the warm-up advanced the idle rows' counters
 
     def capture(self, b: int, feat: bool = False) -> None:
-        """Warm bucket ``b`` up eagerly (all rows idle) and capture its plain or feature graph."""
+        """Warm bucket ``b`` up eagerly (all rows idle) and capture its plain or feature graph.
+        The rows' device tokens are kept: a row may hold a sampled token the host has not read
+        (``tokens=None`` feeds it), and the warm-up samples over every row of the bucket."""
+        r = self.r
+        if self._kept is None:
+            self._kept = api.zeros(tuple(r.rows.tokens.shape), "int32").sync_on(r.stream)
+        api.memcpy(self._kept, r.rows.tokens).async_on(r.stream)
         self.warm_up(b, feat)
-        graph = self.r.graph_on(self.step_op(b, feat))
+        graph = r.graph_on(self.step_op(b, feat))
         (self.feature_graphs if feat else self.graphs)[b] = graph
+        api.memcpy(r.rows.tokens, self._kept).async_on(r.stream)
 
     def run_eager(self, b: int, feat: bool = False) -> None:
         """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops

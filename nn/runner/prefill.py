@@ -76,6 +76,7 @@ class Prefiller:
         ch = r.prefill_chunk
         r.kv.grow(slot, start + len(ids), "prefill")
         rows.cont[slot] = False
+        rows.primed[slot] = start + len(ids) if sample else -1
         for a in range(0, len(ids), ch):
             part = ids[a:a + ch]
             last = a + ch >= len(ids)

@@ -20,7 +20,9 @@ feature (:meth:`RowState.ensure_features`); a model whose rows never ask allocat
 
 The host keeps a shadow (``h_state``, ``h_counter``, ``h_sampling``, ``h_features``) and
 uploads it only when a decode step's rows do not simply continue from the previous step
-(``cont``), or after something else touched the device state (``dirty``). An idle row's
+(``cont``), or after something else touched the device state (``dirty``). ``primed`` holds,
+per row, the position at which the token its last prefill chunk sampled (on the device,
+maybe unread) is fed, so a decode step can feed it without the host having read it. An idle row's
 position is ``idle``: past every block table, so its writes are skipped.
 """
 
@@ -78,6 +80,8 @@ class RowState:
         self.h_state[1] = 1
         self.h_counter = np.zeros((n,), np.int64)
         self.cont = np.zeros((n,), bool)  # row continues from the last decode step
+        #: the position a row's prefill-sampled token (on the device) is fed at; -1: none
+        self.primed = np.full((n,), -1, np.int64)
         self.dirty = True
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float,
@@ -91,6 +95,7 @@ class RowState:
         self.h_sampling[slot] = (temperature, top_k, top_p, seed)
         self.h_counter[slot] = 0
         self.cont[slot] = False
+        self.primed[slot] = -1
 
     def ensure_features(self) -> None:
         """Allocate the feature buffers (module docstring) once, enqueued on the stream."""

@@ -211,6 +211,7 @@ class Runner:
         """Forget row ``slot`` and give its blocks back to the pool."""
         slot = self.check_slot(slot, "release")
         self.rows.cont[slot] = False
+        self.rows.primed[slot] = -1
         self.kv.release(slot)
 
     def share_prefix(self, slot: int, hashes: Sequence[bytes], start: int = 0) -> int:
@@ -242,20 +243,23 @@ class Runner:
                              f"from {frozen} on, or release the row first)")
         return self.prefiller.prefill(slot, ids_l, start, sample, graph)
 
-    def decode_step(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                    *, graph: bool | None = None) -> Tensor:
-        """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``."""
+    def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
+        """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``
+        (``tokens=None``: each row feeds the token its last decode step or its prefill
+        sampled, still on the device: :meth:`~.decode.Decoder.step`)."""
         n = len(slots)
-        if n == 0 or len(tokens) != n or len(positions) != n:
-            raise ValueError(f"decode_step: slots ({len(slots)}), tokens ({len(tokens)}) and "
-                             f"positions ({len(positions)}) must be non-empty and of equal length")
-        sl, toks, pos = (_plain_ints(slots, self.max_batch), _plain_ints(tokens, self.config.vocab_size),
-                         _plain_ints(positions, self.max_seq))
+        if n == 0 or (tokens is not None and len(tokens) != n) or len(positions) != n:
+            raise ValueError(f"decode_step: slots ({len(slots)}), tokens "
+                             f"({'None' if tokens is None else len(tokens)}) and positions "
+                             f"({len(positions)}) must be non-empty and of equal length")
+        sl, pos = _plain_ints(slots, self.max_batch), _plain_ints(positions, self.max_seq)
+        toks = None if tokens is None else _plain_ints(tokens, self.config.vocab_size)
         if sl is None:  # not plain ints in range: the element-wise checks say which
             sl = [self.check_slot(x, "decode_step") for x in slots]
         if len(set(sl)) != n:
             raise ValueError(f"decode_step: slots {sl} repeat a row")
-        if toks is None:
+        if toks is None and tokens is not None:
             toks = self.check_ids(list(tokens), "decode_step")
         if pos is None:
             for p in positions:

@@ -17,9 +17,12 @@ asyncio loop:
 No HTTP, no JSON, no tokenising and no detokenising happen here: the front does them
 (:mod:`.core_client`, :mod:`.http`).
 
-**Overlap.** A step's tokens are sent while the next step runs on the device: the core
-sends them right after that step's work is enqueued (the scheduler's ``on_enqueued``), so
-encoding and sending cost no device time; when no step follows, at once. Waiting for the
+**Overlap.** A step's tokens are sent while the next step runs on the device. With the
+engine's lookahead (the default for a ``CausalLM``) a step enqueues its work and then
+delivers the previous step's tokens, so the core sends them as soon as the step returns,
+the device busy with the step just enqueued; without it the core sends them right after the
+next step's work is enqueued (the scheduler's ``on_enqueued``). Either way encoding and
+sending cost no device time; when no step follows, they go at once. Waiting for the
 device, the core polls its event for up to :data:`CORE_SPIN_US` before parking (a
 thread's wake-up costs more than a step's slack; ``DEVICEOPS_AWAIT_SPIN_US``, when set,
 wins).
@@ -184,7 +187,8 @@ class EngineCore:
         self._stats: list[int] = []
         self._stats_t = 0.0
         engine.listener = self._news
-        engine.scheduler.on_enqueued = self._overlapped_flush
+        if not engine.scheduler.lookahead:  # (lookahead: a step ends with the device busy)
+            engine.scheduler.on_enqueued = self._overlapped_flush
 
     # -- info ---------------------------------------------------------------------------
     def info(self, full: bool) -> dict[str, Any]:

@@ -19,7 +19,11 @@ Requests join and leave the running batch at every decode step. One engine *step
 Steps 2 and 3 are *pipelined* when the step model has ``submit_decode``/``submit_prefill``
 (``CausalLM`` does): the decode and the prompt chunks are all enqueued before the host
 waits, once for the decode tokens (read ahead of the prefill work in stream order) and
-then for the prompts' first tokens, so the device runs them back to back. The model's
+then for the prompts' first tokens, so the device runs them back to back. With
+**lookahead** (``lookahead=None``, the default, turns it on where the step model feeds
+device-held tokens, as ``CausalLM`` does) a step is enqueued before the previous step's
+tokens are read: each step enqueues its work, then delivers the previous one's tokens while
+the device runs it (:mod:`.scheduler`). The model's
 graphs (decode buckets, padded prefill lengths) are captured when the engine is built
 (the step model's ``warmup``), never inside a request's step.
 
@@ -129,6 +133,9 @@ class Engine:
             docstring, *Prefix caching*). ``None`` (default): on when the step model can
             (a paged ``CausalLM``); ``True``: on, ``ValueError`` when the step model cannot;
             ``False``: off (``serve --no-prefix-cache``).
+        lookahead: enqueue each step before the previous one's tokens are read (module
+            docstring). ``None`` (default): on when the step model feeds device-held tokens
+            (a ``CausalLM``); ``True``: on, ``ValueError`` when it cannot; ``False``: off.
 
     Attributes:
         model, steps (the step model), scheduler (:class:`~.scheduler.Scheduler`: queue,
@@ -151,6 +158,7 @@ class Engine:
         prefill_chunk: int = 512,
         fail_stop: bool = False,
         prefix_cache: bool | None = None,
+        lookahead: bool | None = None,
     ) -> None:
         if isinstance(model, StepModel):
             steps: StepModel = model
@@ -186,7 +194,8 @@ class Engine:
         self.scheduler = Scheduler(steps, max_batch=self.max_batch, max_seq=self.max_seq,
                                    prefill_chunk=self.prefill_chunk, fail_stop=self.fail_stop,
                                    notify=self._notify, space_freed=self._space_freed,
-                                   fail=self._fail, prefix_cache=self.prefix_cache)
+                                   fail=self._fail, prefix_cache=self.prefix_cache,
+                                   lookahead=lookahead)
         self.pool = self.scheduler.pool
         self._queue = self.scheduler.queue
         self._active = self.scheduler.active  # hold slots: prefill or decode, admission order

@@ -68,6 +68,7 @@ from .openai import (
     BadRequest,
     Job,
     Limits,
+    PieceChunks,
     choice_body,
     choice_seed,
     completion_body,
@@ -146,6 +147,35 @@ class _AllTokens:
     @property
     def tokens(self) -> list[int]:
         return [t for s in self.streams for t in s.tokens]
+
+
+class _ClientGone(BaseException):
+    """Sending an event failed (the client went away) inside a choice's producer: not the
+    step's failure, which the producer catches as ``Exception``; re-raised as ``cause``."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class _Direct:
+    """A producer's ``out`` that sends each event at once (a response with one choice: no
+    queue and no second task between the tokens and the socket)."""
+
+    def __init__(self, emit: Callable[[bytes], Awaitable[None]]) -> None:
+        self._emit = emit
+
+    async def send(self, ev: bytes) -> None:
+        try:
+            await self._emit(ev)
+        except Exception as exc:
+            raise _ClientGone(exc) from exc
+
+    async def __aenter__(self) -> _Direct:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 class _EventStream(StreamingResponse):
@@ -552,12 +582,16 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         failed: list[BaseException] = []
         streams = [c.stream for c in choices]
 
-        async def produce(c: _Choice, out: MemoryObjectSendStream[bytes]) -> None:
+        async def produce(c: _Choice, out: MemoryObjectSendStream[bytes] | _Direct) -> None:
             detok = c.detok
+            plain = PieceChunks(rid, chat, model_name, created, c.index)
 
             def chunk(piece: str | None, reason: str | None, first: bool = False,
                       entries: list[Entry] | None = None,
                       calls: list[dict[str, Any]] | None = None) -> bytes:
+                if piece and reason is None and not first and calls is None and (
+                        job.logprobs is None):
+                    return plain(piece)  # every token's chunk but the last: the template's
                 lp = None if job.logprobs is None or entries is None else choice_logprobs(
                     entries, detok.decode, chat)
                 return stream_chunk(rid, chat, model_name, created, piece, reason, first, lp,
@@ -606,14 +640,20 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                                      else reason))
 
         try:
-            send, receive = anyio.create_memory_object_stream[bytes](math.inf)
-            async with anyio.create_task_group() as tg:
-                for c in choices:
-                    tg.start_soon(produce, c, send.clone())
-                send.close()
-                async with receive:
-                    async for ev in receive:
-                        await emit(ev)
+            if len(choices) == 1:  # one choice: its events go out from this task, unqueued
+                try:
+                    await produce(choices[0], _Direct(emit))
+                except _ClientGone as gone:
+                    raise gone.cause from None
+            else:
+                send, receive = anyio.create_memory_object_stream[bytes](math.inf)
+                async with anyio.create_task_group() as tg:
+                    for c in choices:
+                        tg.start_soon(produce, c, send.clone())
+                    send.close()
+                    async with receive:
+                        async for ev in receive:
+                            await emit(ev)
             if failed:
                 exc = next((e for e in failed if isinstance(e, EngineFailed)), failed[0])
                 if isinstance(exc, EngineFailed):  # its device failed: a 503 error event

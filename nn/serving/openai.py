@@ -24,7 +24,7 @@ from .router import Replica
 
 __all__ = ["MAX_N", "BadRequest", "Job", "Limits", "choice_body", "choice_seed",
            "completion_body", "device_failed_message", "error_response", "finish_reason",
-           "parse_request", "sse_event", "stream_chunk", "usage"]
+           "parse_request", "PieceChunks", "sse_event", "stream_chunk", "usage"]
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = 16
@@ -528,6 +528,23 @@ def completion_body(rid: str, chat: bool, model_name: str, choices: list[dict[st
     obj = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
             "choices": choices, "usage": use}
+
+
+class PieceChunks:
+    """:func:`stream_chunk`'s bytes for a plain text piece (no finish reason, log-probabilities
+    or tool calls) of one streamed choice, from a template rendered once: the chunk's JSON
+    around the piece is the same for every token of a response, so only the piece is
+    encoded per token (the bytes are exactly :func:`stream_chunk`'s)."""
+
+    _MARK = "\x00piece\x00"
+
+    def __init__(self, rid: str, chat: bool, model_name: str, created: int, index: int = 0) -> None:
+        whole = stream_chunk(rid, chat, model_name, created, self._MARK, None, index=index)
+        mark = json.dumps(self._MARK).encode()
+        self._head, self._tail = whole.rsplit(mark, 1)  # the piece comes after id and model
+
+    def __call__(self, piece: str) -> bytes:
+        return self._head + json.dumps(piece).encode() + self._tail
 
 
 def stream_chunk(rid: str, chat: bool, model_name: str, created: int, piece: str | None,

@@ -105,7 +105,10 @@ class StepModel(Protocol):
     position ``positions[i]`` of ``slots[i]`` and returns one sampled token per row.
     ``release`` forgets a slot. Both step methods await their device work.
 
-    Optional: ``sampling_features``, the :data:`FEATURES` the model honours (the engine
+    Optional: ``device_fed`` (true: ``submit_decode`` takes ``tokens=None`` and each row then
+    feeds the token still on the device, the one its last decode step or its prompt's last
+    chunk sampled: the engine enqueues step k+1 before reading step k's tokens,
+    :mod:`.scheduler`). ``sampling_features``, the :data:`FEATURES` the model honours (the engine
     refuses a request asking for another one). A model that honours ``logprobs`` returns
     each token of such a request as a :class:`Sampled` carrying its :class:`TokenLogprob`.
     """
@@ -204,6 +207,8 @@ class _Request:
     t_first: float | None = None
     hashes: list[bytes] = field(default_factory=list)  # prefix caching: full prompt blocks'
     started: bool = False  # its first prompt chunk was enqueued
+    fed: int = 0  # lookahead: decode steps enqueued for it whose token is not delivered yet
+    primed: bool = False  # lookahead: its last prompt chunk is enqueued, its token not delivered
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,17 @@ chunks, then wait for the decode tokens and the prompts' first tokens and delive
 tells the engine, through the callbacks it is built with, when a request has news for its
 consumer, when the queue has room, and when a fail-stop step failed.
 
+**Lookahead** (a step model with ``device_fed``, ``lookahead`` on): step k+1's decode and
+prompt chunks are enqueued *before* the host reads step k's tokens; each decode row feeds
+the token still on the device (the one its previous decode step or its prompt's last chunk
+sampled), and the step then delivers step k's tokens while the device runs step k+1, so the
+device never waits for the host's admit, enqueue and delivery. A row is fed ahead unless the
+tokens already delivered or in flight reach its ``max_new_tokens`` or the context; a row
+that ends at a stop token or EOS costs one extra row-step whose token is dropped (and whose
+KV write lands in its own, by then released, blocks, before any later write to them in
+stream order). A request finished between a step's enqueue and its delivery (cancelled, a
+stop) has its in-flight token dropped.
+
 **Prefix caching** (a step model with ``prefix_hashes``/``share_prefix``/``cache_prefix``,
 ``prefix_cache`` on): at admission a request's row points at the cached blocks of its
 prompt's longest cached full-block prefix (never the block holding its last prompt token,
@@ -51,12 +62,27 @@ def _lazy(fn: Callable[..., Awaitable[Any]]) -> Submit:
     return submit
 
 
+class _Inflight:
+    """A lookahead step's enqueued work: the decode rows and their tokens' awaitable, and the
+    prompt chunks (request, tokens, last chunk, awaitable of its first token)."""
+
+    __slots__ = ("chunks", "decode", "rows")
+
+    def __init__(self, rows: list[_Request], decode: Callable[[], Awaitable[Any]] | None,
+                 chunks: list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]) -> None:
+        self.rows = rows
+        self.decode = decode
+        self.chunks = chunks
+
+
 class Scheduler:
     """Queue, running batch and step of one engine (module docstring).
 
     Args:
         steps: the step model.
-        max_batch, max_seq, prefill_chunk, fail_stop: the engine's.
+        max_batch, max_seq, prefill_chunk, fail_stop, prefix_cache: the engine's.
+        lookahead: enqueue each step before delivering the previous one (module docstring);
+            ``None``: where the step model has ``device_fed``.
         notify: called with a request that has new tokens or finished.
         space_freed: called when a request left the queue (room for a waiting submitter).
         fail: called with the error of a failed step of a ``fail_stop`` engine.
@@ -66,6 +92,7 @@ class Scheduler:
         active: requests holding a slot (prefill or decode), in admission order.
         pool: the batch rows.
         stepping: a step is running.
+        lookahead: steps are enqueued one ahead of their delivery (module docstring).
         submit_decode, submit_prefill: the step model's pipelined step calls (or lazy ones
             over its plain async methods).
         reserve: the step model's ``reserve`` (paged KV), or ``None``.
@@ -81,7 +108,7 @@ class Scheduler:
     def __init__(self, steps: StepModel, *, max_batch: int, max_seq: int, prefill_chunk: int,
                  fail_stop: bool, notify: Callable[[_Request], None],
                  space_freed: Callable[[], None], fail: Callable[[BaseException], None],
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, lookahead: bool | None = None) -> None:
         self.steps = steps
         self.max_seq = max_seq
         self.prefill_chunk = prefill_chunk
@@ -104,6 +131,14 @@ class Scheduler:
         self.steps_run = self.decode_rows = self.prefill_tokens = 0
         self.generated = self.finished = self.cancelled = 0
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        can = bool(getattr(steps, "device_fed", False))
+        if lookahead and not can:
+            raise ValueError(f"Engine: lookahead needs a step model that feeds device-held "
+                             f"tokens (device_fed); {type(steps).__name__} does not")
+        #: lookahead steps (module docstring): on by default where the step model can
+        self.lookahead = can if lookahead is None else bool(lookahead)
+        #: lookahead: the last step's enqueued work, delivered by the next step
+        self._inflight: _Inflight | None = None
         #: called once a step's device work is enqueued, before the host waits for it: an
         #: owner's host work that can overlap the device (an engine core sends the previous
         #: step's tokens here)
@@ -143,11 +178,16 @@ class Scheduler:
             self._admit()
             self.phase_s["admit"] += time.perf_counter() - t0
             if not self.active:
+                self._inflight = None  # every request in flight has ended: tokens dropped
                 return
             self.steps_run += 1
             try:
-                await self._decode_and_prefill()
+                if self.lookahead:
+                    await self._step_ahead()
+                else:
+                    await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
+                self._inflight = None
                 self._forget_prefixes()  # ... and what it cached may be wrong
                 if self.fail_stop:  # ... and takes a fail-stop engine out of service
                     self._fail(exc)
@@ -233,7 +273,6 @@ class Scheduler:
                 self._forget_prefixes()  # its blocks were cached when enqueued
                 self.finish(req, "error", exc)
                 continue
-            req.prefilled += n
             self.prefill_tokens += n
             if req.slot >= 0:
                 self.pool.set_length(req.slot, req.prefilled)
@@ -245,6 +284,88 @@ class Scheduler:
         if chunks:
             phase["wait"] += time.perf_counter() - t1
 
+    async def _step_ahead(self) -> None:
+        """Lookahead (module docstring): enqueue this step's decode (device-fed tokens) and
+        prompt chunks, then deliver the previous step's tokens while the device runs it."""
+        phase = self.phase_s
+        t0 = time.perf_counter()
+        rows: list[_Request] = []
+        pos: list[int] = []
+        for r in self.active:
+            if r.cancelled:
+                continue
+            if r.state == _DECODE:
+                p, n = r.pos + r.fed, len(r.out) + r.fed
+            elif r.primed:  # its first token is on the device, to be fed after the prompt
+                p, n = len(r.prompt), 1
+            else:
+                continue
+            if n < r.max_new and p < self.max_seq:  # else it ends by length: no step ahead
+                rows.append(r)
+                pos.append(p)
+        dec = None
+        if rows:
+            dec = self.submit_decode([r.slot for r in rows], None, pos)
+            for r in rows:
+                r.fed += 1
+        chunks = self._submit_prefills()
+        for req, _n, last, _wait in chunks:
+            if last:
+                req.primed = True
+        prev, self._inflight = self._inflight, _Inflight(rows, dec, chunks)
+        t1 = time.perf_counter()
+        phase["enqueue"] += t1 - t0
+        if prev is None:
+            if dec is None and not chunks:
+                raise RuntimeError(
+                    "Scheduler: a lookahead step found nothing to enqueue or deliver with "
+                    f"{len(self.active)} requests active (states "
+                    f"{sorted({r.state for r in self.active})}); this is a bug")
+            return
+        if self.on_enqueued is not None:
+            self.on_enqueued()
+        await self._deliver_step(prev)
+
+    async def _deliver_step(self, prev: _Inflight) -> None:
+        """Wait for an enqueued step's decode tokens and first tokens and hand them over
+        (requests that ended meanwhile drop theirs)."""
+        phase = self.phase_s
+        t1 = time.perf_counter()
+        if prev.decode is not None:
+            toks = await prev.decode()
+            t2 = time.perf_counter()
+            phase["wait"] += t2 - t1
+            self.decode_rows += len(prev.rows)
+            eos, now = self.steps.eos_ids, time.perf_counter()
+            for req, tok in zip(prev.rows, toks, strict=True):
+                req.fed -= 1
+                if req.state == _DONE:
+                    continue
+                req.pos += 1
+                self._deliver(req, tok, eos, now)
+            t1 = time.perf_counter()
+            phase["deliver"] += t1 - t2
+        for req, n, last, wait in prev.chunks:
+            try:
+                tok = await wait()
+            except Exception as exc:  # this request's prefill failed: only it ends
+                if self._device_failed(exc):
+                    raise  # ... unless the device did: the whole step fails
+                self._forget_prefixes()
+                self.finish(req, "error", exc)
+                continue
+            if req.state == _DONE:
+                continue
+            self.prefill_tokens += n
+            self.pool.set_length(req.slot, req.prefilled)
+            if last:
+                if tok is None:
+                    raise RuntimeError("StepModel.prefill(last=True) returned no token")
+                req.state, req.pos, req.primed = _DECODE, len(req.prompt), False
+                self._deliver(req, tok, self.steps.eos_ids, time.perf_counter())
+        if prev.chunks:
+            phase["wait"] += time.perf_counter() - t1
+
     def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
         """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
         budget = self.prefill_chunk
@@ -252,7 +373,7 @@ class Scheduler:
         for req in [r for r in self.active if r.state == _PREFILL]:
             if budget <= 0:
                 break
-            if req.cancelled:
+            if req.cancelled or req.primed:  # (primed: its whole prompt is enqueued)
                 continue
             if self.prefix and not req.started:
                 self._share_first(req)
@@ -270,6 +391,7 @@ class Scheduler:
                 self.finish(req, "error", exc)
                 continue
             budget -= n
+            req.prefilled = start + n  # enqueued: the next chunk starts after it
             out.append((req, n, last, wait))
             bs = self.block
             if self.prefix and (start + n) // bs > start // bs:  # blocks it filled: cached now

@@ -53,6 +53,12 @@ class CausalLMSteps:
         self._eos = frozenset(int(t) for t in model.config.stop_ids)
 
     @property
+    def device_fed(self) -> bool:
+        """``submit_decode`` takes ``tokens=None`` (each row feeds its token on the device):
+        ``CausalLM.decode_step``'s ``tokens=None``."""
+        return True
+
+    @property
     def sampling_features(self) -> frozenset[str]:
         """Every optional feature where the model has the runner's feature path
         (``read_logprobs``), else none."""
@@ -108,6 +114,7 @@ class CausalLMSteps:
             return _none
         fut = m.read(view).schedule(self._policy)
         lp = self._read_logprobs([slot])
+        top = self._lp.get(slot, 0)  # as asked now: the slot may be released before the await
 
         async def token() -> int | None:
             host = await fut
@@ -115,18 +122,20 @@ class CausalLMSteps:
             if lp is None:
                 return tok
             vals, ids = await lp
-            return _sampled(tok, vals, ids, slot, self._lp[slot])
+            return _sampled(tok, vals, ids, slot, top)
 
         return token
 
-    def submit_decode(self, slots: Sequence[int], tokens: Sequence[int],
+    def submit_decode(self, slots: Sequence[int], tokens: Sequence[int] | None,
                       positions: Sequence[int]) -> Callable[[], Awaitable[list[int]]]:
-        """Enqueue a decode step now; the returned callable awaits the rows' tokens."""
+        """Enqueue a decode step now; the returned callable awaits the rows' tokens.
+        ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`)."""
         m = self.model
         rows = list(slots)
-        view = self._decode(rows, list(tokens), list(positions))
+        view = self._decode(rows, None if tokens is None else list(tokens), list(positions))
         fut = m.read(view).schedule(self._policy)
         lp = self._read_logprobs(rows)
+        tops = {s: self._lp[s] for s in rows if s in self._lp} if lp is not None else {}
 
         async def result() -> list[int]:
             host = await fut
@@ -134,7 +143,7 @@ class CausalLMSteps:
             if lp is None:
                 return toks
             vals, ids = await lp
-            return [_sampled(t, vals, ids, s, self._lp[s]) if s in self._lp else t
+            return [_sampled(t, vals, ids, s, tops[s]) if s in tops else t
                     for t, s in zip(toks, rows, strict=True)]
 
         return result
