@@ -353,6 +353,31 @@ class CausalLM(TextCodec):
         """
         return self.runner.prefill(slot, ids, start, sample=sample, graph=graph)
 
+    def prefill_many(self, chunks: Sequence[tuple[int, Sequence[int], int, bool]], *,
+                     graph: bool | None = None) -> Tensor:
+        """Several rows' short prompt chunks in one forward pass: what the same
+        :meth:`prefill` calls write and draw, for many short prompts at the cost of about one.
+
+        Args:
+            chunks: ``(slot, ids, start, sample)`` per row (distinct rows), each as
+                :meth:`prefill` takes it; at most 128 tokens a chunk and ``prefill_chunk`` in
+                all; rows asking for no sampling feature (penalties, logit bias,
+                log-probabilities).
+            graph: replay the padded length's CUDA graph (default on CUDA) or run eagerly.
+
+        Returns:
+            The ``(max_batch,)`` int32 token buffer: row ``slot`` of a chunk with ``sample``
+            holds its token (valid once :attr:`device_stream` reaches it; read it with
+            :meth:`read`); a decode step with ``tokens=None`` feeds it.
+
+        Raises:
+            ValueError: a bad chunk (as :meth:`prefill`), a repeated row, a chunk over 128
+                tokens, more than ``prefill_chunk`` tokens, a row with features (nothing is
+                enqueued).
+            KVCacheFull: the pool has too few free blocks.
+        """
+        return self.runner.prefill_many(chunks, graph=graph)
+
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
                     positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.

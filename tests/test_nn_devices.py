@@ -224,7 +224,7 @@ def test_logits_on_cpu1(m0: Any, m1: Any, weights: dict[str, np.ndarray]) -> Non
 def test_graph_capture_and_replay_on_cpu1(weights: dict[str, np.ndarray]) -> None:
     m = tiny_model("cpu:1")
     n = m.capture_graphs(graph=True)
-    assert n == len(m.runner.decoder.graphs) + len(m.runner.prefiller.graphs) and set(m.runner.decoder.graphs) == {1, 2, 4}
+    assert n == len(m.runner.decoder.graphs) + len(m.runner.prefiller.graphs) + len(m.runner.packer.graphs) and set(m.runner.decoder.graphs) == {1, 2, 4}
     graphs = [*m.runner.decoder.graphs.values(), *m.runner.prefiller.graphs.values()]
     assert all(g is not None and g.stream is m.device_stream for g in graphs)
     launches = sum(g.launches for g in graphs)

@@ -33,6 +33,10 @@ engine use; every method enqueues on :attr:`Runner.stream` and returns without w
   next token from the last position's logits into the token buffer and returns that
   ``(1,)`` int32 view (read it with ``read(view)``). A long prompt may come in several
   calls (chunks) with growing ``start``.
+* ``prefill_many(chunks, *, graph=None) -> Tensor``: several rows' short prompt chunks
+  ``(slot, ids, start, sample)`` in one forward pass (:mod:`.packed_prefill`), as the same
+  ``prefill`` calls would write and draw; returns the token buffer (row ``slot`` holds a
+  sampling chunk's token).
 * ``decode_step(slots, tokens, positions, *, graph=None) -> Tensor``: one token per row:
   feeds ``tokens[i]`` at position ``positions[i]`` of row ``slots[i]`` and samples the
   next one; returns the ``(bucket,)`` token view, row ``slots[i]`` holding row i's token.
@@ -80,6 +84,7 @@ from ..models import Architecture, LlamaConfig, Weights
 from .decode import Decoder
 from .forward import Arena, buckets, chain
 from .fused import make_fused
+from .packed_prefill import MAX_CHUNK, Packer
 from .paged_kv import BlockAllocator, BlockTable, KVCache
 from .prefill import Prefiller
 from .rows import RowState
@@ -148,6 +153,7 @@ class Runner:
         self.fused = make_fused(self)  # a decode step in one kernel (DEVICEOPS_FUSED_DECODE)
         self.decoder = Decoder(self)
         self.prefiller = Prefiller(self)
+        self.packer = Packer(self)
         self.busy = False
 
     # -- checks ------------------------------------------------------------------------------
@@ -243,6 +249,45 @@ class Runner:
                              f"from {frozen} on, or release the row first)")
         return self.prefiller.prefill(slot, ids_l, start, sample, graph)
 
+    def prefill_many(self, chunks: Sequence[tuple[int, Sequence[int], int, bool]], *,
+                     graph: bool | None = None) -> Tensor:
+        """Prompt chunks ``(slot, ids, start, sample)`` of distinct rows in one packed forward
+        pass (:mod:`.packed_prefill`); returns the token buffer view (row ``slot`` holds a
+        sampling chunk's token). Each chunk as :meth:`prefill` takes it, at most
+        :data:`~.packed_prefill.MAX_CHUNK` tokens, ``prefill_chunk`` tokens in all, rows
+        without features (penalties, bias, log-probabilities: those use :meth:`prefill`)."""
+        if not chunks:
+            raise ValueError("prefill_many: no chunks")
+        checked: list[tuple[int, list[int], int, bool]] = []
+        for slot, ids, start, sample in chunks:
+            slot = self.check_slot(slot, "prefill_many")
+            ids_l = self.check_ids(list(ids), "prefill_many")
+            if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
+                raise ValueError(f"prefill_many: row {slot}'s positions {start}.."
+                                 f"{start + len(ids_l) - 1} do not fit max_seq={self.max_seq}")
+            if len(ids_l) > MAX_CHUNK:
+                raise ValueError(f"prefill_many: row {slot}'s chunk has {len(ids_l)} tokens; a "
+                                 f"packed chunk takes at most {MAX_CHUNK} (use prefill)")
+            if self.rows.h_features[slot]:
+                raise ValueError(f"prefill_many: row {slot} has sampling features (penalties, "
+                                 "logit bias or log-probabilities); prefill it with prefill")
+            frozen = self.kv.frozen(slot)
+            if start < frozen:
+                raise ValueError(f"prefill_many: row {slot}'s positions 0..{frozen - 1} are "
+                                 f"cached blocks other rows may read; start={start} would "
+                                 "overwrite them")
+            checked.append((slot, ids_l, start, bool(sample)))
+        slots = [c[0] for c in checked]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"prefill_many: rows {slots} repeat a row")
+        total = sum(len(c[1]) for c in checked)
+        if total > self.packer.tokens:
+            raise ValueError(f"prefill_many: {total} tokens exceed prefill_chunk="
+                             f"{self.packer.tokens}")
+        use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
+        self.packer.run(checked, use_graph)
+        return self.rows.tokens
+
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
                     positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``
@@ -282,6 +327,9 @@ class Runner:
         keys = self.prefiller.kinds()
         for key in reversed(keys):
             self.prefiller.warm_up(key)
+        packed = self.packer.lengths()
+        for tp in reversed(packed):
+            self.packer.warm_up(tp)
         n = 0
         for b in self.buckets:
             if b not in self.decoder.graphs:
@@ -289,6 +337,9 @@ class Runner:
                 n += 1
         for key in keys:
             if key not in self.prefiller.graphs and self.prefiller.capture(key):
+                n += 1
+        for tp in packed:
+            if tp not in self.packer.graphs and self.packer.capture(tp):
                 n += 1
         self.stream.synchronize()
         return n

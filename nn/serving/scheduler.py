@@ -367,35 +367,70 @@ class Scheduler:
             phase["wait"] += time.perf_counter() - t1
 
     def _submit_prefills(self) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
-        """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled."""
+        """Enqueue up to ``prefill_chunk`` prompt tokens of the requests being prefilled, in
+        admission order: together when the step model packs chunks (``submit_prefills``),
+        else one chunk at a time. With prefix caching, a chunk's full blocks are cached once
+        it is enqueued, and a request about to look the cache up first has the planned chunks
+        that fill blocks it could share enqueued, so it shares them (module docstring)."""
         budget = self.prefill_chunk
         out: list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]] = []
+        plan: list[tuple[_Request, int, int, bool]] = []  # request, start, tokens, last
+        fills: set[bytes] = set()  # block hashes the planned chunks will cache
         for req in [r for r in self.active if r.state == _PREFILL]:
             if budget <= 0:
                 break
             if req.cancelled or req.primed:  # (primed: its whole prompt is enqueued)
                 continue
             if self.prefix and not req.started:
+                if fills and not fills.isdisjoint(self._shareable(req)):
+                    out += self._enqueue_plan(plan)
+                    plan, fills = [], set()
                 self._share_first(req)
             req.started = True
             n = min(len(req.prompt) - req.prefilled, budget)
             start = req.prefilled
-            last = start + n == len(req.prompt)
-            try:
-                wait = self.submit_prefill(
-                    req.slot, req.prompt[start : start + n], start, req.params, last=last
-                )
-            except Exception as exc:  # refused before anything was enqueued: only it ends
-                if self._device_failed(exc):
-                    raise
-                self.finish(req, "error", exc)
-                continue
+            plan.append((req, start, n, start + n == len(req.prompt)))
             budget -= n
-            req.prefilled = start + n  # enqueued: the next chunk starts after it
+            req.prefilled = start + n  # the next chunk starts after it
+            if self.prefix:
+                fills.update(req.hashes[start // self.block:(start + n) // self.block])
+        return out + self._enqueue_plan(plan)
+
+    def _enqueue_plan(self, plan: list[tuple[_Request, int, int, bool]]
+                      ) -> list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]]:
+        """Enqueue the planned chunks; cache the full blocks each enqueued one filled; a chunk
+        refused before anything was enqueued ends its request."""
+        out: list[tuple[_Request, int, bool, Callable[[], Awaitable[Any]]]] = []
+        bs = self.block
+        for (req, start, n, last), wait in zip(plan, self._enqueue_chunks(plan), strict=True):
+            if isinstance(wait, BaseException):
+                self.finish(req, "error", wait)
+                continue
             out.append((req, n, last, wait))
-            bs = self.block
             if self.prefix and (start + n) // bs > start // bs:  # blocks it filled: cached now
                 self.steps.cache_prefix(req.slot, req.hashes[:(start + n) // bs])  # type: ignore[attr-defined]
+        return out
+
+    def _enqueue_chunks(self, plan: list[tuple[_Request, int, int, bool]]
+                        ) -> list[Callable[[], Awaitable[Any]] | BaseException]:
+        """Each planned chunk's awaitable of its token, or the error that refused it; a
+        refused packed call is retried chunk by chunk so only the bad chunk fails."""
+        many = getattr(self.steps, "submit_prefills", None)
+        items = [(r.slot, r.prompt[st:st + n], st, r.params, last) for r, st, n, last in plan]
+        if many is not None and len(items) > 1:
+            try:
+                return list(many(items))
+            except Exception as exc:
+                if self._device_failed(exc):
+                    raise
+        out: list[Callable[[], Awaitable[Any]] | BaseException] = []
+        for slot, ids, st, params, last in items:
+            try:
+                out.append(self.submit_prefill(slot, ids, st, params, last=last))
+            except Exception as exc:
+                if self._device_failed(exc):
+                    raise
+                out.append(exc)
         return out
 
     # -- prefix caching (module docstring) ------------------------------------------------

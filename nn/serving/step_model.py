@@ -22,6 +22,7 @@ from typing import Any
 
 from deviceops.scheduling import SingleStream
 
+from ..runner.packed_prefill import MAX_CHUNK as PACKED_MAX_CHUNK
 from ..runner.prefix_cache import block_hashes
 from .requests import FEATURES, Sampled, SamplingParams, TokenLogprob
 
@@ -125,6 +126,55 @@ class CausalLMSteps:
             return _sampled(tok, vals, ids, slot, top)
 
         return token
+
+    def submit_prefills(self, chunks: Sequence[tuple[int, Sequence[int], int, SamplingParams,
+                                                     bool]]) -> list[Callable[[], Awaitable[int | None]]]:
+        """Enqueue several rows' prompt chunks ``(slot, ids, start, params, last)`` now, in
+        order: each run of two or more short chunks of rows without features as one packed
+        prefill (``prefill_many``), the others one by one; one awaitable per chunk."""
+        m = self.model
+        if not hasattr(m, "prefill_many"):
+            return [self.submit_prefill(sl, ids, st, p, last=last) for sl, ids, st, p, last in chunks]
+        out: list[Callable[[], Awaitable[int | None]]] = []
+        run: list[tuple[int, Sequence[int], int, SamplingParams, bool]] = []
+
+        def flush() -> None:
+            if len(run) == 1:
+                sl, ids, st, p, last = run[0]
+                out.append(self.submit_prefill(sl, ids, st, p, last=last))
+            elif run:
+                out.extend(self._packed(run))
+            run.clear()
+
+        for ch in chunks:
+            if len(ch[1]) <= PACKED_MAX_CHUNK and not ch[3].features():
+                run.append(ch)
+            else:
+                flush()
+                out.append(self.submit_prefill(ch[0], ch[1], ch[2], ch[3], last=ch[4]))
+        flush()
+        return out
+
+    def _packed(self, run: list[tuple[int, Sequence[int], int, SamplingParams, bool]]
+                ) -> list[Callable[[], Awaitable[int | None]]]:
+        """One packed prefill of ``run``; the chunks' awaitables share one read."""
+        m = self.model
+        for slot, _ids, start, params, _last in run:
+            if start == self._first.get(slot, 0):  # the request's first chunk
+                m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p, seed=params.seed)
+                self._lp.pop(slot, None)
+        view = m.prefill_many([(sl, list(ids), st, last) for sl, ids, st, _p, last in run])
+        fut = m.read(view).schedule(self._policy) if any(c[4] for c in run) else None
+
+        def token(slot: int) -> Callable[[], Awaitable[int | None]]:
+            async def get() -> int | None:
+                assert fut is not None
+                host = await fut
+                return int(host[slot])
+            return get
+
+        return [token(sl) if last else _none for sl, _ids, _st, _p, last in run]
 
     def submit_decode(self, slots: Sequence[int], tokens: Sequence[int] | None,
                       positions: Sequence[int]) -> Callable[[], Awaitable[list[int]]]:

@@ -1,0 +1,178 @@
+"""Packed prefill (``CausalLM.prefill_many``, :mod:`deviceops.nn.runner.packed_prefill`):
+several rows' prompt chunks in one forward pass write the KV and draw the tokens the same
+``prefill`` calls do.
+
+cpu backend, an untied random model (a wrong position or KV entry changes the next tokens):
+the first tokens, and the tokens of several decode steps after them (which read every KV
+entry the prefill wrote), equal those of one ``prefill`` per row, greedy and sampled, for
+first chunks and later chunks of a prompt; the checks refuse bad chunks before anything is
+enqueued; the serving engine packs the chunks of requests admitted together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from deviceops import nn
+from deviceops.nn.runner.packed_prefill import MAX_CHUNK
+
+CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+           num_kv_heads=2, head_dim=16, rope_theta=1e4, tie_word_embeddings=False)
+
+
+def _model(**kw: Any) -> Any:
+    args = {"max_batch": 4, "max_seq": 96, "kv_block_size": 8, "kv_blocks": 60,
+            "prefill_chunk": 64} | kw
+    return nn.random_model(nn.LlamaConfig(**CFG), dtype="float32", device="cpu", seed=4, **args)
+
+
+def _read(m: Any, view: Any) -> list[int]:
+    return [int(x) for x in np.asarray(m.read(view).sync_on(m.device_stream))]
+
+
+def _after(m: Any, firsts: dict[int, int], pos: dict[int, int], steps: int = 4) -> list[list[int]]:
+    """Decode ``steps`` tokens for the rows from their first tokens (fed from the host)."""
+    slots = sorted(firsts)
+    last = [firsts[s] for s in slots]
+    out = []
+    for k in range(steps):
+        view = m.decode_step(slots, last, [pos[s] + k for s in slots], graph=False)
+        got = _read(m, view)
+        last = [got[s] for s in slots]
+        out.append(last)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_packed_prefill_writes_and_draws_what_single_prefills_do(temperature: float) -> None:
+    rng = np.random.default_rng(5)
+    prompts = {0: rng.integers(3, 96, 7).tolist(), 1: rng.integers(3, 96, 21).tolist(),
+               3: rng.integers(3, 96, 30).tolist()}
+    results = []
+    for packed in (False, True):
+        m = _model()
+        for s in prompts:
+            m.set_sampling(s, temperature=temperature, seed=11 + s)
+        # row 3's prompt in two chunks: its first 12 tokens alone, the rest packed with others
+        m.prefill(3, prompts[3][:12], 0, sample=False)
+        chunks = [(0, prompts[0], 0, True), (1, prompts[1], 0, True), (3, prompts[3][12:], 12, True)]
+        if packed:
+            view = m.prefill_many(chunks)
+            firsts = {s: _read(m, view)[s] for s in prompts}
+        else:
+            firsts = {}
+            for slot, ids, start, _ in chunks:
+                firsts[slot] = _read(m, m.prefill(slot, ids, start, sample=True))[0]
+        after = _after(m, firsts, {s: len(p) for s, p in prompts.items()})
+        results.append((firsts, after))
+    assert results[0] == results[1]
+
+
+def test_packed_prefill_feeds_decode_from_the_device() -> None:
+    m = _model()
+    rng = np.random.default_rng(2)
+    ps = [rng.integers(3, 96, n).tolist() for n in (5, 17)]
+    m.prefill_many([(0, ps[0], 0, True), (2, ps[1], 0, True)])
+    view = m.decode_step([0, 2], None, [5, 17], graph=False)  # the packed draws, never read
+    ref = _model()
+    a = _read(ref, ref.prefill(0, ps[0], 0, sample=True))[0]
+    b = _read(ref, ref.prefill(2, ps[1], 0, sample=True))[0]
+    want = _read(ref, ref.decode_step([0, 2], [a, b], [5, 17], graph=False))
+    got = _read(m, view)
+    assert [got[0], got[2]] == [want[0], want[2]]
+
+
+def test_prefill_many_refuses_bad_chunks_before_enqueueing() -> None:
+    m = _model()
+    with pytest.raises(ValueError, match="repeat a row"):
+        m.prefill_many([(0, [5, 6], 0, True), (0, [7], 2, True)])
+    with pytest.raises(ValueError, match=f"at most {MAX_CHUNK}"):
+        _model(max_seq=256, prefill_chunk=256).prefill_many([(0, [5] * (MAX_CHUNK + 1), 0, True)])
+    with pytest.raises(ValueError, match="exceed prefill_chunk=64"):
+        m.prefill_many([(0, [5] * 40, 0, True), (1, [5] * 40, 0, True)])
+    with pytest.raises(ValueError, match="do not fit max_seq"):
+        m.prefill_many([(0, [5] * 10, 90, True)])
+    with pytest.raises(ValueError, match="no chunks"):
+        m.prefill_many([])
+    m.set_sampling(1, logprobs=True)
+    with pytest.raises(ValueError, match="sampling features"):
+        m.prefill_many([(1, [5, 6], 0, True)])
+    assert all(m.blocks_held(i) == 0 for i in range(4))  # nothing was written
+
+
+def test_engine_packs_the_chunks_of_requests_admitted_together() -> None:
+    """Four requests admitted in one step: one packed prefill (counted), and the outputs
+    equal the engine's with packing off (the step model without ``submit_prefills``)."""
+    from deviceops.nn import Engine
+    from deviceops.nn.serving.step_model import CausalLMSteps
+
+    rng = np.random.default_rng(8)
+    ps = [rng.integers(3, 96, n).tolist() for n in (6, 19, 11, 27)]
+
+    def run(pack: bool) -> tuple[list[list[int]], int]:
+        m = _model()
+        calls = {"n": 0}
+        real = m.prefill_many
+
+        def counting(*a: Any, **k: Any) -> Any:
+            calls["n"] += 1
+            return real(*a, **k)
+
+        m.prefill_many = counting
+        steps = CausalLMSteps(m)
+        if not pack:
+            steps.submit_prefills = None  # type: ignore[assignment]
+        eng = Engine(steps, max_batch=4, max_seq=96)
+
+        async def main() -> list[list[int]]:
+            out: list[list[int]] = [[] for _ in ps]
+
+            async def one(i: int) -> None:
+                out[i] = await eng.generate(ps[i], 6, temperature=1.0, seed=i)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(ps)):
+                    tg.start_soon(one, i)
+            return out
+
+        return anyio.run(main), calls["n"]
+
+    packed, n_packed = run(True)
+    plain, n_plain = run(False)
+    assert packed == plain
+    assert n_packed >= 1 and n_plain == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_packed_prefill_on_cuda_matches_single_prefills(graph: bool) -> None:
+    """On CUDA (float32, SmolLM2's head shape, the graph and the eager path): the packed
+    draws and the decode steps after them equal one ``prefill`` per row."""
+    import deviceops
+
+    if not deviceops.cuda_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = nn.LlamaConfig(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_layers=4,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5,
+                         tie_word_embeddings=False)
+    rng = np.random.default_rng(9)
+    prompts = {0: rng.integers(1, 2048, 9).tolist(), 2: rng.integers(1, 2048, 70).tolist(),
+               5: rng.integers(1, 2048, 33).tolist()}
+    results = []
+    for packed in (False, True):
+        m = nn.random_model(cfg, dtype="float32", device=0, seed=2, max_batch=8, max_seq=256,
+                            prefill_chunk=128, kv_block_size=16, kv_blocks=80)
+        for s in prompts:
+            m.set_sampling(s, temperature=1.0, seed=5 + s)
+        if packed:
+            view = m.prefill_many([(s, p, 0, True) for s, p in prompts.items()], graph=graph)
+            firsts = {s: _read(m, view)[s] for s in prompts}
+        else:
+            firsts = {s: _read(m, m.prefill(s, p, 0, sample=True, graph=graph))[0]
+                      for s, p in prompts.items()}
+        results.append((firsts, _after(m, firsts, {s: len(p) for s, p in prompts.items()})))
+    assert results[0] == results[1]
