@@ -287,7 +287,7 @@ def processes_main(args: Any) -> int:
 
     res["http"] = bench_levels(path, reqs_for, levels, client_procs=args.client_procs,
                                max_batch=max_batch, max_seq=args.max_seq,
-                               extra=shlex.split(args.server_args)
+                               extra=[a for x in args.server_args for a in shlex.split(x)]
                                + ([] if on_gpu else ["--device", "cpu"]))
     h64, g64, g1 = res["http"].get("64"), gen.get("64"), gen.get("1")
     if h64 and g64:
@@ -331,8 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-procs", type=int, default=4)
     p.add_argument("--profile", action="store_true",
                    help="with --http-levels: print the cores' per-step host breakdown")
-    p.add_argument("--server-args", default="",
-                   help="with --http-levels: more serve flags, e.g. '--api-servers 2'")
+    p.add_argument("--server-args", action="append", default=[],
+                   help="with --http-levels: more serve flags, e.g. '--api-servers 2' (may be "
+                        "given several times: '--server-args=--api-servers=2 "
+                        "--server-args=--devices=0,1')")
     args = p.parse_args(argv)
     if args.http_levels:
         return processes_main(args)
