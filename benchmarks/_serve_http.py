@@ -18,15 +18,21 @@ import anyio
 from _serve_clients import Req, pct
 
 
+def prompt_key(ids: list[int]) -> str:
+    """A request's key in ``texts`` (:func:`run_http_clients` with ``record``): its prompt."""
+    return " ".join(map(str, ids))
+
+
 async def _http_clients(url: str, rs: list[Req], clients: int,
-                        t_start: float | None = None) -> dict[str, Any]:
+                        t_start: float | None = None, record: bool = False) -> dict[str, Any]:
     """``clients`` streaming clients taking ``rs`` in turn; tokens, TTFT and inter-token gaps
     as the clients see them, the wall-clock start and end (``time.time``) and the wall-clock
     time of every token event (``events``). ``t_start``: a ``time.time`` to wait for before
-    the first request (client processes start together, whenever each finished importing)."""
+    the first request (client processes start together, whenever each finished importing).
+    ``record``: each request's generated text in ``texts``, by :func:`prompt_key`."""
     import httpx
 
-    rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": [], "events": []}
+    rec: dict[str, Any] = {"tokens": 0, "ttft": [], "itl": [], "events": [], "texts": {}}
     events = rec["events"]
 
     async def one(c: Any, ids: list[int], n: int) -> None:
@@ -34,6 +40,7 @@ async def _http_clients(url: str, rs: list[Req], clients: int,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         last = None
+        pieces: list[str] = []
         async with c.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -44,11 +51,15 @@ async def _http_clients(url: str, rs: list[Req], clients: int,
                     continue
                 now = time.perf_counter()
                 events.append(time.time())
+                if record:
+                    pieces.extend(ch.get("text", "") for ch in ev.get("choices", ()))
                 if last is None:
                     rec["ttft"].append(now - t0)
                 else:
                     rec["itl"].append(now - last)
                 last = now
+        if record:
+            rec["texts"][prompt_key(ids)] = "".join(pieces)
 
     lim = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=lim) as c:
@@ -72,9 +83,9 @@ async def _http_clients(url: str, rs: list[Req], clients: int,
 
 
 def _client_share(url: str, rs: list[Req], clients: int,
-                  t_start: float | None = None) -> dict[str, Any]:
+                  t_start: float | None = None, record: bool = False) -> dict[str, Any]:
     """One client process's share (a top-level function: run in a spawned process)."""
-    result: dict[str, Any] = anyio.run(_http_clients, url, rs, clients, t_start)
+    result: dict[str, Any] = anyio.run(_http_clients, url, rs, clients, t_start, record)
     return result
 
 
@@ -95,14 +106,15 @@ def steady_rate(rec: dict[str, Any], trim: float = 0.1) -> float:
     return inside / (hi - lo) * rec["tokens"] / len(ev)
 
 
-def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) -> dict[str, Any]:
+def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1,
+                     record: bool = False) -> dict[str, Any]:
     """``clients`` streaming clients over ``procs`` client processes (one Python process
     parsing every stream's events can become the bottleneck before the server does);
     request ``i`` goes to process ``i % procs``; every process starts its clients at one
     wall-clock time (:data:`START_DELAY_S` after the shares are handed out). ``wall`` spans
     the common start to the last end; ``steady_tokens_per_s`` is :func:`steady_rate`'s."""
     if procs <= 1:
-        rec = _client_share(url, reqs, clients)
+        rec = _client_share(url, reqs, clients, None, record)
     else:
         import concurrent.futures
         import multiprocessing
@@ -113,7 +125,8 @@ def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) ->
         t_start = time.time() + START_DELAY_S
         with concurrent.futures.ProcessPoolExecutor(
                 procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            recs = list(ex.map(_client_share, [url] * procs, shares, per, [t_start] * procs))
+            recs = list(ex.map(_client_share, [url] * procs, shares, per, [t_start] * procs,
+                               [record] * procs))
         late = max(r["start"] for r in recs) - t_start
         if late > 0.05:
             print(f"run_http_clients: a client process started {late:.2f} s late "
@@ -121,7 +134,8 @@ def run_http_clients(url: str, reqs: list[Req], clients: int, procs: int = 1) ->
         rec = {"tokens": sum(r["tokens"] for r in recs), "ttft": [x for r in recs for x in r["ttft"]],
                "itl": [x for r in recs for x in r["itl"]], "start": min(r["start"] for r in recs),
                "end": max(r["end"] for r in recs),
-               "events": [x for r in recs for x in r["events"]]}
+               "events": [x for r in recs for x in r["events"]],
+               "texts": {k: v for r in recs for k, v in r["texts"].items()}}
     rec["wall"] = rec["end"] - rec["start"]
     rec["steady_tokens_per_s"] = steady_rate(rec)
     return rec

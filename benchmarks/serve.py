@@ -52,6 +52,7 @@ from _serve_clients import (
     Req,
     gpu_mb,
     idle_gap,
+    pct,
     rss_mb,
     run_clients,
     sanitize,
@@ -303,6 +304,67 @@ def processes_main(args: Any) -> int:
     return 0
 
 
+def prefix_main(args: Any) -> int:
+    """``--shared-prefix N``: one client level (``--prefix-clients``) whose prompts share an
+    N-token prefix (then 32-96 tokens of their own), through the server with its prefix cache
+    and again with ``--no-prefix-cache``, greedy; TTFT p50 at the client both ways and how
+    many requests generated the same text both ways."""
+    import shlex
+
+    import gguf
+    from _serve_http import prompt_key, run_http_clients
+    from _serve_processes import start_server
+
+    from deviceops.nn.checkpoint import smollm2_path
+
+    path = args.gguf or str(smollm2_path())
+    vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    clients = 2 if args.smoke else args.prefix_clients
+    new = 4 if args.smoke else 128
+    plen = 24 if args.smoke else args.shared_prefix
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(plen)]
+    n = clients if args.smoke else args.rounds * clients
+    reqs = [(prefix + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 96))], new)
+            for _ in range(n)]
+    extra = [a for x in args.server_args for a in shlex.split(x)]
+    if args.smoke:
+        extra += ["--device", "cpu"]
+    res: dict[str, Any] = {"gguf": path, "argv": sys.argv[1:], "shared_prefix": plen,
+                           "clients": clients, "requests": n, "new_tokens": new}
+    texts: dict[str, dict[str, str]] = {}
+    for label, flags in (("prefix cache", []), ("no prefix cache", ["--no-prefix-cache"])):
+        proc, url = start_server(path, 18341, max(clients, 64), args.max_seq, extra + flags)
+        try:
+            run_http_clients(url, [([100 + i, 200, 300], 4) for i in range(clients)], clients,
+                             args.client_procs)
+            rec = run_http_clients(url, reqs, clients, args.client_procs, record=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        texts[label] = rec["texts"]
+        r = {"tokens_per_s": rec["tokens"] / rec["wall"], "ttft_p50_ms": pct(rec["ttft"], 50) * 1e3,
+             "ttft_p99_ms": pct(rec["ttft"], 99) * 1e3, "itl_p99_ms": pct(rec["itl"], 99) * 1e3}
+        res[label] = r
+        print(f"{label:16s}: {clients} clients, {plen}-token shared prefix: TTFT p50 "
+              f"{r['ttft_p50_ms']:.1f} ms, p99 {r['ttft_p99_ms']:.1f} ms, "
+              f"{r['tokens_per_s']:,.0f} tok/s", flush=True)
+    keys = [prompt_key(ids) for ids, _ in reqs]
+    same = sum(texts["prefix cache"].get(k) == texts["no prefix cache"].get(k) is not None
+               for k in keys)
+    ratio = res["no prefix cache"]["ttft_p50_ms"] / res["prefix cache"]["ttft_p50_ms"]
+    res["ttft_p50_ratio"], res["identical_outputs"] = ratio, same
+    print(f"TTFT p50 without / with the prefix cache: {ratio:.2f}x; identical greedy outputs: "
+          f"{same} of {n}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if len(texts["prefix cache"]) != n or len(texts["no prefix cache"]) != n:
+        print("serve.py: a request returned no text", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--smoke", action="store_true", help="cpu backend, tiny work (CI)")
@@ -335,7 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --http-levels: more serve flags, e.g. '--api-servers 2' (may be "
                         "given several times: '--server-args=--api-servers=2 "
                         "--server-args=--devices=0,1')")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="prompts sharing an N-token prefix, with and without the prefix cache")
+    p.add_argument("--prefix-clients", type=int, default=64,
+                   help="with --shared-prefix: concurrent clients")
     args = p.parse_args(argv)
+    if args.shared_prefix is not None:
+        return prefix_main(args)
     if args.http_levels:
         return processes_main(args)
 

@@ -119,3 +119,32 @@ def test_lookahead_refused_for_a_step_model_that_cannot_feed_device_tokens() -> 
     eng = Engine(Steps(), max_batch=2, max_seq=16)
     assert not eng.scheduler.lookahead
     assert anyio.run(eng.generate, [1, 2], 3) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_each_step_spends_the_whole_prefill_budget_and_counts_what_is_written(
+        lookahead: bool) -> None:
+    """Driven step by step: a 15-token and a 5-token prompt with a 16-token chunk budget
+    take 16 tokens in the first step (the second prompt's first token too) and the rest in
+    the second; ``kv_tokens_in_use`` follows the chunks as they complete (with lookahead,
+    a completed chunk counts its row's positions enqueued so far)."""
+    m = _model()
+    eng = Engine(m, max_batch=4, max_seq=48, prefill_chunk=16, lookahead=lookahead,
+                 prefix_cache=False)
+    a = eng.stream(list(range(3, 18)), 4)
+    b = eng.stream([20, 21, 22, 23, 24], 4)
+
+    async def main() -> list[tuple[int, int]]:
+        seen = []
+        for _ in range(3):
+            await eng.run_step()
+            seen.append((eng.scheduler.prefill_tokens, eng.stats().kv_tokens_in_use))
+        return seen
+
+    seen = anyio.run(main)
+    if lookahead:  # a step's chunks complete at the next step, which enqueued b's rest
+        assert seen[0] == (0, 0) and seen[1] == (16, 20) and seen[2][0] == 20
+    else:  # 15 of a and the first of b, written and counted; then b's other 4
+        assert seen[0] == (16, 16) and seen[1][0] == 20
+    a.cancel()
+    b.cancel()

@@ -195,3 +195,29 @@ def test_stream_of_one_token() -> None:
 
     got = anyio.run(run)
     assert got == m.generate([3, 4, 5], 1) and len(got) == 1
+
+
+def test_a_continuing_step_uploads_no_row_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows continuing from the previous decode step at their next positions upload nothing
+    (the device state is advanced by the step itself); a row joining uploads once."""
+    m = _model()
+    rows = m.runner.rows
+    uploads: list[bool] = []
+    real = rows.upload_state
+
+    def counting(state: Any, *, tokens: bool = True) -> None:
+        uploads.append(tokens)
+        real(state, tokens=tokens)
+
+    monkeypatch.setattr(rows, "upload_state", counting)
+    m.prefill(0, [5, 6, 7], sample=True)
+    m.prefill(1, [9] * 20, sample=True)
+    m.decode_step([0, 1], None, [3, 20], graph=False)  # joining: one upload, tokens kept
+    assert uploads == [False]
+    for k in range(1, 4):
+        m.decode_step([0, 1], None, [3 + k, 20 + k], graph=False)
+    assert uploads == [False]  # continuing: nothing uploaded
+    m.decode_step([1], None, [24], graph=False)  # row 0 left (idle in the bucket): once
+    assert uploads == [False, False]
+    m.decode_step([1], None, [25], graph=False)
+    assert uploads == [False, False]

@@ -104,17 +104,22 @@ def test_prefill_many_refuses_bad_chunks_before_enqueueing() -> None:
     assert all(m.blocks_held(i) == 0 for i in range(4))  # nothing was written
 
 
-def test_engine_packs_the_chunks_of_requests_admitted_together() -> None:
-    """Four requests admitted in one step: one packed prefill (counted), and the outputs
-    equal the engine's with packing off (the step model without ``submit_prefills``)."""
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_engine_packs_the_chunks_of_requests_admitted_together(prefix_cache: bool) -> None:
+    """Requests admitted in one step: the short chunks of rows without features go into one
+    packed prefill (counted), a long chunk and a row asking for log-probabilities go through
+    ``prefill`` in their turn, and every output (log-probabilities too) equals the engine's
+    with packing off (the step model without ``submit_prefills``); one request alone is
+    never packed."""
     from deviceops.nn import Engine
     from deviceops.nn.serving.step_model import CausalLMSteps
 
     rng = np.random.default_rng(8)
-    ps = [rng.integers(3, 96, n).tolist() for n in (6, 19, 11, 27)]
+    ps = [rng.integers(3, 96, n).tolist() for n in (6, 19, 150, 11, 27)]  # 150: not packed
+    lp_row = 3  # asks for log-probabilities: not packed
 
-    def run(pack: bool) -> tuple[list[list[int]], int]:
-        m = _model()
+    def run(pack: bool, which: list[int]) -> tuple[list[Any], int]:
+        m = _model(max_seq=256, prefill_chunk=256, kv_blocks=200)
         calls = {"n": 0}
         real = m.prefill_many
 
@@ -126,25 +131,34 @@ def test_engine_packs_the_chunks_of_requests_admitted_together() -> None:
         steps = CausalLMSteps(m)
         if not pack:
             steps.submit_prefills = None  # type: ignore[assignment]
-        eng = Engine(steps, max_batch=4, max_seq=96)
+        eng = Engine(steps, max_batch=4, max_seq=256, prefill_chunk=256,
+                     prefix_cache=prefix_cache)
 
-        async def main() -> list[list[int]]:
-            out: list[list[int]] = [[] for _ in ps]
+        async def main() -> list[Any]:
+            out: list[Any] = [None] * len(ps)
+            streams = {i: eng.stream(ps[i], 6, temperature=1.0, seed=i,
+                                     logprobs=2 if i == lp_row else None)
+                       for i in which}  # all queued before the first step: admitted together
 
             async def one(i: int) -> None:
-                out[i] = await eng.generate(ps[i], 6, temperature=1.0, seed=i)
+                s = streams[i]
+                toks = [t async for t in s]
+                out[i] = (toks, [round(x.logprob, 4) for x in s.logprobs] if i == lp_row else None)
 
             async with anyio.create_task_group() as tg:
-                for i in range(len(ps)):
+                for i in which:
                     tg.start_soon(one, i)
             return out
 
         return anyio.run(main), calls["n"]
 
-    packed, n_packed = run(True)
-    plain, n_plain = run(False)
-    assert packed == plain
+    every = list(range(len(ps)))
+    packed, n_packed = run(True, every)
+    plain, n_plain = run(False, every)
+    assert packed == plain and packed[lp_row][1]
     assert n_packed >= 1 and n_plain == 0
+    alone, n_alone = run(True, [1])
+    assert alone[1] == packed[1] and n_alone == 0
 
 
 @pytest.mark.gpu
@@ -176,3 +190,40 @@ def test_packed_prefill_on_cuda_matches_single_prefills(graph: bool) -> None:
                       for s, p in prompts.items()}
         results.append((firsts, _after(m, firsts, {s: len(p) for s, p in prompts.items()})))
     assert results[0] == results[1]
+
+
+def test_packed_graphs_one_per_padded_length_replay_what_eager_runs() -> None:
+    """``capture_graphs`` captures one packed graph per padded length (16 .. prefill_chunk);
+    replaying them (the cpu backend records graphs too) draws what the eager ops draw."""
+    rng = np.random.default_rng(12)
+    prompts = {0: rng.integers(3, 96, 9).tolist(), 1: rng.integers(3, 96, 30).tolist()}
+    got = []
+    for graph in (False, True):
+        m = _model()
+        if graph:
+            m.capture_graphs(graph=True)
+            assert set(m.runner.packer.graphs) == {16, 32, 64}
+            assert m.runner.packer.lengths() == [16, 32, 64]
+        for s in prompts:
+            m.set_sampling(s, temperature=1.0, seed=3 + s)
+        view = m.prefill_many([(s, p, 0, True) for s, p in prompts.items()], graph=graph)
+        firsts = {s: _read(m, view)[s] for s in prompts}
+        got.append((firsts, _after(m, firsts, {s: len(p) for s, p in prompts.items()})))
+    assert got[0] == got[1]
+
+
+def test_a_chunk_that_samples_nothing_leaves_nothing_to_feed() -> None:
+    m = _model()
+    m.prefill_many([(0, [5, 6, 7], 0, True), (1, [8, 9], 0, False)])
+    for pos in (0, 2):
+        with pytest.raises(ValueError, match=r"rows \[1\] do neither"):
+            m.decode_step([1], None, [pos], graph=False)
+    m.decode_step([0], None, [3], graph=False)  # the sampling chunk's row: fed
+
+
+def test_worth_packing_takes_short_chunks_wherever_they_start() -> None:
+    from deviceops.nn.runner.packed_prefill import worth_packing
+
+    assert worth_packing(0, 1) and worth_packing(0, 96) and worth_packing(0, MAX_CHUNK)
+    assert worth_packing(992, 72)  # a suffix after a cached prefix (measured: packed wins)
+    assert not worth_packing(0, MAX_CHUNK + 1) and not worth_packing(500, MAX_CHUNK + 1)

@@ -66,8 +66,18 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/http.py": ["tests/test_sampling_effects.py", "tests/test_serve_http.py",
                     "tests/test_serve_devices.py", "tests/test_serve_n_choices.py"],
     "nn/serving/engine.py": _ENGINE_TESTS,
-    "nn/serving/scheduler.py": [*_ENGINE_TESTS, "tests/test_nn_paged.py",
+    "nn/serving/scheduler.py": ["tests/test_engine_lookahead.py", "tests/test_nn_packed_prefill.py",
+                                *_ENGINE_TESTS, "tests/test_nn_paged.py",
                                 "tests/test_prefix_cache.py"],
+    "nn/serving/step_model.py": ["tests/test_engine_lookahead.py",
+                                 "tests/test_nn_packed_prefill.py", *_ENGINE_TESTS,
+                                 "tests/test_sampling_features.py", "tests/test_nn_tiny.py"],
+    # the runner's decode step (tokens=None, primed rows) and packed prefill
+    "nn/runner/decode.py": ["tests/test_nn_lookahead.py", "tests/test_engine_lookahead.py",
+                            "tests/test_nn_tiny.py", "tests/test_nn_paged.py",
+                            "tests/test_fused_decode.py"],
+    "nn/runner/packed_prefill.py": ["tests/test_nn_packed_prefill.py",
+                                    "tests/test_engine_lookahead.py"],
     "nn/serving/slots.py": ["tests/test_engine.py", "tests/test_small_contracts.py"],
     # the engine core and its client in one process (the serve subprocesses of
     # tests/test_serve_processes.py would import the unmutated install)

@@ -15,8 +15,8 @@ decode step (or ``decode_step(tokens=None)``) reads it.
 
 This trades the flash-attention prefill of one chunk for one pass over the weights for
 many: per token the attention reads its row's keys (no reuse across the chunk's queries), so
-it is for short chunks (:data:`MAX_CHUNK` tokens at most), the many short prompts that
-arrive together at a server. On CUDA each padded length replays one CUDA graph (device
+it is for short chunks (:data:`MAX_CHUNK` tokens at most, :func:`worth_packing`): the many
+short prompts (or short suffixes of a cached prefix) that arrive together at a server. On CUDA each padded length replays one CUDA graph (device
 inputs: one int32 upload of ids, positions, key counts, gather indices, ``top_k`` and the
 block-table rows, one float32 and one int64 upload of the sampling parameters); elsewhere,
 and with ``graph=False``, the same ops run eagerly.
@@ -39,10 +39,19 @@ from .prefill import graph_refused
 if TYPE_CHECKING:
     from .runner import Runner
 
-__all__ = ["MAX_CHUNK", "Packer"]
+__all__ = ["MAX_CHUNK", "Packer", "worth_packing"]
 
 #: The longest chunk a packed prefill takes (its attention reads each token's keys alone).
 MAX_CHUNK = 128
+
+
+def worth_packing(start: int, n: int) -> bool:
+    """Whether an ``n``-token chunk at ``start`` goes into a packed prefill: at most
+    :data:`MAX_CHUNK` tokens, wherever it starts. (Measured on an H200 with 64 clients whose
+    prompts share a cached 1,000-token prefix: their ~72-token suffixes packed gave a TTFT
+    p50 of 46 ms and 23.9k tokens/s, each through its own prefill 91 ms and 19.5k.)"""
+    del start  # a long context read per token still costs less than a pass per chunk
+    return n <= MAX_CHUNK
 
 
 class Packer:

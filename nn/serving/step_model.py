@@ -22,7 +22,7 @@ from typing import Any
 
 from deviceops.scheduling import SingleStream
 
-from ..runner.packed_prefill import MAX_CHUNK as PACKED_MAX_CHUNK
+from ..runner.packed_prefill import worth_packing
 from ..runner.prefix_cache import block_hashes
 from .requests import FEATURES, Sampled, SamplingParams, TokenLogprob
 
@@ -130,8 +130,9 @@ class CausalLMSteps:
     def submit_prefills(self, chunks: Sequence[tuple[int, Sequence[int], int, SamplingParams,
                                                      bool]]) -> list[Callable[[], Awaitable[int | None]]]:
         """Enqueue several rows' prompt chunks ``(slot, ids, start, params, last)`` now, in
-        order: each run of two or more short chunks of rows without features as one packed
-        prefill (``prefill_many``), the others one by one; one awaitable per chunk."""
+        order: each run of two or more chunks worth packing (``worth_packing``: short) of rows
+        without features as one packed prefill (``prefill_many``), the others one by one; one
+        awaitable per chunk."""
         m = self.model
         if not hasattr(m, "prefill_many"):
             return [self.submit_prefill(sl, ids, st, p, last=last) for sl, ids, st, p, last in chunks]
@@ -147,7 +148,7 @@ class CausalLMSteps:
             run.clear()
 
         for ch in chunks:
-            if len(ch[1]) <= PACKED_MAX_CHUNK and not ch[3].features():
+            if worth_packing(ch[2], len(ch[1])) and not ch[3].features():
                 run.append(ch)
             else:
                 flush()
