@@ -55,8 +55,8 @@ def test_packed_prefill_writes_and_draws_what_single_prefills_do(temperature: fl
     results = []
     for packed in (False, True):
         m = _model()
-        for s in prompts:
-            m.set_sampling(s, temperature=temperature, seed=11 + s)
+        for s in prompts:  # (row 1 with top-k: the packed draw reads each row's own)
+            m.set_sampling(s, temperature=temperature, seed=11 + s, top_k=5 if s == 1 else 0)
         # row 3's prompt in two chunks: its first 12 tokens alone, the rest packed with others
         m.prefill(3, prompts[3][:12], 0, sample=False)
         chunks = [(0, prompts[0], 0, True), (1, prompts[1], 0, True), (3, prompts[3][12:], 12, True)]
@@ -207,6 +207,9 @@ def test_packed_graphs_one_per_padded_length_replay_what_eager_runs() -> None:
         for s in prompts:
             m.set_sampling(s, temperature=1.0, seed=3 + s)
         view = m.prefill_many([(s, p, 0, True) for s, p in prompts.items()], graph=graph)
+        if graph:  # 39 tokens replayed the 64-token graph: no other length was made
+            assert set(m.runner.packer.graphs) == {16, 32, 64}
+            assert m.runner.packer.pad_len(39) == 64 and m.runner.packer.pad_len(17) == 32
         firsts = {s: _read(m, view)[s] for s in prompts}
         got.append((firsts, _after(m, firsts, {s: len(p) for s, p in prompts.items()})))
     assert got[0] == got[1]
