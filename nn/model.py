@@ -11,7 +11,7 @@ runner's buffers.
 
 Step API (documented in :mod:`deviceops.nn.runner.runner`; what :mod:`.static_batch` and
 the serving engine use; every method enqueues on :attr:`CausalLM.device_stream` and
-returns without waiting): ``set_sampling``, ``prefill``, ``decode_step``, ``reserve``,
+returns without waiting): ``set_sampling``, ``set_mask``, ``prefill``, ``decode_step``, ``reserve``,
 ``blocks_held``, ``release``, ``share_prefix``, ``cache_prefix``, ``read``,
 ``capture_graphs``.
 
@@ -284,14 +284,21 @@ class CausalLM(TextCodec):
     # -- step API (deviceops.nn.runner.runner's docstring) -----------------------------------
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                     logit_bias: Any = None, logprobs: bool = False) -> None:
+                     logit_bias: Any = None, logprobs: bool = False,
+                     grammar: bool = False) -> None:
         """Set row ``slot``'s sampling parameters (device memory) and reset its counter;
-        OpenAI's penalties, ``logit_bias`` (token id -> bias) and ``logprobs`` as
+        OpenAI's penalties, ``logit_bias`` (token id -> bias), ``logprobs`` and ``grammar``
+        (draws masked by :meth:`set_mask`) as
         :meth:`~deviceops.nn.runner.Runner.set_sampling` takes them."""
         self.runner.set_sampling(slot, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, grammar=grammar)
+
+    def set_mask(self, slots: Sequence[int], bitmask: np.ndarray) -> None:
+        """The grammar masks of rows ``slots`` for their next draw
+        (:meth:`~deviceops.nn.runner.Runner.set_mask`)."""
+        self.runner.set_mask(slots, bitmask)
 
     def read_logprobs(self, n: int) -> DeviceOp[tuple[np.ndarray, np.ndarray]]:
         """Host copies of rows ``0 .. n-1`` of the log-probability buffers

@@ -10,16 +10,18 @@ captured on it under the runner's own policy and replayed there, so nothing cons
 default policy, which lives on the default device.
 
 **Two variants per bucket.** A step whose active rows ask for no feature (penalties, logit
-bias, log-probabilities: :mod:`.rows`) runs the *plain* step, unchanged: embed, layers, LM
-head, ``sample``. A step where at least one active row asks runs the *feature* step, the
-same ops plus :func:`~deviceops.kernels.penalize` before ``sample`` and
-:func:`~deviceops.kernels.logprobs` after it, both gated per row by the state's ``live`` row
+bias, log-probabilities, a grammar mask: :mod:`.rows`) runs the *plain* step, unchanged:
+embed, layers, LM head, ``sample``. A step where at least one active row asks runs the
+*feature* step, the same ops plus :func:`~deviceops.kernels.penalize` and
+:func:`~deviceops.kernels.mask_logits` before ``sample`` and
+:func:`~deviceops.kernels.logprobs` after it, all gated per row by the state's ``live`` row
 (the row's feature bits while active, else 0). Its graph (:attr:`Decoder.feature_graphs`) is
 captured the first time a bucket needs it, once per model (a warm-up run and a capture,
 inside that step). Cost: rows asking nothing pay nothing while no row of the batch asks;
-in a feature step each of them costs one early-returning block per kernel (two launches more
-per step); a row that asks pays one elementwise pass over its logits (penalties, bias) and
-``1 + 20`` passes (log-probabilities and the top 20) per token.
+in a feature step each of them costs one early-returning block per kernel (three launches
+more per step); a row that asks pays one elementwise pass over its logits (penalties, bias),
+one more for a grammar mask (whose row the host uploads before the step) and ``1 + 20``
+passes (log-probabilities and the top 20) per token.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class Decoder:
 
     def _build(self, b: int, feat: bool) -> list[Thunk]:
         """Embed, layers, final norm, LM head (one fused kernel for them all when the runner
-        has a fused model and ``b`` fits it: :mod:`.fused`), (feature step: ``penalize``)
+        has a fused model and ``b`` fits it: :mod:`.fused`), (feature step: ``penalize``,
+        ``mask_logits``)
         sample into the token buffer, (feature step: ``logprobs``), advance
         ``start``/``kv_len``."""
         r, rows = self.r, self.r.rows
@@ -211,8 +214,11 @@ class Decoder:
         if feat:
             live = rows.live[:b]
             pres, freq, counts, bias, lpv, lpi = (t[:b] for t in rows.feature_buffers()[1:])
+            assert rows.mask is not None  # allocated with the feature buffers
+            mask = rows.mask[:b]
             th += [
                 lambda: kernels.penalize(logits, counts, bias, pres, freq, live),
+                lambda: kernels.mask_logits(logits, mask, live),
                 draw,
                 lambda: kernels.logprobs(logits, tok, live, counts, k=lpi.shape[1], out=lpv,
                                          ids_out=lpi),

@@ -82,7 +82,7 @@ from .forward import Arena, buckets, chain
 from .fused import make_fused
 from .paged_kv import BlockAllocator, BlockTable, KVCache
 from .prefill import Prefiller
-from .rows import RowState
+from .rows import GRAMMAR, RowState
 
 __all__ = ["Runner"]
 
@@ -182,16 +182,32 @@ class Runner:
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: Any = None,
-                     logprobs: bool = False) -> None:
+                     logprobs: bool = False, grammar: bool = False) -> None:
         """Set row ``slot``'s sampling parameters and features (device memory) and reset its
-        counter (and, with penalties or a bias, its token counts); ``ValueError`` for a bad
-        argument (``deviceops.nn._args``), before anything is uploaded."""
+        counter (and, with penalties or a bias, its token counts; with ``grammar``, its mask
+        to every token allowed); ``ValueError`` for a bad argument (``deviceops.nn._args``),
+        before anything is uploaded."""
         slot = self.check_slot(slot, "set_sampling")
         sampling = check_sampling(temperature, top_k, top_p, seed)
         pres, freq, bias, _ = check_adjustments(presence_penalty, frequency_penalty, logit_bias,
                                                 None, self.config.vocab_size, "set_sampling")
         self.rows.set_sampling(slot, *sampling)
-        self.rows.set_features(slot, pres, freq, bias, bool(logprobs))
+        self.rows.set_features(slot, pres, freq, bias, bool(logprobs), bool(grammar))
+
+    def set_mask(self, slots: Sequence[int], bitmask: np.ndarray) -> None:
+        """Row ``slots[i]``'s grammar mask for its next draw: ``bitmask[i]``, int32
+        ``ceil(vocab / 32)`` words, token ``t`` allowed when bit ``t % 32`` of word ``t // 32``
+        is set (llguidance's layout); only rows set up with ``set_sampling(grammar=True)``
+        apply it. Enqueued (the array is snapshotted now): a later ``prefill`` or
+        ``decode_step`` of the row reads it. ``ValueError`` for a bad slot or shape."""
+        sl = [self.check_slot(x, "set_mask") for x in slots]
+        if len(set(sl)) != len(sl):
+            raise ValueError(f"set_mask: slots {sl} repeat a row")
+        missing = [x for x in sl if not self.rows.h_features[x] & GRAMMAR]
+        if missing:
+            raise ValueError(f"set_mask: rows {missing} have no grammar; call "
+                             "set_sampling(slot, ..., grammar=True) first")
+        self.rows.set_mask(sl, np.asarray(bitmask))
 
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Give row ``slot`` blocks for positions ``[0, n_tokens)``; ``False`` when too few

@@ -31,6 +31,19 @@ cached (its unwritten reserved blocks there go back). ``n`` choices of one promp
 clients with one system prompt admitted together, prefill the shared blocks once. A
 finished request's written full blocks (prompt and generated tokens) stay cached; a failed
 prefill or step empties the cache.
+
+**Grammars** (requests with ``params.grammar``, :mod:`.grammar`): a constrained row's mask
+for its next draw needs the token it drew last on the host, so such a row cannot be fed
+ahead. The rule: while any running request has a grammar, steps run in turn (the step in
+flight, if any, is delivered first; then each step's decode and prompt chunks are enqueued,
+awaited and delivered before the next is enqueued, rows feeding host-held tokens), and
+lookahead resumes at the first step after the last of them ended. Before a step's decode the
+host fills the bitmasks of its constrained rows together (:class:`~.grammar.MaskBatch`) and
+uploads them (``set_masks``); a constrained request's last prompt chunk carries the
+grammar's first mask. Every delivered token advances the request's matcher, and a completed
+grammar ends the request (``"stop"``). Unconstrained rows draw exactly the tokens they
+would have drawn without the constrained ones (rows are independent; only the order of
+enqueues and reads changes).
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from typing import Any
 
 from deviceops import DriverError, LaunchError
 
+from .grammar import MaskBatch
 from .requests import _DECODE, _DONE, _PREFILL, StepModel, _Request
 from .slots import SlotPool
 
@@ -139,6 +153,11 @@ class Scheduler:
         self.lookahead = can if lookahead is None else bool(lookahead)
         #: lookahead: the last step's enqueued work, delivered by the next step
         self._inflight: _Inflight | None = None
+        #: grammars (module docstring): the step's bitmasks (made on the first constrained
+        #: step), and the host seconds / row masks spent filling them
+        self._masks: MaskBatch | None = None
+        self.grammar_s = 0.0
+        self.grammar_masks = 0
         #: called once a step's device work is enqueued, before the host waits for it: an
         #: owner's host work that can overlap the device (an engine core sends the previous
         #: step's tokens here)
@@ -182,9 +201,12 @@ class Scheduler:
                 return
             self.steps_run += 1
             try:
-                if self.lookahead:
+                if self.lookahead and not self._constrained():
                     await self._step_ahead()
                 else:
+                    if self._inflight is not None:  # a grammar joined: deliver, then in turn
+                        prev, self._inflight = self._inflight, None
+                        await self._deliver_step(prev)
                     await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
                 self._inflight = None
@@ -244,6 +266,7 @@ class Scheduler:
         rows = [r for r in self.active if r.state == _DECODE]
         dec = None
         if rows:
+            self._upload_masks(rows)
             dec = self.submit_decode(
                 [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
             )
@@ -382,8 +405,9 @@ class Scheduler:
             start = req.prefilled
             last = start + n == len(req.prompt)
             try:
+                kw = {"mask": self._mask_of(req)} if last and req.grammar is not None else {}
                 wait = self.submit_prefill(
-                    req.slot, req.prompt[start : start + n], start, req.params, last=last
+                    req.slot, req.prompt[start : start + n], start, req.params, last=last, **kw
                 )
             except Exception as exc:  # refused before anything was enqueued: only it ends
                 if self._device_failed(exc):
@@ -397,6 +421,31 @@ class Scheduler:
             if self.prefix and (start + n) // bs > start // bs:  # blocks it filled: cached now
                 self.steps.cache_prefix(req.slot, req.hashes[:(start + n) // bs])  # type: ignore[attr-defined]
         return out
+
+    # -- grammars (module docstring) --------------------------------------------------------
+    def _constrained(self) -> bool:
+        """Some running request has a grammar (steps then run in turn)."""
+        return any(r.grammar is not None for r in self.active)
+
+    def _fill(self, reqs: list[_Request]) -> Any:
+        """The bitmasks of ``reqs``' next draws, filled together (host time counted)."""
+        t0 = time.perf_counter()
+        if self._masks is None:
+            self._masks = MaskBatch(self.pool.n_slots, self.steps.vocab_size)
+        out = self._masks.fill([r.grammar for r in reqs])
+        self.grammar_s += time.perf_counter() - t0
+        self.grammar_masks += len(reqs)
+        return out
+
+    def _mask_of(self, req: _Request) -> Any:
+        """The bitmask of a constrained request's first token (a copy: one row)."""
+        return self._fill([req])[0].copy()
+
+    def _upload_masks(self, rows: list[_Request]) -> None:
+        """Fill and upload the bitmasks of a decode step's constrained rows."""
+        reqs = [r for r in rows if r.grammar is not None]
+        if reqs:
+            self.steps.set_masks([r.slot for r in reqs], self._fill(reqs))  # type: ignore[attr-defined]
 
     # -- prefix caching (module docstring) ------------------------------------------------
     def _shareable(self, req: _Request) -> list[bytes]:
@@ -444,7 +493,12 @@ class Scheduler:
         req.last = tok
         self.generated += 1
         self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
-        if (tok in eos and not req.ignore_eos) or tok in req.stop:
+        ended = None if req.grammar is None else req.grammar.advance(tok)
+        if ended == "error":
+            self.finish(req, "error", RuntimeError(
+                f"Engine: request {req.id} drew token {tok}, which its grammar does not allow "
+                f"({req.grammar.error}); this is a bug"))
+        elif ended == "stop" or (tok in eos and not req.ignore_eos) or tok in req.stop:
             self.finish(req, "stop")
         elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
             self.finish(req, "length")

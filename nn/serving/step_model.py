@@ -7,8 +7,9 @@ the event loop runs while the step is on the device (or on the cpu backend's wor
 thread). Prefill chunks that sample nothing are enqueued and not awaited: the next op on
 the stream is ordered after them.
 
-OpenAI's penalties, ``logit_bias`` and ``logprobs`` go to the row's device state with its
-sampling parameters (``set_sampling``); for a step with rows that asked for
+OpenAI's penalties, ``logit_bias``, ``logprobs`` and a grammar go to the row's device state
+with its sampling parameters (``set_sampling``; a grammar's bitmasks follow per draw:
+``set_masks``, and ``submit_prefill``'s ``mask`` for the first token); for a step with rows that asked for
 log-probabilities, the host copy of the runner's log-probability rows is scheduled right
 after the tokens' (same stream, so it holds this step's values) and each such row's token
 comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.TokenLogprob`.
@@ -61,8 +62,13 @@ class CausalLMSteps:
     @property
     def sampling_features(self) -> frozenset[str]:
         """Every optional feature where the model has the runner's feature path
-        (``read_logprobs``), else none."""
-        return frozenset(FEATURES) if hasattr(self.model, "read_logprobs") else frozenset()
+        (``read_logprobs``; ``grammar`` also needs ``set_mask`` and a ``tokenizer``), else
+        none."""
+        if not hasattr(self.model, "read_logprobs"):
+            return frozenset()
+        grammar = (hasattr(self.model, "set_mask")
+                   and getattr(self.model, "tokenizer", None) is not None)
+        return frozenset(f for f in FEATURES if grammar or f != "grammar")
 
     @property
     def max_batch(self) -> int:
@@ -93,8 +99,9 @@ class CausalLMSteps:
 
     # -- pipelined steps (optional StepModel extension the engine uses when present) --------
     def submit_prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
-                       *, last: bool) -> Callable[[], Awaitable[int | None]]:
-        """Enqueue a prefill chunk now; the returned callable awaits its token (``last``)."""
+                       *, last: bool, mask: Any = None) -> Callable[[], Awaitable[int | None]]:
+        """Enqueue a prefill chunk now; the returned callable awaits its token (``last``).
+        ``mask``: the grammar's bitmask (one row) for that token (:meth:`set_masks`)."""
         m = self.model
         if start == self._first.get(slot, 0):  # the request's first chunk
             extra: dict[str, Any] = {}
@@ -103,12 +110,16 @@ class CausalLMSteps:
                          "frequency_penalty": params.frequency_penalty,
                          "logit_bias": dict(params.logit_bias),
                          "logprobs": params.logprobs is not None}
+                if params.grammar is not None:
+                    extra["grammar"] = True
             m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, seed=params.seed, **extra)
             if params.logprobs is not None:
                 self._lp[slot] = params.logprobs
             else:
                 self._lp.pop(slot, None)
+        if mask is not None:
+            m.set_mask([slot], mask.reshape(1, -1))
         view = m.prefill(slot, list(ids), start, sample=last)
         if not last:
             return _none
@@ -147,6 +158,16 @@ class CausalLMSteps:
                     for t, s in zip(toks, rows, strict=True)]
 
         return result
+
+    # -- grammars (optional StepModel extension the engine uses when present) --------------
+    def set_masks(self, slots: Sequence[int], bitmask: Any) -> None:
+        """The grammar bitmasks of rows ``slots`` for their next draw (row ``i`` of the int32
+        ``bitmask`` for ``slots[i]``), enqueued before the next step."""
+        self.model.set_mask(list(slots), bitmask)
+
+    def grammar_tokenizer(self) -> str:
+        """The model's tokenizer as JSON, what :class:`~.grammar.GrammarCompiler` builds on."""
+        return str(self.model.tokenizer.to_str())
 
     def _read_logprobs(self, slots: list[int]) -> Any:
         """The scheduled host copy of the log-probability rows when a slot asked, else None."""
