@@ -110,8 +110,8 @@ def test_a_tool_call_grammar_gives_one_call_whose_arguments_validate(tiny: Any) 
         out = []
         for i, name in enumerate([None, None, "get_weather", "ping"]):
             g = tool_call_grammar(TOOLS, name)
-            out.append((await _one(eng, [3, 4, 5 + i], 80, grammar=g, temperature=1.0,
-                                   seed=i)))
+            out.append(await _one(eng, [3, 4, 5 + i], 80, grammar=g, temperature=1.0,
+                                   seed=i))
         return out
 
     results = anyio.run(main)

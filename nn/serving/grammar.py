@@ -36,8 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from .tool_calls import CLOSE, OPEN
+
 __all__ = ["GrammarCompiler", "MaskBatch", "Matcher", "check_grammar", "json_object_grammar",
-           "json_schema_grammar", "tool_call_grammar"]
+           "json_schema_grammar", "tags_are_tokens", "tool_call_grammar"]
 
 #: JSON as the grammars write it: no whitespace between tokens.
 _COMPACT = {"whitespace_flexible": False}
@@ -71,9 +73,22 @@ def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> str:
+def tags_are_tokens(tokenizer: Any) -> bool:
+    """Whether ``<tool_call>`` and ``</tool_call>`` are tokens of their own in ``tokenizer``
+    (a ``tokenizers.Tokenizer``, or ``None``): Qwen2.5's added tokens, which a grammar must
+    name as tokens (:func:`tool_call_grammar`'s ``tag_tokens``)."""
+    find = getattr(tokenizer, "token_to_id", None)
+    return find is not None and find(OPEN) is not None and find(CLOSE) is not None
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None, *,
+                      tag_tokens: bool = False) -> str:
     """The grammar of one Hermes-style call (module docstring) of one of ``tools`` (OpenAI's
     ``{"type": "function", "function": {"name", "parameters"}}``), or of the tool ``name``.
+
+    ``tag_tokens``: the tags are the tokenizer's own tokens (:func:`tags_are_tokens`; the
+    model writes them as one token each, which llguidance matches only as tokens), else
+    text.
 
     Raises:
         ValueError: ``name`` is not one of the tools.
@@ -85,7 +100,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = Non
     schemas = [_call_schema(t) for t in chosen]
     schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": _COMPACT}  # (what grammar_from_json_schema's defaults set)
-    return ('start: "<tool_call>\\n" call "\\n</tool_call>"\n'
+    tags = (OPEN, CLOSE) if tag_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
+    return (f'start: {tags[0]} "\\n" call "\\n" {tags[1]}\n'
             f"call: %json {json.dumps(schema)}\n")
 
 

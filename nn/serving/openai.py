@@ -19,7 +19,13 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from .engine import Engine, EngineFailed, RequestStream
-from .grammar import check_grammar, json_object_grammar, json_schema_grammar, tool_call_grammar
+from .grammar import (
+    check_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+    tags_are_tokens,
+    tool_call_grammar,
+)
 from .guard import openai_error_body
 from .router import Replica
 
@@ -266,7 +272,9 @@ def _grammar(body: dict[str, Any], chat: bool, tools: list[dict[str, Any]] | Non
             raise BadRequest("response_format", "'response_format' and tool_choice "
                              f"{body['tool_choice']!r} ask for two different replies; send one")
         try:
-            grammar, param = tool_call_grammar(tools, name), "tool_choice"
+            tok = getattr(engine.model, "tokenizer", None)
+            grammar = tool_call_grammar(tools, name, tag_tokens=tags_are_tokens(tok))
+            param = "tool_choice"
         except ValueError as exc:
             raise BadRequest("tool_choice", str(exc)) from exc
     if grammar is None:
