@@ -361,7 +361,8 @@ class CausalLM(TextCodec):
         return self.runner.prefill(slot, ids, start, sample=sample, graph=graph)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
+                    positions: Sequence[int], *, graph: bool | None = None,
+                    masks: Any = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.
 
         Args:
@@ -375,6 +376,10 @@ class CausalLM(TextCodec):
             positions: each row's position (its current length).
             graph: replay the bucket's graph (default; on the cpu backend a recorded step
                 replayed by the stream's worker) or run eagerly (``False``).
+            masks: rows with a grammar (``set_sampling(grammar=True)``): a callable asked
+                once the forward pass is enqueued, returning ``(slots, bitmask)`` (as
+                :meth:`set_mask` takes them) or ``None``; the masks apply to this step's
+                draws (:class:`~deviceops.nn.runner.decode.Decoder`).
 
         Returns:
             The ``(bucket,)`` int32 token view; ``view[slots[i]]`` is row i's new token.
@@ -384,7 +389,7 @@ class CausalLM(TextCodec):
                 ``tokens=None`` for a row whose token is not on the device for that position.
             KVCacheFull: a row needs a block and the pool has none free.
         """
-        return self.runner.decode_step(slots, tokens, positions, graph=graph)
+        return self.runner.decode_step(slots, tokens, positions, graph=graph, masks=masks)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's graph and every padded prefill length's graph now.

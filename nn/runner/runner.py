@@ -77,7 +77,7 @@ from deviceops.scheduling import SingleStream
 
 from .._args import check_adjustments, check_sampling
 from ..models import Architecture, LlamaConfig, Weights
-from .decode import Decoder
+from .decode import Decoder, MaskSource
 from .forward import Arena, buckets, chain
 from .fused import make_fused
 from .paged_kv import BlockAllocator, BlockTable, KVCache
@@ -260,10 +260,12 @@ class Runner:
         return self.prefiller.prefill(slot, ids_l, start, sample, graph)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
+                    positions: Sequence[int], *, graph: bool | None = None,
+                    masks: MaskSource | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``
         (``tokens=None``: each row feeds the token its last decode step or its prefill
-        sampled, still on the device: :meth:`~.decode.Decoder.step`)."""
+        sampled, still on the device; ``masks``: the grammar rows' masks, asked for once the
+        forward pass is enqueued: :meth:`~.decode.Decoder.step`)."""
         n = len(slots)
         if n == 0 or (tokens is not None and len(tokens) != n) or len(positions) != n:
             raise ValueError(f"decode_step: slots ({len(slots)}), tokens "
@@ -284,7 +286,7 @@ class Runner:
                     raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
                                      f"{self.max_seq})")
             pos = [int(p) for p in positions]
-        return self.decoder.step(sl, toks, pos, graph)
+        return self.decoder.step(sl, toks, pos, graph, masks)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's and padded prefill length's graph now; returns how

@@ -115,8 +115,9 @@ class StepModel(Protocol):
     refuses a request asking for another one). A model that honours ``logprobs`` returns
     each token of such a request as a :class:`Sampled` carrying its :class:`TokenLogprob`.
     A model that honours ``grammar`` has ``grammar_tokenizer()`` (its tokenizer's JSON),
-    ``set_masks(slots, bitmask)`` (the rows' allowed-token bitmasks for their next draw) and
-    takes ``mask=`` (one row) in ``submit_prefill`` for a constrained request's first token.
+    takes ``masks=`` in ``submit_decode`` (a callable it asks, once the step's forward pass is
+    enqueued, for ``(slots, bitmask)``: the constrained rows' allowed-token bitmasks) and
+    ``mask=`` (one row) in ``submit_prefill`` for a constrained request's first token.
     """
 
     @property

@@ -37,13 +37,14 @@ for its next draw needs the token it drew last on the host, so such a row cannot
 ahead. The rule: while any running request has a grammar, steps run in turn (the step in
 flight, if any, is delivered first; then each step's decode and prompt chunks are enqueued,
 awaited and delivered before the next is enqueued, rows feeding host-held tokens), and
-lookahead resumes at the first step after the last of them ended. Before a step's decode the
-host fills the bitmasks of its constrained rows together (:class:`~.grammar.MaskBatch`) and
-uploads them (``set_masks``); a constrained request's last prompt chunk carries the
-grammar's first mask. Every delivered token advances the request's matcher, and a completed
-grammar ends the request (``"stop"``). Unconstrained rows draw exactly the tokens they
-would have drawn without the constrained ones (rows are independent; only the order of
-enqueues and reads changes).
+lookahead resumes at the first step after the last of them ended. The step model asks for
+the bitmasks of a step's constrained rows once its forward pass is enqueued
+(``submit_decode``'s ``masks``): the host fills them together (:class:`~.grammar.MaskBatch`)
+while the device runs the forward pass, and they apply before the draw. A constrained
+request's last prompt chunk carries the grammar's first mask. Every delivered token
+advances the request's matcher, and a completed grammar ends the request (``"stop"``).
+Unconstrained rows draw exactly the tokens they would have drawn without the constrained
+ones (rows are independent; only the order of enqueues and reads changes).
 """
 
 from __future__ import annotations
@@ -266,9 +267,9 @@ class Scheduler:
         rows = [r for r in self.active if r.state == _DECODE]
         dec = None
         if rows:
-            self._upload_masks(rows)
+            kw = self._mask_source(rows)
             dec = self.submit_decode(
-                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
+                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows], **kw
             )
         chunks = self._submit_prefills()
         t1 = time.perf_counter()
@@ -441,11 +442,14 @@ class Scheduler:
         """The bitmask of a constrained request's first token (a copy: one row)."""
         return self._fill([req])[0].copy()
 
-    def _upload_masks(self, rows: list[_Request]) -> None:
-        """Fill and upload the bitmasks of a decode step's constrained rows."""
+    def _mask_source(self, rows: list[_Request]) -> dict[str, Any]:
+        """``submit_decode``'s ``masks`` for a step with constrained rows (none without): the
+        step model asks for them once the forward pass is enqueued, so they are filled
+        while the device runs it."""
         reqs = [r for r in rows if r.grammar is not None]
-        if reqs:
-            self.steps.set_masks([r.slot for r in reqs], self._fill(reqs))  # type: ignore[attr-defined]
+        if not reqs:
+            return {}
+        return {"masks": lambda: ([r.slot for r in reqs], self._fill(reqs))}
 
     # -- prefix caching (module docstring) ------------------------------------------------
     def _shareable(self, req: _Request) -> list[bytes]:

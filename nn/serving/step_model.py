@@ -9,7 +9,8 @@ the stream is ordered after them.
 
 OpenAI's penalties, ``logit_bias``, ``logprobs`` and a grammar go to the row's device state
 with its sampling parameters (``set_sampling``; a grammar's bitmasks follow per draw:
-``set_masks``, and ``submit_prefill``'s ``mask`` for the first token); for a step with rows that asked for
+``submit_decode``'s ``masks``, computed while the forward pass runs, and
+``submit_prefill``'s ``mask`` for the first token); for a step with rows that asked for
 log-probabilities, the host copy of the runner's log-probability rows is scheduled right
 after the tokens' (same stream, so it holds this step's values) and each such row's token
 comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.TokenLogprob`.
@@ -101,7 +102,7 @@ class CausalLMSteps:
     def submit_prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
                        *, last: bool, mask: Any = None) -> Callable[[], Awaitable[int | None]]:
         """Enqueue a prefill chunk now; the returned callable awaits its token (``last``).
-        ``mask``: the grammar's bitmask (one row) for that token (:meth:`set_masks`)."""
+        ``mask``: the grammar's bitmask (one row) for that token."""
         m = self.model
         if start == self._first.get(slot, 0):  # the request's first chunk
             extra: dict[str, Any] = {}
@@ -138,12 +139,17 @@ class CausalLMSteps:
         return token
 
     def submit_decode(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                      positions: Sequence[int]) -> Callable[[], Awaitable[list[int]]]:
+                      positions: Sequence[int], *, masks: Any = None
+                      ) -> Callable[[], Awaitable[list[int]]]:
         """Enqueue a decode step now; the returned callable awaits the rows' tokens.
-        ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`)."""
+        ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`).
+        ``masks``: the grammar rows' bitmasks, a callable asked once the forward pass is
+        enqueued (``CausalLM.decode_step``'s)."""
         m = self.model
         rows = list(slots)
-        view = self._decode(rows, None if tokens is None else list(tokens), list(positions))
+        kw = {} if masks is None else {"masks": masks}
+        view = self._decode(rows, None if tokens is None else list(tokens), list(positions),
+                            **kw)
         fut = m.read(view).schedule(self._policy)
         lp = self._read_logprobs(rows)
         tops = {s: self._lp[s] for s in rows if s in self._lp} if lp is not None else {}
@@ -160,11 +166,6 @@ class CausalLMSteps:
         return result
 
     # -- grammars (optional StepModel extension the engine uses when present) --------------
-    def set_masks(self, slots: Sequence[int], bitmask: Any) -> None:
-        """The grammar bitmasks of rows ``slots`` for their next draw (row ``i`` of the int32
-        ``bitmask`` for ``slots[i]``), enqueued before the next step."""
-        self.model.set_mask(list(slots), bitmask)
-
     def grammar_tokenizer(self) -> str:
         """The model's tokenizer as JSON, what :class:`~.grammar.GrammarCompiler` builds on."""
         return str(self.model.tokenizer.to_str())
