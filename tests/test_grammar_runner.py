@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from deviceops import nn
 
@@ -29,8 +30,9 @@ def _bits(allowed: np.ndarray) -> np.ndarray:
         r, w * 4).view("<i4").astype(np.int32)
 
 
-def _run(constrain: bool, graph: bool, steps: int = 6) -> tuple[list[list[int]], list[Any]]:
-    m = nn.random_model(nn.LlamaConfig(**CFG), dtype="float32", device="cpu", seed=2,
+def _run(constrain: bool, graph: bool, steps: int = 6, device: str = "cpu"
+         ) -> tuple[list[list[int]], list[Any]]:
+    m = nn.random_model(nn.LlamaConfig(**CFG), dtype="float32", device=device, seed=2,
                         max_batch=4, max_seq=32)
     rng = np.random.default_rng(9)
     allowed = [rng.random(77) < 0.06 for _ in range(steps + 1)]  # a few tokens per draw
@@ -62,11 +64,12 @@ def _run(constrain: bool, graph: bool, steps: int = 6) -> tuple[list[list[int]],
     return toks, asked
 
 
-def test_a_masked_row_draws_allowed_tokens_and_leaves_the_others_alone() -> None:
-    free, _ = _run(False, True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_masked_row_draws_allowed_tokens_and_leaves_the_others_alone(device: str) -> None:
+    free, _ = _run(False, True, device=device)
     got = {}
     for graph in (True, False):
-        shaped, asked = _run(True, graph)
+        shaped, asked = _run(True, graph, device=device)
         assert asked == list(range(6))  # once per step
         assert shaped[1:] == free[1:], graph  # the other rows: the same tokens
         assert shaped[0] != free[0]  # (the mask changed something: the check can fail)
