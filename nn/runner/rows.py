@@ -157,8 +157,10 @@ class RowState:
 
     def set_mask(self, slots: list[int], bitmask: np.ndarray) -> None:
         """Upload ``bitmask[i]`` (int32, ``ceil(vocab / 32)`` words: token ``t`` allowed when
-        bit ``t % 32`` of word ``t // 32`` is set) as row ``slots[i]``'s grammar mask, one copy
-        per run of consecutive slots, ordered before the next step on the stream (the host
+        bit ``t % 32`` of word ``t // 32`` is set) as row ``slots[i]``'s grammar mask, in one
+        copy of the rows ``min(slots) .. max(slots)`` (a row between them that is not in
+        ``slots`` gets every token allowed: only a row's own steps read its mask, and each
+        is preceded by its own upload), ordered before the next step on the stream (the host
         array is snapshotted now)."""
         mask = self.mask
         assert mask is not None, "set_mask before set_features(grammar=True)"
@@ -166,14 +168,14 @@ class RowState:
         if bitmask.shape != (len(slots), w) or bitmask.dtype != np.int32:
             raise ValueError(f"set_mask: bitmask is {bitmask.dtype} {bitmask.shape}; expected "
                              f"int32 ({len(slots)}, {w}) (one row of ceil(vocab/32) words per slot)")
-        i, n = 0, len(slots)
-        while i < n:
-            j = i + 1
-            while j < n and slots[j] == slots[j - 1] + 1:
-                j += 1
-            a = slots[i]
-            api.memcpy(mask[a:a + j - i], api.from_host(bitmask[i:j])).async_on(self.stream)
-            i = j
+        if not slots:
+            return
+        lo, hi = min(slots), max(slots) + 1
+        block = bitmask
+        if hi - lo != len(slots) or list(slots) != list(range(lo, hi)):
+            block = np.full((hi - lo, w), -1, np.int32)
+            block[np.asarray(slots) - lo] = bitmask
+        api.memcpy(mask[lo:hi], api.from_host(block)).async_on(self.stream)
 
     def idle_state(self, b: int) -> np.ndarray:
         """The shadow with rows ``0 .. b-1`` idle (what a warm-up step runs over)."""
