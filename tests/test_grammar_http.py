@@ -32,7 +32,7 @@ from . import nn_tiny
 from .test_serve_http import ServerThread
 from .weights import have_smollm2
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(900)]
 
 SCHEMA = {"type": "object",
           "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
@@ -82,8 +82,9 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThre
         yield srv
 
 
-def _client(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def _client(srv: ServerThread, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                         timeout=timeout)
 
 
 def test_json_schema_and_json_object_replies_parse(tiny_server: ServerThread) -> None:
@@ -269,7 +270,7 @@ def smol_server() -> Iterator[ServerThread]:
 def _concurrently(srv: ServerThread, n: int, **body: Any) -> list[Any]:
     from concurrent.futures import ThreadPoolExecutor
 
-    c = _client(srv)
+    c = _client(srv, timeout=600)  # a real model on 2 shared cores: minutes for 20 replies
 
     def one(i: int) -> Any:
         return c.chat.completions.create(model="real", seed=i, **body).choices[0]
