@@ -117,6 +117,26 @@ def test_json_schema_and_json_object_replies_parse(tiny_server: ServerThread) ->
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_log_probabilities_of_a_constrained_reply_are_finite(tiny_server: ServerThread) -> None:
+    """The masked tokens' logprobs are -inf: they are left out of ``top_logprobs`` (JSON has
+    no infinity), whole and streamed."""
+    c = _client(tiny_server)
+    kw: dict[str, Any] = {"model": "tiny", "messages": MSGS, "response_format": FORMAT,
+                          "max_tokens": 60, "temperature": 1.0, "seed": 2, "logprobs": True,
+                          "top_logprobs": 20}
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert _valid(json.loads(r.choices[0].message.content)) and content
+    assert any(len(e.top_logprobs) < 20 for e in content)  # some steps allow few tokens
+    for e in content:
+        assert e.logprob > float("-inf") and 1 <= len(e.top_logprobs) <= 20
+        assert all(t.logprob > float("-inf") for t in e.top_logprobs)
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
 def test_tool_choice_required_and_named_give_one_valid_call(tiny_server: ServerThread) -> None:
     c = _client(tiny_server)
     for choice, want in (("required", None), ({"type": "function",

@@ -19,6 +19,7 @@ comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.Toke
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -238,9 +239,10 @@ async def _none() -> None:
 
 
 def _sampled(tok: int, vals: Any, ids: Any, slot: int, n: int) -> Sampled:
-    """``tok`` with row ``slot``'s log-probability and its top ``n`` alternatives."""
+    """``tok`` with row ``slot``'s log-probability and its top ``n`` alternatives (those that
+    could be drawn: a grammar's masked tokens have ``-inf``, and JSON has no infinity)."""
     top = tuple((int(ids[slot, j]), float(vals[slot, 1 + j])) for j in range(n)
-                if int(ids[slot, j]) >= 0)
+                if int(ids[slot, j]) >= 0 and math.isfinite(float(vals[slot, 1 + j])))
     return Sampled(tok, TokenLogprob(tok, float(vals[slot, 0]), top))
 
 
