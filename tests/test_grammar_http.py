@@ -98,6 +98,13 @@ def test_json_schema_and_json_object_replies_parse(tiny_server: ServerThread) ->
         assert _valid(json.loads(ch.message.content)), ch.message.content
         texts.add(ch.message.content)
     assert len(texts) > 1
+    # n choices each follow it, and a logit_bias cannot lift a masked token
+    bias = {str(t): 100 for t in range(3, 260, 7)}
+    r = c.chat.completions.create(model="tiny", messages=MSGS, response_format=FORMAT, n=3,
+                                  temperature=1.0, seed=11, max_tokens=60, logit_bias=bias)
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        assert ch.finish_reason == "stop" and _valid(json.loads(ch.message.content))
     # /v1/completions takes it too, and json_object gives an object (or runs out of tokens)
     r2 = c.completions.create(model="tiny", prompt="x", extra_body={"response_format": FORMAT},
                               max_tokens=60, temperature=0)
