@@ -85,7 +85,8 @@ class Decoder:
 
         ``masks`` (rows with a grammar): called once the step's forward pass is enqueued;
         the masks it returns are uploaded before the sampling ops, enqueued after it (the
-        feature step split in two: :attr:`split_graphs`).
+        feature step split in two: :attr:`split_graphs`); not called when no row of the
+        step has a feature (nothing would apply a mask).
 
         ``tokens=None``: every row feeds the token already on the device: a row continuing
         from the previous step at its next position feeds what that step sampled, a row
@@ -161,7 +162,7 @@ class Decoder:
         elif use_graph:
             graphs[b].launch()  # on the stream it was captured on; consults no policy
         else:
-            self.run_eager(b, feat, masks)
+            self.run_eager(b, feat, masks if split else None)
         # advance the shadow: active rows moved one position and drew one number
         want[0, slots] += 1
         want[1, slots] += 1
