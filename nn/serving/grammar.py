@@ -134,8 +134,8 @@ class Matcher:
 
     def advance(self, token: int) -> str | None:
         """Consume the sampled ``token``; ``None`` while the grammar goes on, ``"stop"`` once
-        it is complete (or the token ended it), ``"error"`` when the token was not allowed
-        (a mask not applied: a bug, said by :attr:`error`)."""
+        it is complete (or the token ended it), ``"error"`` when the matcher failed (a
+        parser limit reached: :attr:`error` says which) or the token was not allowed."""
         m = self.matcher
         if not m.consume_token(int(token)):
             return "error"

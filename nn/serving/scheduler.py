@@ -500,8 +500,8 @@ class Scheduler:
         ended = None if req.grammar is None else req.grammar.advance(tok)
         if ended == "error":
             self.finish(req, "error", RuntimeError(
-                f"Engine: request {req.id} drew token {tok}, which its grammar does not allow "
-                f"({req.grammar.error}); this is a bug"))
+                f"Engine: request {req.id}'s grammar failed at token {tok}: "
+                f"{req.grammar.error or 'the token is not allowed'}"))
         elif ended == "stop" or (tok in eos and not req.ignore_eos) or tok in req.stop:
             self.finish(req, "stop")
         elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
