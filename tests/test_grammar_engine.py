@@ -259,3 +259,27 @@ def test_grammars_are_refused_before_queueing(tiny: Any) -> None:
     assert "grammar" not in eng2.sampling_features and "logprobs" in eng2.sampling_features
     with pytest.raises(ValueError, match="grammar not supported"):
         eng2.stream([5, 6], 4, grammar=json_object_grammar())
+
+
+# -- the grammar module's parts ----------------------------------------------------------------
+def test_matchers_masks_and_tags(tiny: Any) -> None:
+    from deviceops.nn.serving.grammar import GrammarCompiler, MaskBatch, tags_are_tokens
+
+    comp = GrammarCompiler(tiny.tokenizer.to_str(), tiny.config.vocab_size,
+                           tiny.config.stop_ids)
+    g = json_schema_grammar(SCHEMA)
+    ms = [comp.matcher(g) for _ in range(3)]
+    for t in tiny.encode('{"ok":'):  # one matcher moves on: the batch's rows differ
+        assert ms[1].advance(t) is None
+    batch = MaskBatch(2, tiny.config.vocab_size, threads=2)
+    together = batch.fill(ms).copy()  # more rows than the batch was made for: it grows
+    for i, m in enumerate(ms):
+        np.testing.assert_array_equal(MaskBatch(1, tiny.config.vocab_size).fill([m])[0],
+                                      together[i])
+    assert not np.array_equal(together[0], together[1])
+    bad = tiny.encode("x")[0]  # not a JSON start
+    assert not (int(together[0, bad // 32]) >> (bad % 32)) & 1
+    assert ms[0].advance(bad) == "error" and ms[0].error
+    with pytest.raises(ValueError, match="not in tools"):
+        tool_call_grammar(TOOLS, "nope")
+    assert not tags_are_tokens(tiny.tokenizer) and not tags_are_tokens(None)
