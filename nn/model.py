@@ -11,9 +11,9 @@ runner's buffers.
 
 Step API (documented in :mod:`deviceops.nn.runner.runner`; what :mod:`.static_batch` and
 the serving engine use; every method enqueues on :attr:`CausalLM.device_stream` and
-returns without waiting): ``set_sampling``, ``set_mask``, ``prefill``, ``decode_step``, ``reserve``,
-``blocks_held``, ``release``, ``share_prefix``, ``cache_prefix``, ``read``,
-``capture_graphs``.
+returns without waiting): ``set_sampling``, ``set_mask``, ``prefill``, ``decode_step``,
+``decode_begin``, ``reserve``, ``blocks_held``, ``release``, ``share_prefix``,
+``cache_prefix``, ``read``, ``capture_graphs``.
 
 Devices: a model lives on one device (``device=``: ``"cpu"``, ``"cpu:N"``, ``"cuda"``,
 ``"cuda:N"``, an int N or a :class:`~deviceops.Device`; default: the default device when
@@ -390,6 +390,14 @@ class CausalLM(TextCodec):
             KVCacheFull: a row needs a block and the pool has none free.
         """
         return self.runner.decode_step(slots, tokens, positions, graph=graph, masks=masks)
+
+    def decode_begin(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                     positions: Sequence[int], masks: Any, *,
+                     graph: bool | None = None) -> tuple[Tensor, Any]:
+        """:meth:`decode_step` in two (grammar rows): the forward pass enqueued now, the masks
+        and the sampling by the returned ``finish()``, with nothing else enqueued in between
+        (:meth:`~deviceops.nn.runner.Runner.decode_begin`). Returns ``(view, finish)``."""
+        return self.runner.decode_begin(slots, tokens, positions, masks, graph=graph)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's graph and every padded prefill length's graph now.

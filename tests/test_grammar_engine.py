@@ -4,9 +4,11 @@ cpu backend with the tiny random Llama of :mod:`tests.nn_tiny` (its byte-level v
 
 A random model draws tokens a grammar forbids almost every step, so the outputs parse only
 if every draw is masked; the schemas are bounded (enums, booleans, short strings) so the
-replies end. The scheduling rule (steps in turn while a constrained request runs, lookahead
-again after) is checked by the unconstrained requests' tokens: identical with and without
-constrained requests joining and leaving their batch, with and without lookahead.
+replies end. The scheduling rules (with lookahead: a step's forward pass enqueued before the previous
+step's tokens are delivered, the masks after; without, or for a step model that cannot split
+a step: steps in turn while a constrained request runs) are checked by the requests' tokens:
+the unconstrained ones identical with and without constrained requests joining and leaving
+their batch, the constrained ones identical under every rule.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from deviceops.nn.serving.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
+from deviceops.nn.serving.step_model import CausalLMSteps
 from deviceops.nn.serving.tool_calls import parse
 
 SCHEMA = {"type": "object",
@@ -164,19 +167,32 @@ def _plain_jobs() -> list[dict[str, Any]]:
     return jobs
 
 
-def _run(tiny: Any, lookahead: bool, constrained: bool, prefix_cache: bool = True
+class _NoSplit(CausalLMSteps):
+    """A step model without ``begin_decode``: a lookahead engine steps in turn while a
+    grammar runs (the scheduler's other rule)."""
+
+    begin_decode = None  # type: ignore[assignment]
+
+
+def _run(tiny: Any, lookahead: bool, constrained: bool, split: bool = True
          ) -> tuple[dict[int, list[int]], dict[str, int], Engine]:
-    eng = Engine(tiny, max_batch=4, max_seq=96, prefill_chunk=8, lookahead=lookahead,
-                 prefix_cache=prefix_cache)
-    calls = {"ahead": 0}
+    steps = CausalLMSteps(tiny) if split else _NoSplit(tiny)
+    eng = Engine(steps, max_batch=4, max_seq=96, prefill_chunk=8, lookahead=lookahead)
+    calls = {"ahead": 0, "masked": 0}
+    sc = eng.scheduler
     if lookahead:
-        ahead = eng.scheduler._step_ahead
+        ahead, masked = sc._step_ahead, sc._step_ahead_masked
 
         async def counted() -> None:
             calls["ahead"] += 1
             await ahead()
 
-        eng.scheduler._step_ahead = counted  # type: ignore[method-assign]
+        async def counted_masked() -> None:
+            calls["masked"] += 1
+            await masked()
+
+        sc._step_ahead = counted  # type: ignore[method-assign]
+        sc._step_ahead_masked = counted_masked  # type: ignore[method-assign]
     got: dict[int, list[int]] = {}
     g = json_schema_grammar(SCHEMA)
 
@@ -213,15 +229,18 @@ def _run(tiny: Any, lookahead: bool, constrained: bool, prefix_cache: bool = Tru
 def test_unconstrained_rows_are_unchanged_by_constrained_ones_joining_and_leaving(
         tiny: Any) -> None:
     alone, _, _ = _run(tiny, lookahead=True, constrained=False)
-    mixed, calls, eng = _run(tiny, lookahead=True, constrained=True)
+    mixed, calls, eng = _run(tiny, lookahead=True, constrained=True)  # masks after delivery
+    no_split, calls2, _ = _run(tiny, lookahead=True, constrained=True, split=False)
     in_turn, _, _ = _run(tiny, lookahead=False, constrained=True)
     for i in range(6):
         assert mixed[i] == alone[i], i
+        assert no_split[i] == alone[i], i
         assert in_turn[i] == alone[i], i
-    for i in (100, 101):  # the constrained ones: the same tokens either way
-        assert mixed[i] == in_turn[i]
-    assert mixed[200] == alone[200] == in_turn[200]
-    assert calls["after"] > 0  # back to lookahead once no grammar runs
+    for i in (100, 101):  # the constrained ones: the same tokens every way
+        assert mixed[i] == in_turn[i] == no_split[i]
+    assert mixed[200] == alone[200] == in_turn[200] == no_split[200]
+    assert calls["masked"] > 0  # constrained rows were fed ahead
+    assert calls["after"] > 0 and calls2["after"] > 0  # plain lookahead once no grammar runs
     assert eng.scheduler.grammar_masks > 0
 
 

@@ -31,8 +31,8 @@ def _bits(allowed: np.ndarray) -> np.ndarray:
         r, w * 4).view("<i4").astype(np.int32)
 
 
-def _run(constrain: bool, graph: bool, steps: int = 6, device: str = "cpu"
-         ) -> tuple[list[list[int]], list[Any]]:
+def _run(constrain: bool, graph: bool, steps: int = 6, device: str = "cpu",
+         begin: bool = False) -> tuple[list[list[int]], list[Any]]:
     m = nn.random_model(nn.LlamaConfig(**CFG), dtype="float32", device=device, seed=2,
                         max_batch=4, max_seq=32)
     rng = np.random.default_rng(9)
@@ -52,9 +52,13 @@ def _run(constrain: bool, graph: bool, steps: int = 6, device: str = "cpu"
             asked.append(k)
             return [0, 2], _bits(allowed[k + 1])
 
-        view = m.decode_step([0, 1, 2], [t[-1] for t in toks],
-                             [len(p) + k for p in PROMPTS], graph=graph,
-                             masks=masks if constrain else None)
+        args = ([0, 1, 2], [t[-1] for t in toks], [len(p) + k for p in PROMPTS])
+        if begin:  # the forward pass now, the masks and the sampling when finished
+            view, finish = m.decode_begin(*args, masks, graph=graph)
+            assert asked == list(range(k))  # not asked yet
+            finish()
+        else:
+            view = m.decode_step(*args, graph=graph, masks=masks if constrain else None)
         host = m.read(view).sync_on(m.device_stream)
         for s in range(3):
             toks[s].append(int(host[s]))
@@ -77,3 +81,5 @@ def test_a_masked_row_draws_allowed_tokens_and_leaves_the_others_alone(device: s
         assert shaped[0] != free[0] and shaped[2] != free[2]  # (the masks changed something)
         got[graph] = shaped
     assert got[True] == got[False]  # graphs and eager agree
+    for graph in (True, False):  # decode_begin + finish: the same draws
+        assert _run(True, graph, device=device, begin=True)[0] == got[True]

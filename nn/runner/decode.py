@@ -55,6 +55,10 @@ __all__ = ["Decoder", "MaskSource"]
 MaskSource = Callable[[], "tuple[Sequence[int], np.ndarray] | None"]
 
 
+def _nothing() -> None:
+    return None
+
+
 class Decoder:
     """The decode step of a runner and its graphs, one per bucket.
 
@@ -80,8 +84,22 @@ class Decoder:
 
     def step(self, slots: list[int], tokens: list[int] | None, positions: list[int],
              graph: bool | None, masks: MaskSource | None = None) -> Tensor:
+        """One decode step of checked rows (:meth:`begin`, then its ``finish``); returns the
+        ``(bucket,)`` token view."""
+        view, finish = self.begin(slots, tokens, positions, graph, masks)
+        finish()
+        return view
+
+    def begin(self, slots: list[int], tokens: list[int] | None, positions: list[int],
+              graph: bool | None, masks: MaskSource | None = None
+              ) -> tuple[Tensor, Callable[[], None]]:
         """One decode step of checked rows: grow their blocks, upload the state if it
-        changed, run the bucket's step; returns the ``(bucket,)`` token view.
+        changed, run the bucket's step; returns the ``(bucket,)`` token view and ``finish``.
+        With ``masks`` (next paragraph) only the forward pass is enqueued here, and
+        ``finish()`` asks for the masks and enqueues their upload and the sampling: the
+        caller may do host work in between (e.g. read the previous step's tokens, from which
+        the masks follow) but must enqueue nothing on the stream; without, the whole step
+        is enqueued here and ``finish`` does nothing. The host shadow is advanced here.
 
         ``masks`` (rows with a grammar): called once the step's forward pass is enqueued;
         the masks it returns are uploaded before the sampling ops, enqueued after it (the
@@ -154,15 +172,26 @@ class Decoder:
             rows.upload_state(want, tokens=tokens is not None)
             rows.upload_counters()
             rows.dirty = False
-        if use_graph and split:
-            head, tail = graphs[b]
-            head.launch()
-            self._masks(masks)  # the host's mask work overlaps the forward pass
-            tail.launch()
+        finish: Callable[[], None] = _nothing
+        if split:
+            if use_graph:
+                head, tail = graphs[b]
+                head.launch()
+                sample: Callable[[], None] = tail.launch
+            else:
+                ops, rest = self._parts(b, True)
+                self._enqueue(ops)
+
+                def sample() -> None:
+                    self._enqueue(rest)
+
+            def finish() -> None:
+                self._masks(masks)  # the host's mask work overlapped the forward pass
+                sample()
         elif use_graph:
             graphs[b].launch()  # on the stream it was captured on; consults no policy
         else:
-            self.run_eager(b, feat, masks if split else None)
+            self.run_eager(b, feat)
         # advance the shadow: active rows moved one position and drew one number
         want[0, slots] += 1
         want[1, slots] += 1
@@ -171,7 +200,7 @@ class Decoder:
         rows.cont[:] = False
         rows.cont[slots] = True
         rows.primed[sa] = -1
-        return rows.tokens[:b]
+        return rows.tokens[:b], finish
 
     def warm_up(self, b: int, feat: bool = False) -> None:
         """Run bucket ``b``'s step eagerly with its rows idle (no KV written)."""
@@ -198,17 +227,14 @@ class Decoder:
             (self.feature_graphs if feat else self.graphs)[b] = graph
         api.memcpy(r.rows.tokens, self._kept).async_on(r.stream)
 
-    def run_eager(self, b: int, feat: bool = False, masks: MaskSource | None = None) -> None:
+    def run_eager(self, b: int, feat: bool = False) -> None:
         """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
-        as :meth:`step_op`, each enqueued on the runner's stream as it is built (``masks``:
-        asked for and uploaded between the forward pass and the sampling)."""
+        as :meth:`step_op`, each enqueued on the runner's stream as it is built."""
+        self._enqueue(self.step_ops(b, feat))
+
+    def _enqueue(self, thunks: list[Thunk]) -> None:
         s = self.r.stream
-        head, tail = self._parts(b, feat)
-        for make in head:
-            make().async_on(s)
-        if masks is not None:
-            self._masks(masks)
-        for make in tail:
+        for make in thunks:
             make().async_on(s)
 
     def _masks(self, masks: MaskSource | None) -> None:

@@ -23,11 +23,19 @@ Step API (what :class:`~deviceops.nn.CausalLM` exposes, what generation and the 
 engine use; every method enqueues on :attr:`Runner.stream` and returns without waiting):
 
 * ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0, presence_penalty=0.0,
-  frequency_penalty=0.0, logit_bias=None, logprobs=False)``: the row's sampling parameters;
-  resets its random counter (draw ``n`` of a row uses ``(seed, n)``) and, with penalties or
-  a bias, its token counts. Penalties and bias adjust the row's logits on the device before
-  each draw; ``logprobs`` makes each draw also write the token's log-probability and the
-  top 20 (:mod:`.rows`, ``read_logprobs``).
+  frequency_penalty=0.0, logit_bias=None, logprobs=False, grammar=False)``: the row's
+  sampling parameters; resets its random counter (draw ``n`` of a row uses ``(seed, n)``)
+  and, with penalties or a bias, its token counts. Penalties and bias adjust the row's
+  logits on the device before each draw; ``logprobs`` makes each draw also write the
+  token's log-probability and the top 20 (:mod:`.rows`, ``read_logprobs``); ``grammar``
+  makes each draw take only the tokens of the row's mask.
+* ``set_mask(slots, bitmask)``: the masks (one bit per token; the host computes them from a
+  grammar, :mod:`deviceops.nn.serving.grammar`) of rows set up with ``grammar=True``, for
+  their next draw. ``decode_step(..., masks=fn)`` asks ``fn`` for them once the step's
+  forward pass is enqueued, so the host computes them while the device runs it;
+  ``decode_begin(slots, tokens, positions, masks) -> (view, finish)`` enqueues the forward
+  pass and leaves the masks and the sampling to ``finish()``, so the host can read the
+  previous step's tokens in between (the serving engine's lookahead with grammars).
 * ``prefill(slot, ids, start=0, *, sample=True) -> Tensor | None``: writes the KV of
   ``ids`` at positions ``start ..`` of cache row ``slot``; with ``sample`` it samples the
   next token from the last position's logits into the token buffer and returns that
@@ -66,7 +74,7 @@ the floating-point differences of different GEMM shapes on the GPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -266,6 +274,24 @@ class Runner:
         (``tokens=None``: each row feeds the token its last decode step or its prefill
         sampled, still on the device; ``masks``: the grammar rows' masks, asked for once the
         forward pass is enqueued: :meth:`~.decode.Decoder.step`)."""
+        sl, toks, pos = self._step_args(slots, tokens, positions)
+        return self.decoder.step(sl, toks, pos, graph, masks)
+
+    def decode_begin(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                     positions: Sequence[int], masks: MaskSource, *,
+                     graph: bool | None = None) -> tuple[Tensor, Callable[[], None]]:
+        """:meth:`decode_step` in two: enqueue the forward pass now; the returned ``finish()``
+        asks ``masks`` for the grammar rows' masks and enqueues their upload and the
+        sampling. Between the two the caller may do host work (read the previous step's
+        tokens, from which the masks follow) but must enqueue nothing on :attr:`stream`
+        (:meth:`~.decode.Decoder.begin`). Returns the token view (valid once ``finish`` is
+        called) and ``finish``."""
+        sl, toks, pos = self._step_args(slots, tokens, positions)
+        return self.decoder.begin(sl, toks, pos, graph, masks)
+
+    def _step_args(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                   positions: Sequence[int]) -> tuple[list[int], list[int] | None, list[int]]:
+        """A decode step's slots, tokens and positions, checked (``ValueError``)."""
         n = len(slots)
         if n == 0 or (tokens is not None and len(tokens) != n) or len(positions) != n:
             raise ValueError(f"decode_step: slots ({len(slots)}), tokens "
@@ -286,7 +312,7 @@ class Runner:
                     raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
                                      f"{self.max_seq})")
             pos = [int(p) for p in positions]
-        return self.decoder.step(sl, toks, pos, graph, masks)
+        return sl, toks, pos
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's and padded prefill length's graph now; returns how

@@ -33,15 +33,18 @@ finished request's written full blocks (prompt and generated tokens) stay cached
 prefill or step empties the cache.
 
 **Grammars** (requests with ``params.grammar``, :mod:`.grammar`): a constrained row's mask
-for its next draw needs the token it drew last on the host, so such a row cannot be fed
-ahead. The rule: while any running request has a grammar, steps run in turn (the step in
-flight, if any, is delivered first; then each step's decode and prompt chunks are enqueued,
-awaited and delivered before the next is enqueued, rows feeding host-held tokens), and
-lookahead resumes at the first step after the last of them ended. The step model asks for
-the bitmasks of a step's constrained rows once its forward pass is enqueued
-(``submit_decode``'s ``masks``): the host fills them together (:class:`~.grammar.MaskBatch`)
-while the device runs the forward pass, and they apply before the draw. A constrained
-request's last prompt chunk carries the grammar's first mask. Every delivered token
+for its next draw needs the token it drew last on the host, but its forward pass does not.
+With lookahead, a step that feeds constrained rows is enqueued in two (the step model's
+``begin_decode``): its forward pass first (every row feeding its device-held token, as
+above), then, while the device runs it, the previous step's tokens are delivered (each
+constrained row's matcher advances), the constrained rows' bitmasks are filled together
+(:class:`~.grammar.MaskBatch`) and uploaded, and the sampling and the step's prompt chunks
+are enqueued after them. A row that ended at delivery (a completed grammar, a stop) is
+sampled once more and its token dropped, as any row fed ahead. Without lookahead (or a step
+model without ``begin_decode``), while any running request has a grammar steps run in turn
+(the step in flight, if any, delivered first), the masks asked for once each step's forward
+pass is enqueued (``submit_decode``'s ``masks``), so they are filled while the device runs
+it. A constrained request's last prompt chunk carries the grammar's first mask. Every delivered token
 advances the request's matcher, and a completed grammar ends the request (``"stop"``).
 Unconstrained rows draw exactly the tokens they would have drawn without the constrained
 ones (rows are independent; only the order of enqueues and reads changes).
@@ -204,6 +207,8 @@ class Scheduler:
             try:
                 if self.lookahead and not self._constrained():
                     await self._step_ahead()
+                elif self.lookahead and getattr(self.steps, "begin_decode", None) is not None:
+                    await self._step_ahead_masked()
                 else:
                     if self._inflight is not None:  # a grammar joined: deliver, then in turn
                         prev, self._inflight = self._inflight, None
@@ -313,20 +318,7 @@ class Scheduler:
         prompt chunks, then deliver the previous step's tokens while the device runs it."""
         phase = self.phase_s
         t0 = time.perf_counter()
-        rows: list[_Request] = []
-        pos: list[int] = []
-        for r in self.active:
-            if r.cancelled:
-                continue
-            if r.state == _DECODE:
-                p, n = r.pos + r.fed, len(r.out) + r.fed
-            elif r.primed:  # its first token is on the device, to be fed after the prompt
-                p, n = len(r.prompt), 1
-            else:
-                continue
-            if n < r.max_new and p < self.max_seq:  # else it ends by length: no step ahead
-                rows.append(r)
-                pos.append(p)
+        rows, pos = self._ahead_rows()
         dec = None
         if rows:
             dec = self.submit_decode([r.slot for r in rows], None, pos)
@@ -349,6 +341,58 @@ class Scheduler:
         if self.on_enqueued is not None:
             self.on_enqueued()
         await self._deliver_step(prev)
+
+    def _ahead_rows(self) -> tuple[list[_Request], list[int]]:
+        """The rows a lookahead step feeds (their device-held tokens) and their positions."""
+        rows: list[_Request] = []
+        pos: list[int] = []
+        for r in self.active:
+            if r.cancelled:
+                continue
+            if r.state == _DECODE:
+                p, n = r.pos + r.fed, len(r.out) + r.fed
+            elif r.primed:  # its first token is on the device, to be fed after the prompt
+                p, n = len(r.prompt), 1
+            else:
+                continue
+            if n < r.max_new and p < self.max_seq:  # else it ends by length: no step ahead
+                rows.append(r)
+                pos.append(p)
+        return rows, pos
+
+    async def _step_ahead_masked(self) -> None:
+        """Lookahead with grammars (module docstring): enqueue this step's forward pass
+        (device-fed tokens), deliver the previous step's tokens (advancing the matchers)
+        while the device runs it, then fill and upload the constrained rows' masks and
+        enqueue the sampling and this step's prompt chunks."""
+        rows, pos = self._ahead_rows()
+        reqs = [r for r in rows if r.grammar is not None]
+        if not reqs:  # no constrained row is fed in this step: a plain lookahead step
+            await self._step_ahead()
+            return
+        phase = self.phase_s
+        t0 = time.perf_counter()
+        held = [r.slot for r in reqs]  # (a request ended at delivery has let its slot go)
+        finish = self.steps.begin_decode(  # type: ignore[attr-defined]
+            [r.slot for r in rows], pos, lambda: (held, self._fill(reqs)))
+        for r in rows:
+            r.fed += 1
+        prev, self._inflight = self._inflight, None
+        phase["enqueue"] += time.perf_counter() - t0
+        try:
+            if prev is not None:
+                await self._deliver_step(prev)  # the tokens the masks follow from
+        finally:
+            t0 = time.perf_counter()
+            dec = finish()  # masks filled and uploaded, the sampling enqueued
+            chunks = self._submit_prefills()
+            for req, _n, last, _wait in chunks:
+                if last:
+                    req.primed = True
+            self._inflight = _Inflight(rows, dec, chunks)
+            phase["enqueue"] += time.perf_counter() - t0
+        if self.on_enqueued is not None:
+            self.on_enqueued()
 
     async def _deliver_step(self, prev: _Inflight) -> None:
         """Wait for an enqueued step's decode tokens and first tokens and hand them over

@@ -146,12 +146,16 @@ class CausalLMSteps:
         ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`).
         ``masks``: the grammar rows' bitmasks, a callable asked once the forward pass is
         enqueued (``CausalLM.decode_step``'s)."""
-        m = self.model
         rows = list(slots)
         kw = {} if masks is None else {"masks": masks}
         view = self._decode(rows, None if tokens is None else list(tokens), list(positions),
                             **kw)
-        fut = m.read(view).schedule(self._policy)
+        return self._tokens(view, rows)
+
+    def _tokens(self, view: Any, rows: list[int]) -> Callable[[], Awaitable[list[int]]]:
+        """Schedule the host copies of a decode step's tokens (and log-probabilities); the
+        returned callable awaits them."""
+        fut = self.model.read(view).schedule(self._policy)
         lp = self._read_logprobs(rows)
         tops = {s: self._lp[s] for s in rows if s in self._lp} if lp is not None else {}
 
@@ -167,6 +171,22 @@ class CausalLMSteps:
         return result
 
     # -- grammars (optional StepModel extension the engine uses when present) --------------
+    def begin_decode(self, slots: Sequence[int], positions: Sequence[int], masks: Any
+                     ) -> Callable[[], Callable[[], Awaitable[list[int]]]]:
+        """:meth:`submit_decode` (rows feeding their device-held tokens) in two: the forward
+        pass is enqueued now; the returned ``finish()`` asks ``masks`` for the grammar rows'
+        bitmasks, enqueues them and the sampling, and returns the callable awaiting the
+        tokens. Nothing else may be enqueued in between (``CausalLM.decode_begin``); the
+        host may read the previous step's tokens, from which the masks follow."""
+        rows = list(slots)
+        view, end = self.model.decode_begin(rows, None, list(positions), masks)
+
+        def finish() -> Callable[[], Awaitable[list[int]]]:
+            end()
+            return self._tokens(view, rows)
+
+        return finish
+
     def grammar_tokenizer(self) -> str:
         """The model's tokenizer as JSON, what :class:`~.grammar.GrammarCompiler` builds on."""
         return str(self.model.tokenizer.to_str())
