@@ -9,7 +9,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``norms``       | ``rms_norm``, ``add_rms_norm``, ``layer_norm``                     |
 | ``elementwise`` | ``saxpy``, ``add``, ``mul``, ``softmax``, ``gelu``, ``silu``, ``swiglu`` |
 | ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``                       |
-| ``sampling``    | ``sample``, ``penalize``, ``logprobs``                             |
+| ``sampling``    | ``sample``, ``penalize``, ``mask_logits``, ``logprobs``            |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
 | ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
 
@@ -48,7 +48,7 @@ from .lookup.op import argmax, embedding
 from .norms.op import add_rms_norm, layer_norm, rms_norm
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
-from .sampling.op import logprobs, penalize, sample
+from .sampling.op import logprobs, mask_logits, penalize, sample
 from .transformer.op import merge_heads, rope, rope_kv_write
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "gemm",
     "layer_norm",
     "logprobs",
+    "mask_logits",
     "matmul",
     "merge_heads",
     "mul",

@@ -11,9 +11,9 @@ runner's buffers.
 
 Step API (documented in :mod:`deviceops.nn.runner.runner`; what :mod:`.static_batch` and
 the serving engine use; every method enqueues on :attr:`CausalLM.device_stream` and
-returns without waiting): ``set_sampling``, ``prefill``, ``decode_step``, ``reserve``,
-``blocks_held``, ``release``, ``share_prefix``, ``cache_prefix``, ``read``,
-``capture_graphs``.
+returns without waiting): ``set_sampling``, ``set_mask``, ``prefill``, ``decode_step``,
+``decode_begin``, ``reserve``, ``blocks_held``, ``release``, ``share_prefix``,
+``cache_prefix``, ``read``, ``capture_graphs``.
 
 Devices: a model lives on one device (``device=``: ``"cpu"``, ``"cpu:N"``, ``"cuda"``,
 ``"cuda:N"``, an int N or a :class:`~deviceops.Device`; default: the default device when
@@ -284,14 +284,21 @@ class CausalLM(TextCodec):
     # -- step API (deviceops.nn.runner.runner's docstring) -----------------------------------
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                     logit_bias: Any = None, logprobs: bool = False) -> None:
+                     logit_bias: Any = None, logprobs: bool = False,
+                     grammar: bool = False) -> None:
         """Set row ``slot``'s sampling parameters (device memory) and reset its counter;
-        OpenAI's penalties, ``logit_bias`` (token id -> bias) and ``logprobs`` as
+        OpenAI's penalties, ``logit_bias`` (token id -> bias), ``logprobs`` and ``grammar``
+        (draws masked by :meth:`set_mask`) as
         :meth:`~deviceops.nn.runner.Runner.set_sampling` takes them."""
         self.runner.set_sampling(slot, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, grammar=grammar)
+
+    def set_mask(self, slots: Sequence[int], bitmask: np.ndarray) -> None:
+        """The grammar masks of rows ``slots`` for their next draw
+        (:meth:`~deviceops.nn.runner.Runner.set_mask`)."""
+        self.runner.set_mask(slots, bitmask)
 
     def read_logprobs(self, n: int) -> DeviceOp[tuple[np.ndarray, np.ndarray]]:
         """Host copies of rows ``0 .. n-1`` of the log-probability buffers
@@ -379,7 +386,8 @@ class CausalLM(TextCodec):
         return self.runner.prefill_many(chunks, graph=graph)
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
+                    positions: Sequence[int], *, graph: bool | None = None,
+                    masks: Any = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``.
 
         Args:
@@ -393,6 +401,10 @@ class CausalLM(TextCodec):
             positions: each row's position (its current length).
             graph: replay the bucket's graph (default; on the cpu backend a recorded step
                 replayed by the stream's worker) or run eagerly (``False``).
+            masks: rows with a grammar (``set_sampling(grammar=True)``): a callable asked
+                once the forward pass is enqueued, returning ``(slots, bitmask)`` (as
+                :meth:`set_mask` takes them) or ``None``; the masks apply to this step's
+                draws (:class:`~deviceops.nn.runner.decode.Decoder`).
 
         Returns:
             The ``(bucket,)`` int32 token view; ``view[slots[i]]`` is row i's new token.
@@ -402,7 +414,15 @@ class CausalLM(TextCodec):
                 ``tokens=None`` for a row whose token is not on the device for that position.
             KVCacheFull: a row needs a block and the pool has none free.
         """
-        return self.runner.decode_step(slots, tokens, positions, graph=graph)
+        return self.runner.decode_step(slots, tokens, positions, graph=graph, masks=masks)
+
+    def decode_begin(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                     positions: Sequence[int], masks: Any, *,
+                     graph: bool | None = None) -> tuple[Tensor, Any]:
+        """:meth:`decode_step` in two (grammar rows): the forward pass enqueued now, the masks
+        and the sampling by the returned ``finish()``, with nothing else enqueued in between
+        (:meth:`~deviceops.nn.runner.Runner.decode_begin`). Returns ``(view, finish)``."""
+        return self.runner.decode_begin(slots, tokens, positions, masks, graph=graph)
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's graph and every padded prefill length's graph now.

@@ -9,7 +9,7 @@ import numpy as np
 from ..runtime._cpu import f32
 from ._reference import top_order
 
-__all__ = ["logprobs_cpu", "penalize_cpu"]
+__all__ = ["logprobs_cpu", "mask_logits_cpu", "penalize_cpu"]
 
 
 def penalize_cpu(logits: np.ndarray, counts: np.ndarray, bias: np.ndarray, presence: np.ndarray,
@@ -50,3 +50,13 @@ def logprobs_cpu(logits: np.ndarray, tokens: np.ndarray, mode: np.ndarray, count
         ids[b, :] = -1
         values[b, 1:1 + order.size] = x[order] - lse
         ids[b, :order.size] = order
+
+
+def mask_logits_cpu(logits: np.ndarray, bitmask: np.ndarray, mode: np.ndarray) -> None:
+    """:func:`~._reference.mask_logits_reference` in place: the bits unpacked a row at a time
+    (``bitmask`` int32, little-endian words: byte ``j`` holds tokens ``8j .. 8j+7``)."""
+    v = logits.shape[1]
+    for b in np.nonzero(np.asarray(mode) & 4)[0]:
+        words = np.ascontiguousarray(bitmask[b], dtype="<i4")
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:v]
+        logits[b, bits == 0] = -np.inf

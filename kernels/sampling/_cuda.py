@@ -1,5 +1,5 @@
 """Token sampling on CUDA: ``sample<T>`` of ``sampling.cu``, one block per row of logits;
-``penalize<T>`` and ``logprobs<T>`` of ``logits.cu``."""
+``penalize<T>``, ``logprobs<T>`` and ``mask_logits<T>`` of ``logits.cu``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from ..runtime._rows import CTYPE, kernel_function
 
-__all__ = ["logprobs_cuda", "penalize_cuda", "sample_cuda"]
+__all__ = ["logprobs_cuda", "mask_logits_cuda", "penalize_cuda", "sample_cuda"]
 
 _SOURCE = "sampling/sampling.cu"
 _NAMES = tuple(f"sample<{c}>" for c in CTYPE.values())
@@ -36,7 +36,8 @@ def sample_cuda(device_index: int, oa: Any, ca: Any, la: Any, ta: Any, ka: Any, 
 
 
 _LOGITS_SOURCE = "sampling/logits.cu"
-_LOGITS_NAMES = tuple(f"{k}<{c}>" for k in ("penalize", "logprobs") for c in CTYPE.values())
+_LOGITS_NAMES = tuple(f"{k}<{c}>" for k in ("penalize", "logprobs", "mask_logits")
+                      for c in CTYPE.values())
 
 
 def penalize_cuda(device_index: int, la: Any, ca: Any, ba: Any, pa: Any, fa: Any,
@@ -69,5 +70,21 @@ def logprobs_cuda(device_index: int, oa: Any, ia: Any, ca: Any, la: Any, ta: Any
     def cuda(native: Any) -> None:
         if b > 0:
             fn((b,), (threads,), args, stream=native)
+
+    return cuda
+
+
+def mask_logits_cuda(device_index: int, la: Any, ma: Any, mo: Any) -> Any:
+    """A ``cuda(native_stream)`` launch function of ``mask_logits`` (CuPy arrays: logits, read
+    and written in place, bitmask, mode)."""
+    b, v = la.shape
+    fn = kernel_function(device_index, _LOGITS_SOURCE, f"mask_logits<{CTYPE[la.dtype]}>",
+                         _LOGITS_NAMES)
+    args = (la, ma, mo, np.int32(v), np.int32(ma.shape[1]))
+    gx = min(-(-v // 256), 64)
+
+    def cuda(native: Any) -> None:
+        if b > 0:
+            fn((gx, b), (256,), args, stream=native)
 
     return cuda

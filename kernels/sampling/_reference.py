@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["logprobs_reference", "penalize_reference", "sample_reference", "top_order", "uniform"]
+__all__ = ["logprobs_reference", "mask_logits_reference", "penalize_reference", "sample_reference", "top_order", "uniform"]
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -135,3 +135,17 @@ def logprobs_reference(logits: np.ndarray, tokens: np.ndarray, mode: np.ndarray,
         ids[b, :] = -1
         values[b, 1:1 + order.size] = lp[order]
         ids[b, :order.size] = order
+
+
+def mask_logits_reference(logits: np.ndarray, bitmask: np.ndarray, mode: np.ndarray) -> np.ndarray:
+    """The masked logits (a copy): row ``b`` with ``mode[b] & 4`` gets ``-inf`` at every token
+    ``t`` whose bit ``t % 32`` (least significant first) of ``bitmask[b, t // 32]`` is 0;
+    other rows are returned unchanged."""
+    out = logits.copy()
+    v = logits.shape[1]
+    t = np.arange(v)
+    for b in np.nonzero(np.asarray(mode) & 4)[0]:
+        words = bitmask[b].astype(np.int64) & 0xFFFFFFFF
+        allowed = (words[t // 32] >> (t % 32)) & 1
+        out[b, allowed == 0] = -np.inf
+    return out

@@ -12,6 +12,9 @@
 //     (value descending, index ascending): out[1 + r] = x - lse, ids[r] = index (-inf, -1
 //     once the row is exhausted). Cost: 1 + K passes over the row, for the rows that ask.
 //   Other rows return at once. NaN logits are not supported.
+// mask_logits<T>: grid (x blocks, B); rows with mode & 4, in place: x_i = -inf where bit
+//   (i & 31) of bitmask[b][i >> 5] is 0 (a grammar's allowed-token mask, LSB first).
+//   Other rows return at once.
 
 #include "rows.cuh"
 
@@ -91,5 +94,17 @@ __global__ void __launch_bounds__(1024) logprobs(float* __restrict__ out, int* _
         if (tid == 0) { o[1 + r] = bv - lse; oi[r] = bi; }
         pv = bv;
         pi = bi;
+    }
+}
+
+template <typename T>
+__global__ void mask_logits(T* __restrict__ logits, const int* __restrict__ bitmask,
+                            const int* __restrict__ mode, int V, int W) {
+    const int b = blockIdx.y;
+    if (!(mode[b] & 4)) return;
+    const long long o = (long long)b * V;
+    const int* m = bitmask + (long long)b * W;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
+        if (!((((unsigned)m[i >> 5]) >> (i & 31)) & 1u)) st(logits[o + i], NEG_INF);
     }
 }

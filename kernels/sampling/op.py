@@ -1,6 +1,7 @@
 """Token sampling over logits: temperature, top-k, top-p and a counter-based device RNG;
 around it, OpenAI's logits adjustments (:func:`penalize`: presence and frequency penalties,
-``logit_bias``) and the sampled token's log-probability with the top-K (:func:`logprobs`).
+``logit_bias``), a grammar's allowed-token mask (:func:`mask_logits`) and the sampled token's
+log-probability with the top-K (:func:`logprobs`).
 
 CUDA source: ``sampling.cu`` (``sample<T>``, one block per row, :mod:`._cuda`); the ``cpu``
 backend runs :func:`._reference.sample_reference` (float64). Both draw the row's uniform number from the same
@@ -34,11 +35,16 @@ from ..runtime._checks import MultiCheck, Outputs
 from ..runtime._cpu import reference_mode
 from ..runtime._op import KernelOp
 from ..runtime._spec import KernelSpec
-from ._cpu import logprobs_cpu, penalize_cpu
-from ._cuda import logprobs_cuda, penalize_cuda, sample_cuda
-from ._reference import logprobs_reference, penalize_reference, sample_reference
+from ._cpu import logprobs_cpu, mask_logits_cpu, penalize_cpu
+from ._cuda import logprobs_cuda, mask_logits_cuda, penalize_cuda, sample_cuda
+from ._reference import (
+    logprobs_reference,
+    mask_logits_reference,
+    penalize_reference,
+    sample_reference,
+)
 
-__all__ = ["logprobs", "penalize", "sample"]
+__all__ = ["MASK_BIT", "logprobs", "mask_logits", "penalize", "sample"]
 
 #: The largest ``k`` of :func:`logprobs` (OpenAI's ``top_logprobs`` goes to 20).
 MAX_TOP = 20
@@ -159,6 +165,34 @@ def penalize(logits: Any, counts: Any, bias: Any, presence: Any, frequency: Any,
     return _PENALIZE.op((logits, counts, bias, presence, frequency, mode))
 
 
+#: The ``mode`` bit of a row :func:`mask_logits` masks (bits 0 and 1 are :func:`penalize`'s
+#: and :func:`logprobs`').
+MASK_BIT = 4
+
+
+def mask_logits(logits: Any, bitmask: Any, mode: Any) -> KernelOp:
+    """A grammar's allowed-token mask, in place, on the rows that ask.
+
+    Row ``b`` with ``mode[b] & 4`` (:data:`MASK_BIT`): ``logits[b, t] = -inf`` for every token
+    ``t`` whose bit ``t % 32`` (least significant first) of ``bitmask[b, t // 32]`` is 0 (the
+    layout of llguidance's and xgrammar's bitmasks); every other row is not touched (on CUDA
+    its blocks return after reading ``mode[b]``). :func:`sample` never draws a ``-inf``
+    logit, so a row keeps at least one allowed token finite or its draw is undefined.
+
+    Args:
+        logits: ``(B, V)`` float32/float16/bfloat16, C-contiguous.
+        bitmask: int32 ``(B, ceil(V / 32))``, C-contiguous.
+        mode: int32 ``(B,)``; bit 2 turns the row's mask on.
+
+    Returns:
+        A :class:`KernelOp` producing ``logits`` (masked in place) in the form given.
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    return _MASK.op((logits, bitmask, mode))
+
+
 def logprobs(logits: Any, tokens: Any, mode: Any, counts: Any, *, k: int = MAX_TOP,
              out: Any = None, ids_out: Any = None) -> KernelOp:
     """The sampled tokens' log-probabilities and the top ``k``; counts the tokens.
@@ -255,6 +289,45 @@ def _penalize_parts() -> tuple[MultiCheck, Body]:
     return check, body
 
 
+def _mask_parts() -> tuple[MultiCheck, Body]:
+    name = "mask_logits"
+
+    def check(ts: Mapping[str, Tensor | None]) -> Outputs:
+        b, v = _rows(name, ts)
+        lt, mt = ts["logits"], ts["bitmask"]
+        assert lt is not None and mt is not None
+        if not lt.array.flags.c_contiguous:
+            raise ShapeError(f"{name}: logits must be C-contiguous", op=name)
+        w = -(-v // 32)
+        if mt.shape != (b, w):
+            raise ShapeError(f"{name}: bitmask has shape {mt.shape}, expected ({b}, {w}) (one "
+                             f"bit per token of logits {lt.shape}, 32 to an int32)", op=name)
+        if mt.dtype != int32:
+            raise DTypeError(f"{name}: bitmask has dtype {mt.dtype}; it must be int32", op=name)
+        if not mt.array.flags.c_contiguous:
+            raise ShapeError(f"{name}: bitmask must be C-contiguous", op=name)
+        _args(name, ts, (("mode", int32, False),), b, v)
+        return {}
+
+    def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
+        lt, mt, mo = ts["logits"], ts["bitmask"], ts["mode"]
+        la, ma, moa = lt.array, mt.array, mo.array
+
+        if reference_mode():
+            def cpu() -> None:
+                la[...] = mask_logits_reference(la, ma, moa)
+        else:
+            def cpu() -> None:
+                mask_logits_cpu(la, ma, moa)
+
+        cuda: Any = noop
+        if not ctx.device.is_cpu:
+            cuda = mask_logits_cuda(ctx.device.index, la, ma, moa)
+        launch(ctx, name, (lt, mt, mo), (lt,), cpu, cuda)
+
+    return check, body
+
+
 def _logprobs_parts(k: int) -> tuple[MultiCheck, Body]:
     name = "logprobs"
 
@@ -293,5 +366,7 @@ def _both(v: dict[str, Any]) -> tuple[Any, Any]:
 
 _PENALIZE = KernelSpec("penalize", ("logits", "counts", "bias", "presence", "frequency", "mode"),
                        _penalize_parts, returns="logits", outputs=True, replay=True)
+_MASK = KernelSpec("mask_logits", ("logits", "bitmask", "mode"), _mask_parts, returns="logits",
+                   outputs=True, replay=True)
 _LOGPROBS = KernelSpec("logprobs", ("logits", "tokens", "mode", "counts", "out", "ids_out"),
                        _logprobs_parts, returns=_both, outputs=True, replay=True)

@@ -10,20 +10,30 @@ captured on it under the runner's own policy and replayed there, so nothing cons
 default policy, which lives on the default device.
 
 **Two variants per bucket.** A step whose active rows ask for no feature (penalties, logit
-bias, log-probabilities: :mod:`.rows`) runs the *plain* step, unchanged: embed, layers, LM
-head, ``sample``. A step where at least one active row asks runs the *feature* step, the
-same ops plus :func:`~deviceops.kernels.penalize` before ``sample`` and
-:func:`~deviceops.kernels.logprobs` after it, both gated per row by the state's ``live`` row
+bias, log-probabilities, a grammar mask: :mod:`.rows`) runs the *plain* step, unchanged:
+embed, layers, LM head, ``sample``. A step where at least one active row asks runs the
+*feature* step, the same ops plus :func:`~deviceops.kernels.penalize` and
+:func:`~deviceops.kernels.mask_logits` before ``sample`` and
+:func:`~deviceops.kernels.logprobs` after it, all gated per row by the state's ``live`` row
 (the row's feature bits while active, else 0). Its graph (:attr:`Decoder.feature_graphs`) is
 captured the first time a bucket needs it, once per model (a warm-up run and a capture,
 inside that step). Cost: rows asking nothing pay nothing while no row of the batch asks;
-in a feature step each of them costs one early-returning block per kernel (two launches more
-per step); a row that asks pays one elementwise pass over its logits (penalties, bias) and
-``1 + 20`` passes (log-probabilities and the top 20) per token.
+in a feature step each of them costs one early-returning block per kernel (three launches
+more per step); a row that asks pays one elementwise pass over its logits (penalties, bias),
+one more for a grammar mask and ``1 + 20`` passes (log-probabilities and the top 20) per
+token.
+
+**Grammar masks** come from the host, which needs each constrained row's previous token
+to compute them. A step given a mask source (``masks``) runs the feature step as two
+graphs (:attr:`Decoder.split_graphs`): the forward pass is launched, the source is asked
+for the masks (the host computes them while the device runs the forward pass), their upload
+is enqueued, then the sampling graph (``penalize``, ``mask_logits``, ``sample``,
+``logprobs``) is launched: one launch and one small copy more per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +47,16 @@ from .fused import fused_rows
 if TYPE_CHECKING:
     from .runner import Runner
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "MaskSource"]
+
+#: A decode step's grammar masks, asked for once the step's forward pass is enqueued (so the
+#: host computes them while the device runs it): ``(slots, bitmask)`` (row ``i`` of the int32
+#: bitmask for ``slots[i]``, :meth:`~.rows.RowState.set_mask`), or ``None`` for none.
+MaskSource = Callable[[], "tuple[Sequence[int], np.ndarray] | None"]
+
+
+def _nothing() -> None:
+    return None
 
 
 class Decoder:
@@ -50,19 +69,42 @@ class Decoder:
     Attributes:
         graphs: bucket -> its captured plain graph.
         feature_graphs: bucket -> its captured feature graph (module docstring).
+        split_graphs: bucket -> the feature step as two graphs, the forward pass and the
+            sampling (a step with grammar masks: they are computed and uploaded between the
+            two, while the device runs the first; module docstring).
     """
 
     def __init__(self, runner: Runner) -> None:
         self.r = runner
         self.graphs: dict[int, Any] = {}
         self.feature_graphs: dict[int, Any] = {}
-        self._thunks: dict[tuple[int, bool], list[Thunk]] = {}
+        self.split_graphs: dict[int, tuple[Any, Any]] = {}
+        self._thunks: dict[tuple[int, bool], tuple[list[Thunk], list[Thunk]]] = {}
         self._kept: Tensor | None = None  # the rows' tokens across a capture
 
     def step(self, slots: list[int], tokens: list[int] | None, positions: list[int],
-             graph: bool | None) -> Tensor:
+             graph: bool | None, masks: MaskSource | None = None) -> Tensor:
+        """One decode step of checked rows (:meth:`begin`, then its ``finish``); returns the
+        ``(bucket,)`` token view."""
+        view, finish = self.begin(slots, tokens, positions, graph, masks)
+        finish()
+        return view
+
+    def begin(self, slots: list[int], tokens: list[int] | None, positions: list[int],
+              graph: bool | None, masks: MaskSource | None = None
+              ) -> tuple[Tensor, Callable[[], None]]:
         """One decode step of checked rows: grow their blocks, upload the state if it
-        changed, run the bucket's step; returns the ``(bucket,)`` token view.
+        changed, run the bucket's step; returns the ``(bucket,)`` token view and ``finish``.
+        With ``masks`` (next paragraph) only the forward pass is enqueued here, and
+        ``finish()`` asks for the masks and enqueues their upload and the sampling: the
+        caller may do host work in between (e.g. read the previous step's tokens, from which
+        the masks follow) but must enqueue nothing on the stream; without, the whole step
+        is enqueued here and ``finish`` does nothing. The host shadow is advanced here.
+
+        ``masks`` (rows with a grammar): called once the step's forward pass is enqueued;
+        the masks it returns are uploaded before the sampling ops, enqueued after it (the
+        feature step split in two: :attr:`split_graphs`); not called when no row of the
+        step has a feature (nothing would apply a mask).
 
         ``tokens=None``: every row feeds the token already on the device: a row continuing
         from the previous step at its next position feeds what that step sampled, a row
@@ -98,12 +140,14 @@ class Decoder:
         b = next(x for x in r.buckets if x > max(slots))
         # (the whole array first: no row with features is the common case, and cheaper to see)
         feat = bool(rows.h_features.any()) and bool(rows.h_features[slots].any())
-        graphs = self.feature_graphs if feat else self.graphs
+        split = feat and masks is not None
+        graphs: dict[int, Any] = (self.split_graphs if split else
+                                  self.feature_graphs if feat else self.graphs)
         # default: the bucket's graph on both backends (on cpu a replay is one hand-off of the
         # recorded step to the stream's worker, instead of ~280 op constructions and hand-offs)
         use_graph = True if graph is None else bool(graph)
         if use_graph and b not in graphs:
-            self.capture(b, feat)
+            self.capture(b, feat, split)
         want = rows.h_state.copy()
         active = np.zeros(r.max_batch, bool)
         active[sa] = True
@@ -128,7 +172,23 @@ class Decoder:
             rows.upload_state(want, tokens=tokens is not None)
             rows.upload_counters()
             rows.dirty = False
-        if use_graph:
+        finish: Callable[[], None] = _nothing
+        if split:
+            if use_graph:
+                head, tail = graphs[b]
+                head.launch()
+                sample: Callable[[], None] = tail.launch
+            else:
+                ops, rest = self._parts(b, True)
+                self._enqueue(ops)
+
+                def sample() -> None:
+                    self._enqueue(rest)
+
+            def finish() -> None:
+                self._masks(masks)  # the host's mask work overlapped the forward pass
+                sample()
+        elif use_graph:
             graphs[b].launch()  # on the stream it was captured on; consults no policy
         else:
             self.run_eager(b, feat)
@@ -140,7 +200,7 @@ class Decoder:
         rows.cont[:] = False
         rows.cont[slots] = True
         rows.primed[sa] = -1
-        return rows.tokens[:b]
+        return rows.tokens[:b], finish
 
     def warm_up(self, b: int, feat: bool = False) -> None:
         """Run bucket ``b``'s step eagerly with its rows idle (no KV written)."""
@@ -149,25 +209,40 @@ class Decoder:
         self.step_op(b, feat).sync_on(self.r.stream)
         rows.dirty = True  # the warm-up advanced the idle rows' counters
 
-    def capture(self, b: int, feat: bool = False) -> None:
-        """Warm bucket ``b`` up eagerly (all rows idle) and capture its plain or feature graph.
-        The rows' device tokens are kept: a row may hold a sampled token the host has not read
-        (``tokens=None`` feeds it), and the warm-up samples over every row of the bucket."""
+    def capture(self, b: int, feat: bool = False, split: bool = False) -> None:
+        """Warm bucket ``b`` up eagerly (all rows idle) and capture its plain or feature graph
+        (``split``: the feature step as its forward and sampling graphs). The rows' device
+        tokens are kept: a row may hold a sampled token the host has not read (``tokens=None``
+        feeds it), and the warm-up samples over every row of the bucket."""
         r = self.r
         if self._kept is None:
             self._kept = api.zeros(tuple(r.rows.tokens.shape), "int32").sync_on(r.stream)
         api.memcpy(self._kept, r.rows.tokens).async_on(r.stream)
         self.warm_up(b, feat)
-        graph = r.graph_on(self.step_op(b, feat))
-        (self.feature_graphs if feat else self.graphs)[b] = graph
+        if split:
+            head, tail = self._parts(b, True)
+            self.split_graphs[b] = (r.graph_on(chain(head)), r.graph_on(chain(tail)))
+        else:
+            graph = r.graph_on(self.step_op(b, feat))
+            (self.feature_graphs if feat else self.graphs)[b] = graph
         api.memcpy(r.rows.tokens, self._kept).async_on(r.stream)
 
     def run_eager(self, b: int, feat: bool = False) -> None:
         """Enqueue one decode step over rows ``0 .. b-1`` op by op (no graph): the same ops
         as :meth:`step_op`, each enqueued on the runner's stream as it is built."""
+        self._enqueue(self.step_ops(b, feat))
+
+    def _enqueue(self, thunks: list[Thunk]) -> None:
         s = self.r.stream
-        for make in self.step_ops(b, feat):
+        for make in thunks:
             make().async_on(s)
+
+    def _masks(self, masks: MaskSource | None) -> None:
+        """Ask ``masks`` for this step's grammar masks and enqueue their upload."""
+        got = None if masks is None else masks()
+        if got is not None:
+            slots, bitmask = got
+            self.r.rows.set_mask(list(slots), bitmask)
 
     def step_op(self, b: int, feat: bool = False) -> DeviceOp[Any]:
         """One decode step over cache rows ``0 .. b-1`` (the op a graph captures)."""
@@ -176,14 +251,20 @@ class Decoder:
     def step_ops(self, b: int, feat: bool = False) -> list[Thunk]:
         """The thunks of a decode step over rows ``0 .. b-1`` (built once per bucket and
         variant)."""
+        head, tail = self._parts(b, feat)
+        return head + tail
+
+    def _parts(self, b: int, feat: bool) -> tuple[list[Thunk], list[Thunk]]:
+        """A step's thunks in two: the forward pass (to the logits) and the rest."""
         th = self._thunks.get((b, feat))
         if th is None:
             th = self._thunks[(b, feat)] = self._build(b, feat)
         return th
 
-    def _build(self, b: int, feat: bool) -> list[Thunk]:
+    def _build(self, b: int, feat: bool) -> tuple[list[Thunk], list[Thunk]]:
         """Embed, layers, final norm, LM head (one fused kernel for them all when the runner
-        has a fused model and ``b`` fits it: :mod:`.fused`), (feature step: ``penalize``)
+        has a fused model and ``b`` fits it: :mod:`.fused`), (feature step: ``penalize``,
+        ``mask_logits``)
         sample into the token buffer, (feature step: ``logprobs``), advance
         ``start``/``kv_len``."""
         r, rows = self.r, self.r.rows
@@ -208,11 +289,15 @@ class Decoder:
         def draw() -> DeviceOp[Any]:
             return kernels.sample(logits, temp, top_k, top_p, seed, counter, out=tok)
 
+        head, th = th, []
         if feat:
             live = rows.live[:b]
             pres, freq, counts, bias, lpv, lpi = (t[:b] for t in rows.feature_buffers()[1:])
+            assert rows.mask is not None  # allocated with the feature buffers
+            mask = rows.mask[:b]
             th += [
                 lambda: kernels.penalize(logits, counts, bias, pres, freq, live),
+                lambda: kernels.mask_logits(logits, mask, live),
                 draw,
                 lambda: kernels.logprobs(logits, tok, live, counts, k=lpi.shape[1], out=lpv,
                                          ids_out=lpi),
@@ -223,4 +308,4 @@ class Decoder:
             lambda: kernels.add(st, inc, out=st),
             lambda: kernels.add(kl, inc, out=kl),
         ]
-        return th
+        return head, th

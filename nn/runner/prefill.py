@@ -6,11 +6,11 @@ parameters go to device buffers the graph reads (:class:`Prefiller`, a part of
 :class:`~.runner.Runner`, whose :meth:`~.runner.Runner.prefill` documents the behaviour).
 Every op runs on the runner's stream.
 
-A row with features (penalties, logit bias, log-probabilities: :mod:`.rows`) draws its
-first token with the eager sampling ops (``penalize``, ``sample``, ``logprobs`` over the
-last position's logits, reading the row's own feature buffers); on the graph path the
-chunk's graph still runs the forward (its own draw is discarded). Rows without features
-take the unchanged paths.
+A row with features (penalties, logit bias, log-probabilities, a grammar mask: :mod:`.rows`)
+draws its first token with the eager sampling ops (``penalize``, ``mask_logits``, ``sample``,
+``logprobs`` over the last position's logits, reading the row's own feature buffers); on the
+graph path the chunk's graph still runs the forward (its own draw is discarded). Rows
+without features take the unchanged paths.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ class Prefiller:
 
     def _sample_ops(self, slot: int) -> list[Thunk]:
         """Thunks sampling row ``slot``'s next token from the prefill logits (counter restored;
-        with the row's features: penalised and biased first, log-probabilities after)."""
+        with the row's features: penalised, biased and masked first, log-probabilities
+        after)."""
         rows, logits = self.r.rows, self.r.logits[0:1]
         rg = slice(slot, slot + 1)
         cnt = np.array([rows.h_counter[slot]], np.int64)
@@ -221,8 +222,11 @@ class Prefiller:
         if not rows.h_features[slot]:
             return [*th, draw]
         feats, pres, freq, counts, bias, lpv, lpi = (t[rg] for t in rows.feature_buffers())
+        assert rows.mask is not None  # allocated with the feature buffers
+        mask = rows.mask[rg]
         return [*th,
                 lambda: kernels.penalize(logits, counts, bias, pres, freq, feats),
+                lambda: kernels.mask_logits(logits, mask, feats),
                 draw,
                 lambda: kernels.logprobs(logits, rows.tokens[rg], feats, counts,
                                          k=lpi.shape[1], out=lpv, ids_out=lpi)]

@@ -13,7 +13,11 @@ the sampling parameters ``temperature``, ``top_k``, ``top_p``, ``seed`` and the 
 row's ``counts`` of generated tokens and its dense ``bias`` row before sampling
 (:func:`deviceops.kernels.penalize`) and counts each sampled token; bit 1 (:data:`LOGPROBS`)
 writes the sampled token's log-probability and the top :data:`TOP` into ``lp_values``
-``(max_batch, TOP + 1)`` / ``lp_ids`` ``(max_batch, TOP)`` (:func:`deviceops.kernels.logprobs`).
+``(max_batch, TOP + 1)`` / ``lp_ids`` ``(max_batch, TOP)`` (:func:`deviceops.kernels.logprobs`);
+bit 2 (:data:`GRAMMAR`) sets the logits of the tokens a grammar forbids to ``-inf`` before
+sampling, from the row's ``mask`` row ``(max_batch, ceil(vocab / 32))`` int32 (one bit per
+token, :func:`deviceops.kernels.mask_logits`), which the host uploads before each step that
+samples for the row (:meth:`RowState.set_mask`).
 ``counts`` and ``bias`` are ``(max_batch, vocab)`` (int32, float32: 8 bytes per row and
 vocabulary entry), allocated with the log-probability buffers the first time a row asks for a
 feature (:meth:`RowState.ensure_features`); a model whose rows never ask allocates none.
@@ -32,12 +36,14 @@ import numpy as np
 
 from deviceops import Stream, Tensor, api
 
-__all__ = ["ADJUST", "LOGPROBS", "TOP", "RowState"]
+__all__ = ["ADJUST", "GRAMMAR", "LOGPROBS", "TOP", "RowState"]
 
 #: ``features`` bit: penalties and logit bias (and counting the sampled tokens).
 ADJUST = 1
 #: ``features`` bit: the sampled token's log-probability and the top :data:`TOP`.
 LOGPROBS = 2
+#: ``features`` bit: the row's grammar mask (``mask``) applied to its logits before sampling.
+GRAMMAR = 4
 #: Top log-probabilities computed per row that asks (OpenAI's ``top_logprobs`` maximum, the
 #: largest ``k`` of :func:`deviceops.kernels.logprobs`).
 TOP = 20
@@ -75,6 +81,7 @@ class RowState:
         self.bias: Tensor | None = None
         self.lp_values: Tensor | None = None
         self.lp_ids: Tensor | None = None
+        self.mask: Tensor | None = None
         self.h_state = np.zeros((5, n), np.int32)
         self.h_state[0] = idle  # inactive: writes skipped
         self.h_state[1] = 1
@@ -109,6 +116,7 @@ class RowState:
         self.bias = api.zeros((n, v), "float32").async_on(s)
         self.lp_values = api.zeros((n, TOP + 1), "float32").async_on(s)
         self.lp_ids = api.zeros((n, TOP), "int32").async_on(s)
+        self.mask = api.full((n, -(-v // 32)), -1, "int32").async_on(s)
 
     def feature_buffers(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(features, presence, frequency, counts, bias, lp_values, lp_ids)``, allocated."""
@@ -119,11 +127,14 @@ class RowState:
         return out  # type: ignore[return-value]
 
     def set_features(self, slot: int, presence: float, frequency: float,
-                     bias: tuple[tuple[int, float], ...], logprobs: bool) -> None:
+                     bias: tuple[tuple[int, float], ...], logprobs: bool,
+                     grammar: bool = False) -> None:
         """Row ``slot``'s features (checked values): with penalties or a bias, its counts are
-        zeroed and its dense bias row uploaded; a row asking for nothing only gets its host bit
-        set cleared (no device buffer is allocated, read or written for it)."""
-        mode = (ADJUST if presence or frequency or bias else 0) | (LOGPROBS if logprobs else 0)
+        zeroed and its dense bias row uploaded; with ``grammar`` its mask row is set to allow
+        every token until :meth:`set_mask` says otherwise; a row asking for nothing only gets
+        its host bit set cleared (no device buffer is allocated, read or written for it)."""
+        mode = ((ADJUST if presence or frequency or bias else 0) | (LOGPROBS if logprobs else 0)
+                | (GRAMMAR if grammar else 0))
         self.cont[slot] = False
         self.h_features[slot] = 0
         if mode == 0:
@@ -140,7 +151,31 @@ class RowState:
             api.memcpy(dense_bias[r], api.from_host(dense)).async_on(s)
             api.memcpy(counts[r], api.from_host(np.zeros((1, self.vocab), np.int32))
                        ).async_on(s)
+        if mode & GRAMMAR:
+            self.set_mask([slot], np.full((1, -(-self.vocab // 32)), -1, np.int32))
         self.h_features[slot] = mode
+
+    def set_mask(self, slots: list[int], bitmask: np.ndarray) -> None:
+        """Upload ``bitmask[i]`` (int32, ``ceil(vocab / 32)`` words: token ``t`` allowed when
+        bit ``t % 32`` of word ``t // 32`` is set) as row ``slots[i]``'s grammar mask, in one
+        copy of the rows ``min(slots) .. max(slots)`` (a row between them that is not in
+        ``slots`` gets every token allowed: only a row's own steps read its mask, and each
+        is preceded by its own upload), ordered before the next step on the stream (the host
+        array is snapshotted now)."""
+        mask = self.mask
+        assert mask is not None, "set_mask before set_features(grammar=True)"
+        w = mask.shape[1]
+        if bitmask.shape != (len(slots), w) or bitmask.dtype != np.int32:
+            raise ValueError(f"set_mask: bitmask is {bitmask.dtype} {bitmask.shape}; expected "
+                             f"int32 ({len(slots)}, {w}) (one row of ceil(vocab/32) words per slot)")
+        if not slots:
+            return
+        lo, hi = min(slots), max(slots) + 1
+        block = bitmask
+        if hi - lo != len(slots) or list(slots) != list(range(lo, hi)):
+            block = np.full((hi - lo, w), -1, np.int32)
+            block[np.asarray(slots) - lo] = bitmask
+        api.memcpy(mask[lo:hi], api.from_host(block)).async_on(self.stream)
 
     def idle_state(self, b: int) -> np.ndarray:
         """The shadow with rows ``0 .. b-1`` idle (what a warm-up step runs over)."""

@@ -23,11 +23,19 @@ Step API (what :class:`~deviceops.nn.CausalLM` exposes, what generation and the 
 engine use; every method enqueues on :attr:`Runner.stream` and returns without waiting):
 
 * ``set_sampling(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0, presence_penalty=0.0,
-  frequency_penalty=0.0, logit_bias=None, logprobs=False)``: the row's sampling parameters;
-  resets its random counter (draw ``n`` of a row uses ``(seed, n)``) and, with penalties or
-  a bias, its token counts. Penalties and bias adjust the row's logits on the device before
-  each draw; ``logprobs`` makes each draw also write the token's log-probability and the
-  top 20 (:mod:`.rows`, ``read_logprobs``).
+  frequency_penalty=0.0, logit_bias=None, logprobs=False, grammar=False)``: the row's
+  sampling parameters; resets its random counter (draw ``n`` of a row uses ``(seed, n)``)
+  and, with penalties or a bias, its token counts. Penalties and bias adjust the row's
+  logits on the device before each draw; ``logprobs`` makes each draw also write the
+  token's log-probability and the top 20 (:mod:`.rows`, ``read_logprobs``); ``grammar``
+  makes each draw take only the tokens of the row's mask.
+* ``set_mask(slots, bitmask)``: the masks (one bit per token; the host computes them from a
+  grammar, :mod:`deviceops.nn.serving.grammar`) of rows set up with ``grammar=True``, for
+  their next draw. ``decode_step(..., masks=fn)`` asks ``fn`` for them once the step's
+  forward pass is enqueued, so the host computes them while the device runs it;
+  ``decode_begin(slots, tokens, positions, masks) -> (view, finish)`` enqueues the forward
+  pass and leaves the masks and the sampling to ``finish()``, so the host can read the
+  previous step's tokens in between (the serving engine's lookahead with grammars).
 * ``prefill(slot, ids, start=0, *, sample=True) -> Tensor | None``: writes the KV of
   ``ids`` at positions ``start ..`` of cache row ``slot``; with ``sample`` it samples the
   next token from the last position's logits into the token buffer and returns that
@@ -70,7 +78,7 @@ the floating-point differences of different GEMM shapes on the GPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,13 +89,13 @@ from deviceops.scheduling import SingleStream
 
 from .._args import check_adjustments, check_sampling
 from ..models import Architecture, LlamaConfig, Weights
-from .decode import Decoder
+from .decode import Decoder, MaskSource
 from .forward import Arena, buckets, chain
 from .fused import make_fused
 from .packed_prefill import MAX_CHUNK, Packer
 from .paged_kv import BlockAllocator, BlockTable, KVCache
 from .prefill import Prefiller
-from .rows import RowState
+from .rows import GRAMMAR, RowState
 
 __all__ = ["Runner"]
 
@@ -188,16 +196,32 @@ class Runner:
     def set_sampling(self, slot: int, *, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: Any = None,
-                     logprobs: bool = False) -> None:
+                     logprobs: bool = False, grammar: bool = False) -> None:
         """Set row ``slot``'s sampling parameters and features (device memory) and reset its
-        counter (and, with penalties or a bias, its token counts); ``ValueError`` for a bad
-        argument (``deviceops.nn._args``), before anything is uploaded."""
+        counter (and, with penalties or a bias, its token counts; with ``grammar``, its mask
+        to every token allowed); ``ValueError`` for a bad argument (``deviceops.nn._args``),
+        before anything is uploaded."""
         slot = self.check_slot(slot, "set_sampling")
         sampling = check_sampling(temperature, top_k, top_p, seed)
         pres, freq, bias, _ = check_adjustments(presence_penalty, frequency_penalty, logit_bias,
                                                 None, self.config.vocab_size, "set_sampling")
         self.rows.set_sampling(slot, *sampling)
-        self.rows.set_features(slot, pres, freq, bias, bool(logprobs))
+        self.rows.set_features(slot, pres, freq, bias, bool(logprobs), bool(grammar))
+
+    def set_mask(self, slots: Sequence[int], bitmask: np.ndarray) -> None:
+        """Row ``slots[i]``'s grammar mask for its next draw: ``bitmask[i]``, int32
+        ``ceil(vocab / 32)`` words, token ``t`` allowed when bit ``t % 32`` of word ``t // 32``
+        is set (llguidance's layout); only rows set up with ``set_sampling(grammar=True)``
+        apply it. Enqueued (the array is snapshotted now): a later ``prefill`` or
+        ``decode_step`` of the row reads it. ``ValueError`` for a bad slot or shape."""
+        sl = [self.check_slot(x, "set_mask") for x in slots]
+        if len(set(sl)) != len(sl):
+            raise ValueError(f"set_mask: slots {sl} repeat a row")
+        missing = [x for x in sl if not self.rows.h_features[x] & GRAMMAR]
+        if missing:
+            raise ValueError(f"set_mask: rows {missing} have no grammar; call "
+                             "set_sampling(slot, ..., grammar=True) first")
+        self.rows.set_mask(sl, np.asarray(bitmask))
 
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Give row ``slot`` blocks for positions ``[0, n_tokens)``; ``False`` when too few
@@ -289,10 +313,30 @@ class Runner:
         return self.rows.tokens
 
     def decode_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                    positions: Sequence[int], *, graph: bool | None = None) -> Tensor:
+                    positions: Sequence[int], *, graph: bool | None = None,
+                    masks: MaskSource | None = None) -> Tensor:
         """One decode step: feed ``tokens[i]`` at ``positions[i]`` of row ``slots[i]``
         (``tokens=None``: each row feeds the token its last decode step or its prefill
-        sampled, still on the device: :meth:`~.decode.Decoder.step`)."""
+        sampled, still on the device; ``masks``: the grammar rows' masks, asked for once the
+        forward pass is enqueued: :meth:`~.decode.Decoder.step`)."""
+        sl, toks, pos = self._step_args(slots, tokens, positions)
+        return self.decoder.step(sl, toks, pos, graph, masks)
+
+    def decode_begin(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                     positions: Sequence[int], masks: MaskSource, *,
+                     graph: bool | None = None) -> tuple[Tensor, Callable[[], None]]:
+        """:meth:`decode_step` in two: enqueue the forward pass now; the returned ``finish()``
+        asks ``masks`` for the grammar rows' masks and enqueues their upload and the
+        sampling. Between the two the caller may do host work (read the previous step's
+        tokens, from which the masks follow) but must enqueue nothing on :attr:`stream`
+        (:meth:`~.decode.Decoder.begin`). Returns the token view (valid once ``finish`` is
+        called) and ``finish``."""
+        sl, toks, pos = self._step_args(slots, tokens, positions)
+        return self.decoder.begin(sl, toks, pos, graph, masks)
+
+    def _step_args(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                   positions: Sequence[int]) -> tuple[list[int], list[int] | None, list[int]]:
+        """A decode step's slots, tokens and positions, checked (``ValueError``)."""
         n = len(slots)
         if n == 0 or (tokens is not None and len(tokens) != n) or len(positions) != n:
             raise ValueError(f"decode_step: slots ({len(slots)}), tokens "
@@ -313,7 +357,7 @@ class Runner:
                     raise ValueError(f"decode_step: position {p!r} is outside [0, max_seq="
                                      f"{self.max_seq})")
             pos = [int(p) for p in positions]
-        return self.decoder.step(sl, toks, pos, graph)
+        return sl, toks, pos
 
     def capture_graphs(self, *, graph: bool | None = None) -> int:
         """Capture every decode bucket's and padded prefill length's graph now; returns how

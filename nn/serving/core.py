@@ -284,7 +284,7 @@ class EngineCore:
                 unpack_i32(m.prompt), m.max_new, temperature=m.temperature, top_k=m.top_k,
                 top_p=m.top_p, seed=m.seed, stop=m.stop or None, ignore_eos=m.ignore_eos,
                 presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
-                logit_bias=m.logit_bias, logprobs=m.logprobs)
+                logit_bias=m.logit_bias, logprobs=m.logprobs, grammar=m.grammar)
         except Exception as exc:  # refused: the front's request ends with the reason
             front.done.append(Finish(m.rid, "error", _kind(exc), _message(exc)))
             if isinstance(exc, EngineFailed):

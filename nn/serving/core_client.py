@@ -246,7 +246,7 @@ class CoreClient:
                stop: Sequence[int] | None = None, seed: int | None = None,
                ignore_eos: bool = False, presence_penalty: float | None = None,
                frequency_penalty: float | None = None, logit_bias: Any = None,
-               logprobs: int | None = None) -> CoreStream:
+               logprobs: int | None = None, grammar: str | None = None) -> CoreStream:
         """Send one request to the core; return the async iterator of its new tokens.
 
         Arguments as ``Engine.stream``. Raises before sending: ``ValueError`` /
@@ -271,8 +271,11 @@ class CoreClient:
         pres, freq, bias, lp = check_adjustments(presence_penalty, frequency_penalty,
                                                  logit_bias, logprobs, self.steps.vocab_size,
                                                  "Engine")
+        if grammar is not None and not isinstance(grammar, str):
+            raise TypeError(f"Engine: grammar must be a str (llguidance's formats: "
+                            f"deviceops.nn.serving.grammar), got {type(grammar).__name__}")
         asked = SamplingParams(presence_penalty=pres, frequency_penalty=freq, logit_bias=bias,
-                               logprobs=lp).features()
+                               logprobs=lp, grammar=grammar).features()
         lacking = sorted(asked - self.sampling_features)
         if lacking:
             raise ValueError(f"Engine: {', '.join(lacking)} not supported by this model "
@@ -287,7 +290,7 @@ class CoreClient:
         self._reqs[req.rid] = req
         self._send(Submit(req.rid, pack_i32(ids), max_new, t, k or None, p, sd,
                           sorted(stops), bool(ignore_eos), pres or None, freq or None,
-                          dict(bias) or None, lp))
+                          dict(bias) or None, lp, grammar))
         return CoreStream(self, req)
 
     async def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 32,

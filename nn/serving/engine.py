@@ -79,6 +79,7 @@ import anyio
 import anyio.lowlevel
 
 from .._args import check_adjustments, check_sampling, check_stop
+from .grammar import GrammarCompiler
 from .requests import (
     _DONE,
     _QUEUED,
@@ -202,6 +203,7 @@ class Engine:
         warm = getattr(steps, "warmup", None)
         if warm is not None:  # graphs captured here, not inside a request's step
             warm()
+        self._grammars: GrammarCompiler | None = None  # built on the first grammar
         self._ids = itertools.count(1)
         self._waiting: set[_Request] = set()  # consumers parked on their event
         self._space: list[anyio.Event] = []  # submitters waiting for queue space
@@ -228,6 +230,7 @@ class Engine:
         frequency_penalty: float | None = None,
         logit_bias: Any = None,
         logprobs: int | None = None,
+        grammar: str | None = None,
     ) -> RequestStream:
         """Queue one request; return the async iterator of its new token ids.
 
@@ -236,7 +239,11 @@ class Engine:
         ``frequency_penalty`` (in [-2, 2], over the tokens generated so far), ``logit_bias``
         (token id -> bias in [-100, 100]) and ``logprobs`` (``None`` or 0..20 top
         alternatives; the stream's :attr:`~.requests.RequestStream.logprobs`) need a step
-        model that declares them (``sampling_features``; a ``CausalLM`` does). Raises before
+        model that declares them (``sampling_features``; a ``CausalLM`` does), and so does
+        ``grammar`` (llguidance's formats, e.g. :func:`~.grammar.json_schema_grammar`): every
+        token is drawn among those the grammar allows, and the request ends (``"stop"``) when
+        the grammar is complete (:mod:`.grammar`; steps run in turn while such a request
+        runs: :mod:`.scheduler`). Raises before
         queueing: ``ValueError``/``TypeError`` for bad arguments (a prompt longer than
         ``max_seq``, a feature the step model lacks), :class:`EngineOverloaded` when the
         admission queue is full, :class:`EngineClosed` after :meth:`close`.
@@ -244,13 +251,18 @@ class Engine:
         req = self._make(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed)
         pres, freq, bias, lp = check_adjustments(presence_penalty, frequency_penalty, logit_bias,
                                                  logprobs, self.steps.vocab_size, "Engine")
+        if grammar is not None and not isinstance(grammar, str):
+            raise TypeError(f"Engine: grammar must be a str (llguidance's formats: "
+                            f"deviceops.nn.serving.grammar), got {type(grammar).__name__}")
         req.params = replace(req.params, presence_penalty=pres, frequency_penalty=freq,
-                             logit_bias=bias, logprobs=lp)
+                             logit_bias=bias, logprobs=lp, grammar=grammar)
         lacking = sorted(req.params.features() - self.sampling_features)
         if lacking:
             raise ValueError(f"Engine: {', '.join(lacking)} not supported by this model "
                              f"({type(self.steps).__name__} declares "
                              f"{sorted(self.sampling_features)})")
+        if grammar is not None:
+            req.grammar = self._grammar_compiler().matcher(grammar)
         req.ignore_eos = bool(ignore_eos)
         total = int(getattr(self.steps, "kv_blocks_total", 0)) if self.scheduler.reserve else 0
         check_kv_budget(len(req.prompt), req.max_new, self.max_seq, total, self.pool.block_size)
@@ -302,8 +314,17 @@ class Engine:
     @property
     def sampling_features(self) -> frozenset[str]:
         """The optional sampling features the step model honours (``presence_penalty``,
-        ``frequency_penalty``, ``logit_bias``, ``logprobs``; its ``sampling_features``)."""
+        ``frequency_penalty``, ``logit_bias``, ``logprobs``, ``grammar``; its
+        ``sampling_features``)."""
         return frozenset(getattr(self.steps, "sampling_features", ()))
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The model's :class:`~.grammar.GrammarCompiler`, built on the first grammar."""
+        if self._grammars is None:
+            steps: Any = self.steps
+            self._grammars = GrammarCompiler(steps.grammar_tokenizer(), steps.vocab_size,
+                                             steps.eos_ids)
+        return self._grammars
 
     def stats(self) -> EngineStats:
         """Queue, batch and KV occupancy now, and counters since construction."""

@@ -19,6 +19,13 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from .engine import Engine, EngineFailed, RequestStream
+from .grammar import (
+    check_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+    tags_are_tokens,
+    tool_call_grammar,
+)
 from .guard import openai_error_body
 from .router import Replica
 
@@ -40,7 +47,9 @@ _KNOWN = frozenset({
     "user", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "store", "metadata",
     # checked below: refused unless they ask for nothing
-    "best_of", "suffix", "echo", "response_format",
+    "best_of", "suffix", "echo",
+    # checked below: turned into a grammar (:mod:`.grammar`)
+    "response_format",
 })
 
 
@@ -107,6 +116,8 @@ class Job:
     tool_names: tuple[str, ...] = ()
     #: choices to generate, each its own request (seed ``seed + i``: :func:`choice_seed`)
     n: int = 1
+    #: the grammar the reply follows (``response_format``, ``tool_choice`` required or named)
+    grammar: str | None = None
 
     def features(self) -> dict[str, Any]:
         """The engine arguments of the optional features this job asks for (only those, so
@@ -120,6 +131,8 @@ class Job:
             out["logit_bias"] = self.logit_bias
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
         return out
 
 
@@ -184,15 +197,28 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
+def _tool_choice(body: dict[str, Any]) -> tuple[str, str | None]:
+    """``tool_choice`` as ``(kind, name)``: kind ``"auto"`` (also when absent), ``"none"``,
+    ``"required"`` or ``"function"`` (``name``: the named function)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return (choice or "auto"), None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+        raise BadRequest("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                         '{"type": "function", "function": {"name": str}}')
+    return "function", fn["name"]
+
+
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The tools the template renders (``None``: none), refusing what needs constrained
-    decoding (``tool_choice`` ``required`` or a named function)."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise BadRequest("tool_choice", "tool_choice 'required' or a named function needs "
-                         "grammar-constrained decoding, which this server does not do; use "
-                         "'auto' (the model may answer in text) or 'none'")
+    """The tools the template renders (``None``: none, or ``tool_choice`` ``none``)."""
+    tools = body.get("tools")
+    choice, _ = _tool_choice(body)
     if tools is None:
+        if choice in ("required", "function"):
+            raise BadRequest("tool_choice", f"tool_choice {body['tool_choice']!r} needs 'tools' "
+                             "(the functions the reply may call)")
         return None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function"
@@ -200,7 +226,69 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             and isinstance(t["function"].get("name"), str) for t in tools):
         raise BadRequest("tools", 'tools must be a list of {"type": "function", "function": '
                          '{"name": str, "description": str, "parameters": object}}')
+    if not tools and choice in ("required", "function"):
+        raise BadRequest("tool_choice", "tool_choice 'required' or a named function needs a "
+                         "non-empty 'tools'")
     return None if choice == "none" or not tools else tools
+
+
+def _response_format(fmt: Any) -> str | None:
+    """The grammar of ``response_format`` (``None``: plain text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    if kind != "json_schema":
+        raise BadRequest("response_format", "'response_format' must be {\"type\": \"text\"}, "
+                         "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                         "\"json_schema\": {\"name\": str, \"schema\": object, \"strict\": bool}}")
+    js = fmt.get("json_schema")
+    schema = js.get("schema", {}) if isinstance(js, dict) else None
+    if not isinstance(schema, dict) or not isinstance(js.get("name", ""), str) or not (
+            isinstance(js.get("strict", False), bool) or js.get("strict") is None):
+        raise BadRequest("response_format", "'response_format.json_schema' must be an object "
+                         "{\"name\": str, \"schema\": object, \"strict\": bool}")
+    try:
+        return json_schema_grammar(schema)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest("response_format", f"'response_format.json_schema.schema' is not a "
+                         f"valid JSON schema: {exc}") from exc
+
+
+def _grammar(body: dict[str, Any], chat: bool, tools: list[dict[str, Any]] | None,
+             engine: Engine) -> str | None:
+    """The grammar the reply must follow (:mod:`.grammar`): ``response_format`` ``json_object``
+    / ``json_schema``, or (chat) one tool call for ``tool_choice`` ``required`` / a named
+    function; ``None`` for free text (``tool_choice`` ``auto`` stays unconstrained). Refused
+    (400) when malformed, invalid (a schema llguidance does not accept), both at once, or
+    asked of an engine without grammars (``unsupported_parameter``)."""
+    grammar, param = _response_format(body.get("response_format")), "response_format"
+    kind, name = _tool_choice(body) if chat else ("auto", None)
+    if kind in ("required", "function") and tools:
+        if grammar is not None:
+            raise BadRequest("response_format", "'response_format' and tool_choice "
+                             f"{body['tool_choice']!r} ask for two different replies; send one")
+        try:
+            tok = getattr(engine.model, "tokenizer", None)
+            grammar = tool_call_grammar(tools, name, tag_tokens=tags_are_tokens(tok))
+            param = "tool_choice"
+        except ValueError as exc:
+            raise BadRequest("tool_choice", str(exc)) from exc
+    if grammar is None:
+        return None
+    if "grammar" not in frozenset(getattr(engine, "sampling_features", ())):
+        raise BadRequest(param, f"'{param}' needs grammar-constrained decoding, which this "
+                         "server's model engine does not do; leave it out (the request was not "
+                         "run)", code="unsupported_parameter")
+    try:
+        check_grammar(grammar)
+    except ValueError as exc:
+        where = "tools" if param == "tool_choice" else param
+        raise BadRequest(where, f"'{where}': {exc}") from exc
+    return grammar
 
 
 def _prompt_ids(body: dict[str, Any], chat: bool, model: Any, limits: Limits) -> list[int]:
@@ -270,12 +358,10 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
                          "need the prompt's own log-probabilities; send 'echo' without "
                          "'logprobs', or 'logprobs' without 'echo' (the request was not run)",
                          code="unsupported_parameter")
-    fmt = body.get("response_format")
     best_of = body.get("best_of")
     asked = {
         "best_of": best_of is not None and not (_is_int(best_of) and best_of == 1),
         "suffix": body.get("suffix") not in (None, ""),
-        "response_format": fmt is not None and fmt != {"type": "text"},
     }
     for key, bad in asked.items():
         if bad:
@@ -474,10 +560,11 @@ def parse_request(body: Any, chat: bool, model_name: str, engine: Engine,
         echo = p if isinstance(p, str) else engine.model.decode(ids)
     tools = _tools(body) if chat else None
     names = tuple(t["function"]["name"] for t in tools) if tools else ()
+    grammar = _grammar(body, chat, tools, engine)
     return Job(ids, int(max_tokens), stream, float(temperature),
                None if top_p is None else float(top_p), top_k, seed, stops, ignore_eos,
                include_usage, echo=echo, tool_names=names, n=1 if n is None else int(n),
-               **feats)
+               grammar=grammar, **feats)
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:

@@ -14,7 +14,7 @@ the core never does). Then:
 
 | front -> core | core -> front |
 |---|---|
-| :class:`Submit` (token ids + sampling parameters) | one :class:`Step` per engine step with news for that front: every request's new token ids as three arrays, the finished ones, log-probabilities when asked, the engine's stats and phase times |
+| :class:`Submit` (token ids + sampling parameters, a grammar's text) | one :class:`Step` per engine step with news for that front: every request's new token ids as three arrays, the finished ones, log-probabilities when asked, the engine's stats and phase times |
 | :class:`Cancel` (request ids) | :class:`Failed` once, when the engine failed (the core then exits and is restarted) |
 | :class:`Bye` (cancel everything of this front) | |
 
@@ -105,6 +105,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    #: the grammar the reply follows (llguidance's formats, :mod:`.grammar`): the core
+    #: compiles it against the model's tokenizer
+    grammar: str | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):

@@ -24,7 +24,7 @@ __all__ = ["FEATURES", "STAT_FIELDS", "EngineClosed", "EngineFailed", "EngineOve
            "TokenStream", "check_kv_budget", "prompt_ids"]
 
 #: The optional sampling features a step model may declare in ``sampling_features``.
-FEATURES = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+FEATURES = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "grammar")
 
 
 class EngineOverloaded(RuntimeError):
@@ -52,7 +52,8 @@ class SamplingParams:
     OpenAI's features (0 / empty / ``None``: off): ``presence_penalty`` and
     ``frequency_penalty`` in [-2, 2], ``logit_bias`` as ``((token id, bias), ...)`` sorted by
     id, ``logprobs`` the number of top log-probabilities returned with each token (0: only
-    the token's own).
+    the token's own), ``grammar`` a grammar the reply must follow (llguidance's formats:
+    :mod:`.grammar`; each draw is masked to the tokens it allows).
     """
 
     temperature: float = 0.0
@@ -63,12 +64,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    grammar: str | None = None
 
     def features(self) -> frozenset[str]:
         """The optional features (:data:`FEATURES`) these parameters ask for."""
         asked = {"presence_penalty": bool(self.presence_penalty),
                  "frequency_penalty": bool(self.frequency_penalty),
-                 "logit_bias": bool(self.logit_bias), "logprobs": self.logprobs is not None}
+                 "logit_bias": bool(self.logit_bias), "logprobs": self.logprobs is not None,
+                 "grammar": self.grammar is not None}
         return frozenset(k for k, v in asked.items() if v)
 
 
@@ -111,6 +114,10 @@ class StepModel(Protocol):
     :mod:`.scheduler`). ``sampling_features``, the :data:`FEATURES` the model honours (the engine
     refuses a request asking for another one). A model that honours ``logprobs`` returns
     each token of such a request as a :class:`Sampled` carrying its :class:`TokenLogprob`.
+    A model that honours ``grammar`` has ``grammar_tokenizer()`` (its tokenizer's JSON),
+    takes ``masks=`` in ``submit_decode`` (a callable it asks, once the step's forward pass is
+    enqueued, for ``(slots, bitmask)``: the constrained rows' allowed-token bitmasks) and
+    ``mask=`` (one row) in ``submit_prefill`` for a constrained request's first token.
     """
 
     @property
@@ -209,6 +216,7 @@ class _Request:
     started: bool = False  # its first prompt chunk was enqueued
     fed: int = 0  # lookahead: decode steps enqueued for it whose token is not delivered yet
     primed: bool = False  # lookahead: its last prompt chunk is enqueued, its token not delivered
+    grammar: Any = None  # params.grammar compiled: its .grammar.Matcher, advanced per token
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,23 @@ cached (its unwritten reserved blocks there go back). ``n`` choices of one promp
 clients with one system prompt admitted together, prefill the shared blocks once. A
 finished request's written full blocks (prompt and generated tokens) stay cached; a failed
 prefill or step empties the cache.
+
+**Grammars** (requests with ``params.grammar``, :mod:`.grammar`): a constrained row's mask
+for its next draw needs the token it drew last on the host, but its forward pass does not.
+With lookahead, a step that feeds constrained rows is enqueued in two (the step model's
+``begin_decode``): its forward pass first (every row feeding its device-held token, as
+above), then, while the device runs it, the previous step's tokens are delivered (each
+constrained row's matcher advances), the constrained rows' bitmasks are filled together
+(:class:`~.grammar.MaskBatch`) and uploaded, and the sampling and the step's prompt chunks
+are enqueued after them. A row that ended at delivery (a completed grammar, a stop) is
+sampled once more and its token dropped, as any row fed ahead. Without lookahead (or a step
+model without ``begin_decode``), while any running request has a grammar steps run in turn
+(the step in flight, if any, delivered first), the masks asked for once each step's forward
+pass is enqueued (``submit_decode``'s ``masks``), so they are filled while the device runs
+it. A constrained request's last prompt chunk carries the grammar's first mask. Every delivered token
+advances the request's matcher, and a completed grammar ends the request (``"stop"``).
+Unconstrained rows draw exactly the tokens they would have drawn without the constrained
+ones (rows are independent; only the order of enqueues and reads changes).
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ from typing import Any
 
 from deviceops import DriverError, LaunchError
 
+from .grammar import MaskBatch
 from .requests import _DECODE, _DONE, _PREFILL, StepModel, _Request
 from .slots import SlotPool
 
@@ -139,6 +157,11 @@ class Scheduler:
         self.lookahead = can if lookahead is None else bool(lookahead)
         #: lookahead: the last step's enqueued work, delivered by the next step
         self._inflight: _Inflight | None = None
+        #: grammars (module docstring): the step's bitmasks (made on the first constrained
+        #: step), and the host seconds / row masks spent filling them
+        self._masks: MaskBatch | None = None
+        self.grammar_s = 0.0
+        self.grammar_masks = 0
         #: called once a step's device work is enqueued, before the host waits for it: an
         #: owner's host work that can overlap the device (an engine core sends the previous
         #: step's tokens here)
@@ -182,9 +205,14 @@ class Scheduler:
                 return
             self.steps_run += 1
             try:
-                if self.lookahead:
+                if self.lookahead and not self._constrained():
                     await self._step_ahead()
+                elif self.lookahead and getattr(self.steps, "begin_decode", None) is not None:
+                    await self._step_ahead_masked()
                 else:
+                    if self._inflight is not None:  # a grammar joined: deliver, then in turn
+                        prev, self._inflight = self._inflight, None
+                        await self._deliver_step(prev)
                     await self._decode_and_prefill()
             except Exception as exc:  # a failed step fails every request it touched
                 self._inflight = None
@@ -244,8 +272,9 @@ class Scheduler:
         rows = [r for r in self.active if r.state == _DECODE]
         dec = None
         if rows:
+            kw = self._mask_source(rows)
             dec = self.submit_decode(
-                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows]
+                [r.slot for r in rows], [r.last for r in rows], [r.pos for r in rows], **kw
             )
         chunks = self._submit_prefills()
         t1 = time.perf_counter()
@@ -289,20 +318,7 @@ class Scheduler:
         prompt chunks, then deliver the previous step's tokens while the device runs it."""
         phase = self.phase_s
         t0 = time.perf_counter()
-        rows: list[_Request] = []
-        pos: list[int] = []
-        for r in self.active:
-            if r.cancelled:
-                continue
-            if r.state == _DECODE:
-                p, n = r.pos + r.fed, len(r.out) + r.fed
-            elif r.primed:  # its first token is on the device, to be fed after the prompt
-                p, n = len(r.prompt), 1
-            else:
-                continue
-            if n < r.max_new and p < self.max_seq:  # else it ends by length: no step ahead
-                rows.append(r)
-                pos.append(p)
+        rows, pos = self._ahead_rows()
         dec = None
         if rows:
             dec = self.submit_decode([r.slot for r in rows], None, pos)
@@ -325,6 +341,58 @@ class Scheduler:
         if self.on_enqueued is not None:
             self.on_enqueued()
         await self._deliver_step(prev)
+
+    def _ahead_rows(self) -> tuple[list[_Request], list[int]]:
+        """The rows a lookahead step feeds (their device-held tokens) and their positions."""
+        rows: list[_Request] = []
+        pos: list[int] = []
+        for r in self.active:
+            if r.cancelled:
+                continue
+            if r.state == _DECODE:
+                p, n = r.pos + r.fed, len(r.out) + r.fed
+            elif r.primed:  # its first token is on the device, to be fed after the prompt
+                p, n = len(r.prompt), 1
+            else:
+                continue
+            if n < r.max_new and p < self.max_seq:  # else it ends by length: no step ahead
+                rows.append(r)
+                pos.append(p)
+        return rows, pos
+
+    async def _step_ahead_masked(self) -> None:
+        """Lookahead with grammars (module docstring): enqueue this step's forward pass
+        (device-fed tokens), deliver the previous step's tokens (advancing the matchers)
+        while the device runs it, then fill and upload the constrained rows' masks and
+        enqueue the sampling and this step's prompt chunks."""
+        rows, pos = self._ahead_rows()
+        reqs = [r for r in rows if r.grammar is not None]
+        if not reqs:  # no constrained row is fed in this step: a plain lookahead step
+            await self._step_ahead()
+            return
+        phase = self.phase_s
+        t0 = time.perf_counter()
+        held = [r.slot for r in reqs]  # (a request ended at delivery has let its slot go)
+        finish = self.steps.begin_decode(  # type: ignore[attr-defined]
+            [r.slot for r in rows], pos, lambda: (held, self._fill(reqs)))
+        for r in rows:
+            r.fed += 1
+        prev, self._inflight = self._inflight, None
+        phase["enqueue"] += time.perf_counter() - t0
+        try:
+            if prev is not None:
+                await self._deliver_step(prev)  # the tokens the masks follow from
+        finally:
+            t0 = time.perf_counter()
+            dec = finish()  # masks filled and uploaded, the sampling enqueued
+            chunks = self._submit_prefills()
+            for req, _n, last, _wait in chunks:
+                if last:
+                    req.primed = True
+            self._inflight = _Inflight(rows, dec, chunks)
+            phase["enqueue"] += time.perf_counter() - t0
+        if self.on_enqueued is not None:
+            self.on_enqueued()
 
     async def _deliver_step(self, prev: _Inflight) -> None:
         """Wait for an enqueued step's decode tokens and first tokens and hand them over
@@ -417,21 +485,52 @@ class Scheduler:
         refused packed call is retried chunk by chunk so only the bad chunk fails."""
         many = getattr(self.steps, "submit_prefills", None)
         items = [(r.slot, r.prompt[st:st + n], st, r.params, last) for r, st, n, last in plan]
-        if many is not None and len(items) > 1:
+        # (a constrained request's last chunk draws under its grammar's mask: one by one)
+        masked = any(last and r.grammar is not None for r, _st, _n, last in plan)
+        if many is not None and len(items) > 1 and not masked:
             try:
                 return list(many(items))
             except Exception as exc:
                 if self._device_failed(exc):
                     raise
         out: list[Callable[[], Awaitable[Any]] | BaseException] = []
-        for slot, ids, st, params, last in items:
+        for (req, *_), (slot, ids, st, params, last) in zip(plan, items, strict=True):
             try:
-                out.append(self.submit_prefill(slot, ids, st, params, last=last))
+                kw = {"mask": self._mask_of(req)} if last and req.grammar is not None else {}
+                out.append(self.submit_prefill(slot, ids, st, params, last=last, **kw))
             except Exception as exc:
                 if self._device_failed(exc):
                     raise
                 out.append(exc)
         return out
+
+    # -- grammars (module docstring) --------------------------------------------------------
+    def _constrained(self) -> bool:
+        """Some running request has a grammar (steps then run in turn)."""
+        return any(r.grammar is not None for r in self.active)
+
+    def _fill(self, reqs: list[_Request]) -> Any:
+        """The bitmasks of ``reqs``' next draws, filled together (host time counted)."""
+        t0 = time.perf_counter()
+        if self._masks is None:
+            self._masks = MaskBatch(self.pool.n_slots, self.steps.vocab_size)
+        out = self._masks.fill([r.grammar for r in reqs])
+        self.grammar_s += time.perf_counter() - t0
+        self.grammar_masks += len(reqs)
+        return out
+
+    def _mask_of(self, req: _Request) -> Any:
+        """The bitmask of a constrained request's first token (a copy: one row)."""
+        return self._fill([req])[0].copy()
+
+    def _mask_source(self, rows: list[_Request]) -> dict[str, Any]:
+        """``submit_decode``'s ``masks`` for a step with constrained rows (none without): the
+        step model asks for them once the forward pass is enqueued, so they are filled
+        while the device runs it."""
+        reqs = [r for r in rows if r.grammar is not None]
+        if not reqs:
+            return {}
+        return {"masks": lambda: ([r.slot for r in reqs], self._fill(reqs))}
 
     # -- prefix caching (module docstring) ------------------------------------------------
     def _shareable(self, req: _Request) -> list[bytes]:
@@ -479,7 +578,12 @@ class Scheduler:
         req.last = tok
         self.generated += 1
         self.pool.set_length(req.slot, req.pos)  # positions 0 .. pos-1 hold KV
-        if (tok in eos and not req.ignore_eos) or tok in req.stop:
+        ended = None if req.grammar is None else req.grammar.advance(tok)
+        if ended == "error":
+            self.finish(req, "error", RuntimeError(
+                f"Engine: request {req.id}'s grammar failed at token {tok}: "
+                f"{req.grammar.error or 'the token is not allowed'}"))
+        elif ended == "stop" or (tok in eos and not req.ignore_eos) or tok in req.stop:
             self.finish(req, "stop")
         elif len(req.out) >= req.max_new or req.pos >= self.max_seq:  # no room to feed it
             self.finish(req, "length")

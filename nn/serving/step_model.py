@@ -7,8 +7,10 @@ the event loop runs while the step is on the device (or on the cpu backend's wor
 thread). Prefill chunks that sample nothing are enqueued and not awaited: the next op on
 the stream is ordered after them.
 
-OpenAI's penalties, ``logit_bias`` and ``logprobs`` go to the row's device state with its
-sampling parameters (``set_sampling``); for a step with rows that asked for
+OpenAI's penalties, ``logit_bias``, ``logprobs`` and a grammar go to the row's device state
+with its sampling parameters (``set_sampling``; a grammar's bitmasks follow per draw:
+``submit_decode``'s ``masks``, computed while the forward pass runs, and
+``submit_prefill``'s ``mask`` for the first token); for a step with rows that asked for
 log-probabilities, the host copy of the runner's log-probability rows is scheduled right
 after the tokens' (same stream, so it holds this step's values) and each such row's token
 comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.TokenLogprob`.
@@ -17,6 +19,7 @@ comes back as a :class:`~.requests.Sampled` carrying its :class:`~.requests.Toke
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -62,8 +65,13 @@ class CausalLMSteps:
     @property
     def sampling_features(self) -> frozenset[str]:
         """Every optional feature where the model has the runner's feature path
-        (``read_logprobs``), else none."""
-        return frozenset(FEATURES) if hasattr(self.model, "read_logprobs") else frozenset()
+        (``read_logprobs``; ``grammar`` also needs ``set_mask`` and a ``tokenizer``), else
+        none."""
+        if not hasattr(self.model, "read_logprobs"):
+            return frozenset()
+        grammar = (hasattr(self.model, "set_mask")
+                   and getattr(self.model, "tokenizer", None) is not None)
+        return frozenset(f for f in FEATURES if grammar or f != "grammar")
 
     @property
     def max_batch(self) -> int:
@@ -94,8 +102,9 @@ class CausalLMSteps:
 
     # -- pipelined steps (optional StepModel extension the engine uses when present) --------
     def submit_prefill(self, slot: int, ids: Sequence[int], start: int, params: SamplingParams,
-                       *, last: bool) -> Callable[[], Awaitable[int | None]]:
-        """Enqueue a prefill chunk now; the returned callable awaits its token (``last``)."""
+                       *, last: bool, mask: Any = None) -> Callable[[], Awaitable[int | None]]:
+        """Enqueue a prefill chunk now; the returned callable awaits its token (``last``).
+        ``mask``: the grammar's bitmask (one row) for that token."""
         m = self.model
         if start == self._first.get(slot, 0):  # the request's first chunk
             extra: dict[str, Any] = {}
@@ -104,12 +113,16 @@ class CausalLMSteps:
                          "frequency_penalty": params.frequency_penalty,
                          "logit_bias": dict(params.logit_bias),
                          "logprobs": params.logprobs is not None}
+                if params.grammar is not None:
+                    extra["grammar"] = True
             m.set_sampling(slot, temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, seed=params.seed, **extra)
             if params.logprobs is not None:
                 self._lp[slot] = params.logprobs
             else:
                 self._lp.pop(slot, None)
+        if mask is not None:
+            m.set_mask([slot], mask.reshape(1, -1))
         view = m.prefill(slot, list(ids), start, sample=last)
         if not last:
             return _none
@@ -178,13 +191,22 @@ class CausalLMSteps:
         return [token(sl) if last else _none for sl, _ids, _st, _p, last in run]
 
     def submit_decode(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                      positions: Sequence[int]) -> Callable[[], Awaitable[list[int]]]:
+                      positions: Sequence[int], *, masks: Any = None
+                      ) -> Callable[[], Awaitable[list[int]]]:
         """Enqueue a decode step now; the returned callable awaits the rows' tokens.
-        ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`)."""
-        m = self.model
+        ``tokens=None``: each row feeds the token on the device (:attr:`device_fed`).
+        ``masks``: the grammar rows' bitmasks, a callable asked once the forward pass is
+        enqueued (``CausalLM.decode_step``'s)."""
         rows = list(slots)
-        view = self._decode(rows, None if tokens is None else list(tokens), list(positions))
-        fut = m.read(view).schedule(self._policy)
+        kw = {} if masks is None else {"masks": masks}
+        view = self._decode(rows, None if tokens is None else list(tokens), list(positions),
+                            **kw)
+        return self._tokens(view, rows)
+
+    def _tokens(self, view: Any, rows: list[int]) -> Callable[[], Awaitable[list[int]]]:
+        """Schedule the host copies of a decode step's tokens (and log-probabilities); the
+        returned callable awaits them."""
+        fut = self.model.read(view).schedule(self._policy)
         lp = self._read_logprobs(rows)
         tops = {s: self._lp[s] for s in rows if s in self._lp} if lp is not None else {}
 
@@ -198,6 +220,27 @@ class CausalLMSteps:
                     for t, s in zip(toks, rows, strict=True)]
 
         return result
+
+    # -- grammars (optional StepModel extension the engine uses when present) --------------
+    def begin_decode(self, slots: Sequence[int], positions: Sequence[int], masks: Any
+                     ) -> Callable[[], Callable[[], Awaitable[list[int]]]]:
+        """:meth:`submit_decode` (rows feeding their device-held tokens) in two: the forward
+        pass is enqueued now; the returned ``finish()`` asks ``masks`` for the grammar rows'
+        bitmasks, enqueues them and the sampling, and returns the callable awaiting the
+        tokens. Nothing else may be enqueued in between (``CausalLM.decode_begin``); the
+        host may read the previous step's tokens, from which the masks follow."""
+        rows = list(slots)
+        view, end = self.model.decode_begin(rows, None, list(positions), masks)
+
+        def finish() -> Callable[[], Awaitable[list[int]]]:
+            end()
+            return self._tokens(view, rows)
+
+        return finish
+
+    def grammar_tokenizer(self) -> str:
+        """The model's tokenizer as JSON, what :class:`~.grammar.GrammarCompiler` builds on."""
+        return str(self.model.tokenizer.to_str())
 
     def _read_logprobs(self, slots: list[int]) -> Any:
         """The scheduled host copy of the log-probability rows when a slot asked, else None."""
@@ -267,9 +310,10 @@ async def _none() -> None:
 
 
 def _sampled(tok: int, vals: Any, ids: Any, slot: int, n: int) -> Sampled:
-    """``tok`` with row ``slot``'s log-probability and its top ``n`` alternatives."""
+    """``tok`` with row ``slot``'s log-probability and its top ``n`` alternatives (those that
+    could be drawn: a grammar's masked tokens have ``-inf``, and JSON has no infinity)."""
     top = tuple((int(ids[slot, j]), float(vals[slot, 1 + j])) for j in range(n)
-                if int(ids[slot, j]) >= 0)
+                if int(ids[slot, j]) >= 0 and math.isfinite(float(vals[slot, 1 + j])))
     return Sampled(tok, TokenLogprob(tok, float(vals[slot, 0]), top))
 
 
