@@ -226,3 +226,32 @@ def test_serve_refuses_before_starting(argv: list[str], says: str,
         cli.main(argv)
     assert info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_serve_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch, enc: nn.Encoder) -> None:
+    """``--embedding-model`` alone: no chat load, the embedding model's name; with ``--model``:
+    both (the server is not run; the embedding loader is called to check where it loads)."""
+    from deviceops.nn.serving import cli as serve_cli
+
+    seen: list[tuple[Any, dict[str, Any]]] = []
+    real = serve_cli.create_app
+
+    def record(load: Any, **kw: Any) -> Any:
+        seen.append((load, kw))
+        return real(load, **kw)
+
+    loaded: list[dict[str, Any]] = []
+    monkeypatch.setattr(serve_cli, "create_app", record)
+    monkeypatch.setattr(serve_cli._Server, "run", lambda self, *a, **k: None)
+    monkeypatch.setattr(serve_cli, "load_named_encoder",
+                        lambda model, **kw: loaded.append({"model": model, **kw}) or enc)
+    assert serve_cli.main(["--embedding-model", "minilm", "--device", "cpu",
+                           "--log-level", "warning"]) == 1  # (never started)
+    assert serve_cli.main(["--model", "smollm2", "--embedding-model", "minilm",
+                           "--log-level", "warning"]) == 1
+    (load0, kw0), (load1, kw1) = seen
+    assert load0 is None and kw0["model_name"] == "minilm" and kw0["embedding"].name == "minilm"
+    assert callable(load1) and kw1["model_name"] == "smollm2"
+    assert kw1["embedding"].name == "minilm"
+    assert kw0["embedding"]._load() is enc
+    assert loaded == [{"model": "minilm", "device": "cpu", "dtype": None}]
