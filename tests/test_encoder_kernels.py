@@ -88,6 +88,20 @@ def test_erf_np_float32_path_is_close_to_math_erf() -> None:
     assert erf_np(np.float32([0.0]))[0] == 0.0 and erf_np(np.float32([40.0]))[0] == 1.0
 
 
+def test_gelu_erf_np_float32_chunks_match_float64() -> None:
+    from deviceops.kernels.runtime._cpu import gelu_erf_np
+
+    x = np.random.default_rng(5).standard_normal((7, 5003)) * 4  # several chunks, odd tail
+    want = _gelu_erf64(x)
+    np.testing.assert_allclose(gelu_erf_np(x), want, rtol=1e-14, atol=1e-15)  # float64: exact
+    got = gelu_erf_np(x.astype(np.float32))
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    half = gelu_erf_np(x.astype(np.float16))
+    assert half.dtype == np.float16
+    np.testing.assert_allclose(half.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
 def _gelu_erf64(v: np.ndarray) -> np.ndarray:
     return np.array([0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))) for x in v.ravel()]
                     ).reshape(v.shape)
