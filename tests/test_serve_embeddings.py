@@ -215,6 +215,64 @@ async def test_service_under_asyncio_and_trio(enc: nn.Encoder) -> None:
     np.testing.assert_allclose(got, enc.embed(["cat", "hello world!"]), atol=0)
 
 
+@pytest.mark.anyio
+async def test_requests_waiting_are_embedded_together(enc: nn.Encoder) -> None:
+    import anyio
+
+    calls: list[int] = []
+
+    class Slow:
+        """The encoder; each forward takes 0.2 s (the others queue up behind the first)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(enc, name)
+
+        def embed_ids(self, ids: Any) -> np.ndarray:
+            calls.append(len(ids))
+            time.sleep(0.2)
+            return enc.embed_ids(ids)
+
+    svc = EmbeddingService("tiny-bert", lambda: Slow())  # type: ignore[arg-type,return-value]
+    await svc.load()
+    texts = [["cat"], ["hello world!", "the dog"], ["a big red dog"], ["mat", "run", "jump"]]
+    jobs = [parse_embedding_request({"model": "tiny-bert", "input": t}, "tiny-bert", enc)
+            for t in texts]
+    got: dict[int, np.ndarray] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await svc.embed(jobs[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(jobs)):
+            tg.start_soon(one, i)
+            await anyio.sleep(0.01 if i == 0 else 0)  # the first starts the first forward
+    assert svc.forwards == 2 and calls == [1, 6], calls  # the rest went together
+    for i, t in enumerate(texts):
+        np.testing.assert_allclose(got[i], enc.embed(t), atol=1e-6)
+
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(enc, name)
+
+        def embed_ids(self, ids: Any) -> np.ndarray:
+            raise RuntimeError("device on fire")
+
+    bad = EmbeddingService("tiny-bert", lambda: Broken())  # type: ignore[arg-type,return-value]
+    await bad.load()
+    errors: list[str] = []
+
+    async def fails(i: int) -> None:
+        try:
+            await bad.embed(jobs[i])
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(fails, i)
+    assert errors == ["device on fire"] * 3
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--embedding-model", "nope"], "unknown embedding model 'nope'"),
     (["--embedding-model", "minilm", "--devices", "cpu:0,cpu:1"], "--devices spreads a chat"),

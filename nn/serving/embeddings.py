@@ -19,7 +19,9 @@ Where it runs: in the front process (the model is small), loaded in a worker thr
 start-up (:meth:`EmbeddingService.load`); parsing and tokenising a body over
 :data:`~.http.INLINE_BODY_BYTES`, and every forward, run in worker threads, so the event
 loop is never blocked by them. Forwards run one at a time (the encoder owns one activation
-arena); requests wait their turn in :meth:`EmbeddingService.embed`.
+arena); the requests that arrive while one runs are embedded together by the next, up to
+:data:`MAX_INPUTS` inputs (:meth:`EmbeddingService.embed`; the encoder batches by length
+under the padding mask, so a text's embedding does not depend on its company).
 """
 
 from __future__ import annotations
@@ -156,6 +158,16 @@ def embeddings_body(model_name: str, vectors: np.ndarray, job: EmbeddingJob) -> 
             "usage": {"prompt_tokens": job.tokens, "total_tokens": job.tokens}}
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """A request waiting for its embeddings (:meth:`EmbeddingService.embed`)."""
+
+    job: EmbeddingJob
+    done: anyio.Event
+    result: np.ndarray | None = None
+    error: BaseException | None = None
+
+
 class EmbeddingService:
     """The served embedding model: its name, its loader, and the encoder once loaded.
 
@@ -163,6 +175,9 @@ class EmbeddingService:
         name: the id clients pass as ``"model"``.
         load: builds the :class:`~deviceops.nn.Encoder` (run in a worker thread by
             :meth:`load`).
+
+    Attributes:
+        forwards: forwards run so far (requests embedded together count once).
     """
 
     def __init__(self, name: str, load: Callable[[], Encoder]) -> None:
@@ -170,7 +185,9 @@ class EmbeddingService:
         self._load = load
         self.encoder: Encoder | None = None
         self.load_error: str | None = None
-        self._turn = anyio.CapacityLimiter(1)  # one forward at a time: one waiting thread
+        self.forwards = 0
+        self._waiting: list[_Waiting] = []
+        self._running = False
 
     @property
     def status(self) -> str:
@@ -188,8 +205,51 @@ class EmbeddingService:
         log.info("ready: embedding model %s loaded (%s)", self.name, self.encoder)
 
     async def embed(self, job: EmbeddingJob) -> np.ndarray:
-        """The embeddings of ``job``'s inputs, computed in a worker thread (one forward at a
-        time)."""
+        """The embeddings of ``job``'s inputs, computed in a worker thread.
+
+        One forward runs at a time. A request that finds none running runs them (shielded
+        from its own cancellation, so the others it carries are never left waiting): it
+        takes the requests waiting, up to :data:`MAX_INPUTS` inputs together (at least one
+        request), embeds them in one forward, hands each its rows, and goes on until none
+        waits.
+        """
+        me = _Waiting(job, anyio.Event())
+        self._waiting.append(me)
+        if not self._running:
+            self._running = True
+            try:
+                with anyio.CancelScope(shield=True):
+                    while self._waiting:
+                        await self._forward()
+            finally:
+                self._running = False
+        await me.done.wait()
+        if me.error is not None:
+            raise me.error
+        assert me.result is not None
+        return me.result
+
+    async def _forward(self) -> None:
+        """One forward over the first waiting requests (module docstring)."""
         enc = self.encoder
         assert enc is not None
-        return await anyio.to_thread.run_sync(enc.embed_ids, job.ids, limiter=self._turn)
+        take: list[_Waiting] = []
+        n = 0
+        while self._waiting and (not take or n + len(self._waiting[0].job.ids) <= MAX_INPUTS):
+            w = self._waiting.pop(0)
+            take.append(w)
+            n += len(w.job.ids)
+        ids = [s for w in take for s in w.job.ids]
+        self.forwards += 1
+        try:
+            out = await anyio.to_thread.run_sync(enc.embed_ids, ids)
+        except Exception as exc:  # each request of the forward gets the error
+            for w in take:
+                w.error = exc
+        else:
+            r = 0
+            for w in take:
+                w.result = out[r:r + len(w.job.ids)]
+                r += len(w.job.ids)
+        for w in take:
+            w.done.set()
