@@ -8,9 +8,9 @@ padding excluded), and divide by its L2 norm. The result is float32 ``(N, dim)``
 Batching: the texts are sorted by length (longest first) and cut into batches of rows of
 one padded length ``L`` (the longest of the batch, rounded up to a multiple of 8), at most
 ``max_batch`` rows and ``max_tokens`` tokens each, and no row shorter than half of ``L``
-after rounding (so at most about half of a batch is padding). A row's padding is masked out twice:
-attention sees only the row's first ``len`` keys (``flash_attention(kv_len=lens)``), and the
-pooling weights of its padding positions are 0. Padding never changes a text's embedding
+after rounding (so at most about half of a batch is padding). A row's padding is masked out
+twice: attention sees only the row's first ``len`` keys (``flash_attention(kv_len=lens)``),
+and the pooling weights of its padding positions are 0. Padding never changes a text's embedding
 (the tests compare a text alone and in a batch). The pooling is one batched GEMM, the
 weights ``1/len`` per real token; the rows come back to the callers' order by an
 ``embedding`` gather, and the normalisation is an ``rms_norm`` with weight ``1/sqrt(dim)``.
@@ -194,6 +194,7 @@ class Encoder:
         :meth:`encode` gives them), float32 ``(N, dim)``.
 
         Raises:
+            TypeError: ``ids`` is not a sequence of sequences of ints.
             ValueError: an empty sequence, an id outside ``[0, vocab_size)``, or a sequence
                 over :attr:`max_length` tokens (at the call).
         """
