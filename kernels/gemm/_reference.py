@@ -47,7 +47,8 @@ def gemm_reference(
         b: ``(K, N)`` or ``(*batch, K, N)``, same dtype; ``(N, K)`` / ``(*batch, N, K)``
             with ``trans_b``.
         bias: ``(N,)`` or None.
-        activation: None, ``"relu"``, ``"gelu"`` (tanh approximation), ``"silu"``.
+        activation: None, ``"relu"``, ``"gelu"`` (tanh approximation), ``"silu"``,
+            ``"gelu_erf"`` (exact GELU).
         alpha: scale of ``a @ b``.
         beta: scale of ``c``; ``c`` is read only when ``beta != 0``.
         c: the previous output ``(*batch, M, N)`` (required when ``beta != 0``).

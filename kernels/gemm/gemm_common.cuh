@@ -4,7 +4,7 @@
 // Epilogue (every kernel, every path):
 //   out[b, m, n] = act(alpha * sum_k a[b, m, k] * b[(b,) k, n] + beta * out_prev[b, m, n] + bias[n])
 // out_prev is read only when HAS_BETA (beta != 0), so a poisoned output never leaks in.
-// act: 0 none, 1 relu, 2 gelu (tanh approximation), 3 silu.
+// act: 0 none, 1 relu, 2 gelu (tanh approximation), 3 silu, 4 gelu_erf (exact GELU).
 #pragma once
 
 #include "ptx_common.cuh"
@@ -19,6 +19,7 @@ typedef unsigned short u16;
 #define ACT_RELU 1
 #define ACT_GELU 2
 #define ACT_SILU 3
+#define ACT_GELU_ERF 4
 
 // 16-bit storage element (float16 or bfloat16 per GEMM_BF16) <-> float.
 __device__ __forceinline__ float h2f(u16 x) {
@@ -49,6 +50,7 @@ __device__ __forceinline__ float apply_act(float x, int act) {
     return 0.5f * x * (1.f + tanhf(u));
   }
   if (act == ACT_SILU) return x / (1.f + expf(-x));
+  if (act == ACT_GELU_ERF) return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
   return x;
 }
 

@@ -134,7 +134,8 @@ def gemm(
             own). Allocated when ``None`` (not allowed inside graph capture). Must not
             share memory with ``a``, ``b`` or ``bias``.
         bias: optional ``(N,)`` vector added to every row.
-        activation: ``None``, ``"relu"``, ``"gelu"`` (tanh approximation) or ``"silu"``.
+        activation: ``None``, ``"relu"``, ``"gelu"`` (tanh approximation), ``"silu"``
+            or ``"gelu_erf"`` (exact GELU, ``0.5 x (1 + erf(x / sqrt 2))``: BERT's).
         alpha: scale of ``a @ b``.
         beta: scale of the previous ``out`` (read only when ``beta != 0``; needs ``out``).
         tf32: float32 inputs on tensor cores with operands rounded to tf32.

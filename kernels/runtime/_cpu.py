@@ -46,7 +46,7 @@ from deviceops import _env
 
 from ._cpu_blas import BlasThreads, blas
 
-__all__ = ["BlasThreads", "WeightCache", "act_np", "blas", "clear_weight_cache", "f32", "reference_mode",
+__all__ = ["BlasThreads", "WeightCache", "act_np", "blas", "clear_weight_cache", "erf_np", "f32", "gelu_erf_np", "reference_mode",
            "use_reference", "weight_cache"]
 
 _F32 = np.dtype(np.float32)
@@ -176,11 +176,82 @@ def clear_weight_cache() -> None:
 
 def act_np(v: np.ndarray, activation: str | None) -> np.ndarray:
     """The activations every backend shares (GEMM epilogue, ``gelu``/``silu``): ``None``,
-    ``"relu"``, ``"gelu"`` (tanh approximation) or ``"silu"``, in ``v``'s dtype."""
+    ``"relu"``, ``"gelu"`` (tanh approximation), ``"gelu_erf"`` (exact: ``0.5 x (1 +
+    erf(x / sqrt 2))``, BERT's) or ``"silu"``, in ``v``'s dtype."""
     if activation == "relu":
         return np.maximum(v, 0.0)
     if activation == "gelu":
         return 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+    if activation == "gelu_erf":
+        return gelu_erf_np(v)
     if activation == "silu":
         return v * 0.5 * (1.0 + np.tanh(0.5 * v))  # = x * sigmoid(x), overflow-free
     return v
+
+
+#: Abramowitz & Stegun 7.1.26: erf(z) = 1 - t (a1 + t (a2 + ... + t a5)) exp(-z^2),
+#: t = 1 / (1 + p z) for z >= 0; absolute error at most 1.5e-7 (a few float32 ulps)
+_AS_P = 0.3275911
+_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)  # a1 .. a5
+_erf64 = np.frompyfunc(math.erf, 1, 1)
+_CHUNK = 16384  # elements per pass of the float32 paths (their temporaries stay in cache)
+
+
+def _erfc_abs32(z: np.ndarray, t: np.ndarray, out: np.ndarray) -> None:
+    """``out = 1 - erf(|z|)`` (A&S 7.1.26) for float32 ``z``; ``t`` scratch of its size;
+    ``z`` is overwritten."""
+    np.abs(z, out=z)
+    np.multiply(z, np.float32(_AS_P), out=t)
+    t += np.float32(1.0)
+    np.reciprocal(t, out=t)
+    np.multiply(t, np.float32(_AS_A[4]), out=out)
+    for c in _AS_A[3::-1]:
+        out += np.float32(c)
+        out *= t
+    np.multiply(z, z, out=z)
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    out *= z
+
+
+def erf_np(x: np.ndarray) -> np.ndarray:
+    """``erf(x)`` elementwise in ``x``'s dtype (NumPy has none).
+
+    float64 (the references): :func:`math.erf` of each element, exact to double precision
+    and slow; other dtypes (the cpu fast path) in float32 by Abramowitz & Stegun 7.1.26,
+    within 1.5e-7 of the exact value (plus float32 rounding)."""
+    if x.dtype == np.float64:
+        return np.asarray(_erf64(x), dtype=np.float64).reshape(x.shape)
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty(flat.shape, np.float32)
+    z, t = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.float32)
+    for s in range(0, flat.size, _CHUNK):
+        m = min(_CHUNK, flat.size - s)
+        z[:m] = flat[s:s + m]
+        o = out[s:s + m]
+        _erfc_abs32(z[:m], t[:m], o)
+        np.subtract(np.float32(1.0), o, out=o)
+        np.copysign(o, flat[s:s + m], out=o)
+    return out.reshape(x.shape).astype(x.dtype, copy=False)
+
+
+def gelu_erf_np(v: np.ndarray) -> np.ndarray:
+    """Exact GELU ``0.5 v (1 + erf(v / sqrt 2))`` in ``v``'s dtype: float64 through
+    :func:`erf_np`'s exact path, other dtypes in float32, a cache-sized chunk at a time
+    (``v Phi(v)`` with ``Phi = 1 - erfc / 2`` above 0 and ``erfc / 2`` below)."""
+    if v.dtype == np.float64:
+        return 0.5 * v * (1.0 + erf_np(v * math.sqrt(0.5)))
+    flat = np.ascontiguousarray(v, dtype=np.float32).reshape(-1)
+    out = np.empty(flat.shape, np.float32)
+    z, t, h = (np.empty(_CHUNK, np.float32) for _ in range(3))
+    r2 = np.float32(math.sqrt(0.5))
+    for s in range(0, flat.size, _CHUNK):
+        m = min(_CHUNK, flat.size - s)
+        xs = flat[s:s + m]
+        np.multiply(xs, r2, out=z[:m])
+        _erfc_abs32(z[:m], t[:m], h[:m])  # 1 - erf(|x| / sqrt 2)
+        h[:m] *= np.float32(0.5)
+        np.subtract(np.float32(1.0), h[:m], out=t[:m])  # Phi(|x|)
+        np.copyto(t[:m], h[:m], where=xs < 0)  # Phi(x) = 1 - Phi(|x|) below 0
+        np.multiply(xs, t[:m], out=out[s:s + m])
+    return out.reshape(v.shape).astype(v.dtype, copy=False)

@@ -1,4 +1,4 @@
-"""The transformer family: ``rope``, ``rope_kv_write`` and ``merge_heads``.
+"""The transformer family: ``rope``, ``rope_kv_write``, ``merge_heads`` and ``split_qkv``.
 
 | part             | module              | what                                                    |
 |------------------|---------------------|---------------------------------------------------------|
@@ -10,6 +10,6 @@
 | sources          | ``transformer.cu``  |                                                         |
 """
 
-from .op import merge_heads, rope, rope_kv_write
+from .op import merge_heads, rope, rope_kv_write, split_qkv
 
-__all__ = ["merge_heads", "rope", "rope_kv_write"]
+__all__ = ["merge_heads", "rope", "rope_kv_write", "split_qkv"]

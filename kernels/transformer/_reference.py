@@ -1,4 +1,4 @@
-"""NumPy references of ``rope``, ``rope_kv_write`` and ``merge_heads`` (float64 math, cast once).
+"""NumPy references of ``rope``, ``rope_kv_write``, ``merge_heads`` and ``split_qkv`` (float64 math, cast once).
 
 :func:`rope_kv_write_reference` writes the caches in place, contiguous ``(B, Hkv, S, D)`` or
 paged (a block pool and a block table), skipping positions outside the cache as the CUDA
@@ -71,3 +71,14 @@ def merge_heads_reference(x: np.ndarray) -> np.ndarray:
     """``(B, H, L, D) -> (B, L, H * D)``."""
     b, h, length, d = x.shape
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(b, length, h * d)
+
+
+def split_qkv_reference(qkv: np.ndarray, n_heads: int, n_kv_heads: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(B, L, (Hq + 2 Hkv) D)`` -> q ``(B, Hq, L, D)``, k and v ``(B, Hkv, L, D)`` (copies)."""
+    b, length, width = qkv.shape
+    d = width // (n_heads + 2 * n_kv_heads)
+    heads = qkv.reshape(b, length, n_heads + 2 * n_kv_heads, d).transpose(0, 2, 1, 3)
+    return (np.ascontiguousarray(heads[:, :n_heads]),
+            np.ascontiguousarray(heads[:, n_heads:n_heads + n_kv_heads]),
+            np.ascontiguousarray(heads[:, n_heads + n_kv_heads:]))

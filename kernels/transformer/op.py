@@ -12,6 +12,8 @@ reference mode; tests compare with them). Argument checks: :mod:`._check`.
 | ``n_kv_heads, theta, q_out, block_table)``                   | ``q_out``; RoPE(k), v into the caches at        |
 |                                                              | positions ``start[b] + i`` (paged: block table) |
 | ``merge_heads(x, *, out)``                                   | ``(B, H, L, D) -> (B, L, H * D)``               |
+| ``split_qkv(qkv, *, n_heads, n_kv_heads, q_out, k_out,``     | ``(B, L, (Hq + 2 Hkv) D)`` -> q ``(B, Hq, L, D)``, |
+| ``v_out)``                                                   | k, v ``(B, Hkv, L, D)`` (no RoPE, no cache)     |
 
 Positions live in device memory (``start``, int32 ``(B,)``), so one captured CUDA graph
 serves every decode step. Floating tensors are float32, float16 or bfloat16, C-contiguous.
@@ -36,9 +38,14 @@ from ..runtime._spec import KernelSpec
 from ._check import _block_table, _start, _theta
 from ._cpu import rope_cpu, rope_kv_write_cpu
 from ._cuda import function
-from ._reference import merge_heads_reference, rope_kv_write_reference, rope_reference
+from ._reference import (
+    merge_heads_reference,
+    rope_kv_write_reference,
+    rope_reference,
+    split_qkv_reference,
+)
 
-__all__ = ["merge_heads", "rope", "rope_kv_write"]
+__all__ = ["merge_heads", "rope", "rope_kv_write", "split_qkv"]
 
 def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> KernelOp:
     """Rotary position embedding, Llama "rotate half" convention.
@@ -301,3 +308,102 @@ def _merge_heads_parts() -> tuple[MultiCheck, Body]:
 
 _MERGE_HEADS = KernelSpec("merge_heads", ("x", "out"), _merge_heads_parts, outputs=True,
                           replay=True)
+
+
+def split_qkv(qkv: Any, *, n_heads: int, n_kv_heads: int | None = None, q_out: Any = None,
+              k_out: Any = None, v_out: Any = None) -> KernelOp:
+    """A fused QKV projection split into attention's head-major layout (a copy, no RoPE).
+
+    ``qkv[b, l]`` holds ``n_heads`` query heads, then ``n_kv_heads`` key heads, then
+    ``n_kv_heads`` value heads, each ``D`` wide: ``q_out[b, h, l] = qkv[b, l, h*D:(h+1)*D]``
+    and likewise for ``k_out`` and ``v_out``. It is what an encoder (no positions rotated,
+    no cache) feeds :func:`~deviceops.kernels.flash_attention`; decoders use
+    :func:`rope_kv_write`.
+
+    Args:
+        qkv: ``(B, L, (Hq + 2 Hkv) D)`` Tensor, Partition or DeviceOp producing one,
+            C-contiguous, any dtype of the library.
+        n_heads: ``Hq`` (a positive int).
+        n_kv_heads: ``Hkv`` (a positive int; ``None``: ``n_heads``).
+        q_out: optional ``(B, Hq, L, D)`` of qkv's dtype; allocated if ``None``.
+        k_out, v_out: optional ``(B, Hkv, L, D)`` of qkv's dtype; allocated if ``None``.
+            No output may share memory with ``qkv`` or with another output.
+
+    Returns:
+        A :class:`KernelOp` producing ``(q_out, k_out, v_out)`` in the forms given.
+
+    Raises:
+        ValueError: a head count that is not a positive int (at the call).
+        ShapeError, DTypeError: before any launch (the message names the shapes).
+
+    Example:
+        >>> q, k, v = kernels.split_qkv(qkv, n_heads=12).sync()   # qkv (B, L, 3 * 12 * 32)
+    """
+    hkv = n_heads if n_kv_heads is None else n_kv_heads
+    for what, n in (("n_heads", n_heads), ("n_kv_heads", hkv)):
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+            raise ValueError(f"split_qkv: {what}={n!r} must be a positive int")
+    return _SPLIT_QKV.op((qkv, q_out, k_out, v_out), (int(n_heads), int(hkv)))
+
+
+def _split_qkv_parts(hq: int, hkv: int) -> tuple[MultiCheck, Body]:
+    name = "split_qkv"
+
+    def check(ts: Mapping[str, Tensor | None]) -> Outputs:
+        xt = ts["qkv"]
+        assert xt is not None
+        heads = hq + 2 * hkv
+        if xt.ndim != 3 or xt.shape[-1] % heads or xt.shape[-1] == 0:
+            raise ShapeError(f"{name}: qkv has shape {xt.shape}; expected (B, L, (Hq + 2 Hkv) D) "
+                             f"with Hq={hq}, Hkv={hkv}: a last dim that is a positive multiple of "
+                             f"{heads}", op=name)
+        b, length, width = xt.shape
+        d = width // heads
+        shapes = {"q_out": (b, hq, length, d), "k_out": (b, hkv, length, d),
+                  "v_out": (b, hkv, length, d)}
+        for k, shape in shapes.items():
+            t = ts[k]
+            if t is not None and (t.shape != shape or t.dtype != xt.dtype):
+                raise (ShapeError if t.shape != shape else DTypeError)(
+                    f"{name}: {k} is {t.shape} {t.dtype}, expected {shape} {xt.dtype} (qkv "
+                    f"{xt.shape} split into {hq} query and {hkv} key/value heads of {d})", op=name)
+        distinct(name, ts, (("q_out", "qkv"), ("k_out", "qkv"), ("v_out", "qkv"),
+                            ("q_out", "k_out"), ("q_out", "v_out"), ("k_out", "v_out")),
+                 "split_qkv writes each output to its own tensor")
+        return {k: (shape, xt.dtype) for k, shape in shapes.items()}
+
+    def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
+        xt, qt, kt, vt = ts["qkv"], ts["q_out"], ts["k_out"], ts["v_out"]
+        xa, qa, ka, va = xt.array, qt.array, kt.array, vt.array
+
+        def cpu() -> None:
+            q, k, v = split_qkv_reference(xa, hq, hkv)
+            qa[...], ka[...], va[...] = q, k, v
+
+        cuda: Any = noop
+        if not ctx.device.is_cpu:
+            b, length, width = xt.shape
+            row = width // (hq + 2 * hkv) * xt.dtype.itemsize
+            ptrs = (xa.data.ptr, qa.data.ptr, ka.data.ptr, va.data.ptr)
+            unit = next(u for u in (16, 8, 4, 2, 1) if row % u == 0 and all(p % u == 0 for p in ptrs))
+            if unit == 1:  # (no 1-byte dtype in the library)
+                raise DTypeError(f"{name}: dtype {xt.dtype} is not supported on cuda", op=name)
+            dv = row // unit
+            units = b * length * (hq + 2 * hkv) * dv
+            fn = function(ctx.device.index, f"split_qkv<{MOVE_TYPES[unit]}>")
+            args = (qa, ka, va, xa, np.int64(units), np.int32(hq), np.int32(hkv),
+                    np.int32(length), np.int32(dv))
+            blocks = grid(units)
+
+            def cuda(native: Any) -> None:
+                if units > 0:
+                    fn((blocks,), (THREADS,), args, stream=native)
+
+        launch(ctx, name, (xt,), (qt, kt, vt), cpu, cuda)
+
+    return check, body
+
+
+_SPLIT_QKV = KernelSpec("split_qkv", ("qkv", "q_out", "k_out", "v_out"), _split_qkv_parts,
+                        returns=lambda v: (v["q_out"], v["k_out"], v["v_out"]), outputs=True,
+                        replay=True)

@@ -1,4 +1,4 @@
-// Transformer kernels: rope, rope_kv_write and merge_heads (launchers:
+// Transformer kernels: rope, rope_kv_write, merge_heads and split_qkv (launchers:
 // kernels/transformer/_cuda.py). `VEC` is the number of elements moved per access: 16 bytes
 // (uint4) when the launcher found the row length and every pointer 16-byte aligned, else 1.
 // No kernel allocates, reads device values on the host or depends on the grid size for its
@@ -132,5 +132,32 @@ __global__ void merge_heads(E* __restrict__ out, const E* __restrict__ x, long l
         const int l = (int)(bl % L);
         const long long b = bl / L;
         out[u] = x[((b * H + h) * L + l) * DV + dv];
+    }
+}
+
+// ---------------------------------------------------------------------------- split_qkv
+// qkv (B, L, HT, DV) with HT = Hq + 2 Hkv heads (q heads, then k, then v) -> q (B, Hq, L, DV),
+// k and v (B, Hkv, L, DV); E = the bits of one moved unit (2 to 16 bytes). One thread per
+// input unit: the reads are coalesced, each head row is written as DV consecutive units.
+template <typename E>
+__global__ void split_qkv(E* __restrict__ q, E* __restrict__ k, E* __restrict__ v,
+                          const E* __restrict__ x, long long n_units, int Hq, int Hkv, int L,
+                          int DV) {
+    const int HT = Hq + 2 * Hkv;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < n_units;
+         u += (long long)gridDim.x * blockDim.x) {
+        const int dv = (int)(u % DV);
+        const long long t = u / DV;           // (b * L + l) * HT + h
+        const int h = (int)(t % HT);
+        const long long bl = t / HT;
+        const int l = (int)(bl % L);
+        const long long b = bl / L;
+        if (h < Hq) {
+            q[((b * Hq + h) * L + l) * DV + dv] = x[u];
+        } else if (h < Hq + Hkv) {
+            k[((b * Hkv + (h - Hq)) * L + l) * DV + dv] = x[u];
+        } else {
+            v[((b * Hkv + (h - Hq - Hkv)) * L + l) * DV + dv] = x[u];
+        }
     }
 }

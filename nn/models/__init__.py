@@ -17,6 +17,10 @@ What a module provides is :class:`~.base.Architecture` (:mod:`.base`). Registere
 
 A new architecture is one module and one :func:`register` line below (or, outside the
 package, one :func:`register` call).
+
+The encoder architecture, :mod:`.bert` (BERT: sentence embeddings), is not in this registry
+of decoders: :func:`deviceops.nn.load_encoder` reads its folders and
+:class:`deviceops.nn.Encoder` runs it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 | :mod:`.slots` | :class:`~.slots.SlotPool`: the engine's batch rows |
 | :mod:`.http` | the OpenAI-compatible Starlette app (routes, SSE) |
 | :mod:`.openai` | request parsing and validation, response bodies, errors |
+| :mod:`.embeddings` | ``POST /v1/embeddings``: its parsing, its body, the served :class:`~deviceops.nn.Encoder` (``serve --embedding-model``) |
 | :mod:`.detokenize` | incremental detokenization with stop strings |
 | :mod:`.metrics`, :mod:`.access_log` | ``/metrics`` (Prometheus) and the request log |
 | :mod:`.router` | one engine per device, least-loaded routing |

