@@ -18,7 +18,7 @@ from .model import resolve_device
 from .models.bert import BertConfig, config_from_hf, weight_shapes
 
 __all__ = ["EMBEDDING_MODELS", "MINILM_PACKAGE", "check_embedding_model", "load_encoder",
-           "load_named_encoder", "minilm", "minilm_path", "random_encoder"]
+           "load_named_encoder", "minilm", "minilm_path", "random_encoder", "random_weights"]
 
 #: the names ``serve --embedding-model`` takes, each with its loader in this module;
 #: anything else must be a path to a folder :func:`load_encoder` reads
@@ -157,7 +157,13 @@ def random_encoder(config: BertConfig, *, seed: int = 0, tokenizer: Any = None,
                    **kw: Any) -> Encoder:
     """An :class:`~deviceops.nn.Encoder` of ``config``'s shapes with random weights
     (matrices ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, biases ``N(0, 0.1)``, norms
-    ``1 + N(0, 0.1)``); ``kw`` as :class:`~deviceops.nn.Encoder` takes them."""
+    ``1 + N(0, 0.1)``, :func:`random_weights`); ``kw`` as :class:`~deviceops.nn.Encoder`
+    takes them."""
+    return Encoder(config, random_weights(config, seed), tokenizer=tokenizer, **kw)
+
+
+def random_weights(config: BertConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Host float32 weights of ``config``'s shapes, as :func:`random_encoder` draws them."""
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
     for k, shape in weight_shapes(config).items():
@@ -170,4 +176,4 @@ def random_encoder(config: BertConfig, *, seed: int = 0, tokenizer: Any = None,
         else:
             a = rng.standard_normal(shape) / np.sqrt(shape[1])
         weights[k] = a.astype(np.float32)
-    return Encoder(config, weights, tokenizer=tokenizer, **kw)
+    return weights

@@ -95,21 +95,9 @@ def reference(enc: nn.Encoder, seq: list[int], weights: dict[str, np.ndarray]) -
 
 def tiny_weights(enc: nn.Encoder) -> dict[str, np.ndarray]:
     """The host weights :func:`random_encoder` made for ``enc`` (same seed, same draws)."""
-    from deviceops.nn.models.bert import weight_shapes
+    from deviceops.nn.encoder_load import random_weights
 
-    rng = np.random.default_rng(3)
-    out = {}
-    for k, shape in weight_shapes(enc.config).items():
-        if k.endswith("LayerNorm.weight"):
-            a = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif k.endswith(".bias"):
-            a = 0.1 * rng.standard_normal(shape)
-        elif k.startswith("embeddings."):
-            a = rng.standard_normal(shape)
-        else:
-            a = rng.standard_normal(shape) / np.sqrt(shape[1])
-        out[k] = a.astype(np.float32)
-    return out
+    return random_weights(enc.config, 3)
 
 
 TEXTS = ["the cat sat on the mat.", "hello world!", "a big red dog was jumping, and running?",
