@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from deviceops.nn.serving.openai import PieceChunks, stream_chunk
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(piece=st.text(min_size=1), chat=st.booleans(), index=st.integers(0, 15),
        rid=st.text(min_size=1, max_size=30), model=st.text(max_size=30))
 def test_piece_chunk_bytes_equal_stream_chunk(piece: str, chat: bool, index: int, rid: str,
