@@ -343,3 +343,39 @@ def test_qwen_json_schema_20_of_20_and_required_tool_call(qwen_server: ServerThr
         assert ch.finish_reason == "tool_calls", ch
         (call,) = ch.message.tool_calls
         assert call.function.name == "get_weather" and _city(json.loads(call.function.arguments))
+
+
+@pytest.mark.slow
+def test_qwen_three_turn_tool_conversation_round_trips(qwen_server: ServerThread) -> None:
+    """The openai client, greedy: (1) a forced call, (2) the tool's result sent back as a
+    ``tool`` message with the assistant's ``tool_calls`` turn before it: a plain answer, (3) a
+    follow-up question with a forced call again. Every turn is accepted, the conversation's
+    prompt grows each turn (earlier calls and results are rendered), and both calls
+    validate."""
+    c = _client(qwen_server, timeout=600)
+    msgs: list[dict[str, Any]] = list(TOOL_ASK)
+    r1 = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
+                                   tool_choice="required", temperature=0, max_tokens=48)
+    ch1 = r1.choices[0]
+    assert ch1.finish_reason == "tool_calls", ch1
+    (call1,) = ch1.message.tool_calls
+    assert call1.function.name == "get_weather" and _city(json.loads(call1.function.arguments))
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": call1.id, "type": "function",
+         "function": {"name": call1.function.name, "arguments": call1.function.arguments}}]})
+    msgs.append({"role": "tool", "tool_call_id": call1.id,
+                 "content": json.dumps({"forecast": ["sunny, 24 C", "rain, 17 C"]})})
+    r2 = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
+                                   temperature=0, max_tokens=48)
+    ch2 = r2.choices[0]
+    assert ch2.finish_reason in ("stop", "length") and ch2.message.content, ch2
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+    msgs.append({"role": "assistant", "content": ch2.message.content})
+    msgs.append({"role": "user", "content": "And in Berlin for 3 days?"})
+    r3 = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
+                                   tool_choice="required", temperature=0, max_tokens=48)
+    ch3 = r3.choices[0]
+    assert ch3.finish_reason == "tool_calls", ch3
+    (call3,) = ch3.message.tool_calls
+    assert call3.function.name == "get_weather" and _city(json.loads(call3.function.arguments))
+    assert r3.usage.prompt_tokens > r2.usage.prompt_tokens
