@@ -424,16 +424,18 @@ class CausalLM(TextCodec):
         (:meth:`~deviceops.nn.runner.Runner.decode_begin`). Returns ``(view, finish)``."""
         return self.runner.decode_begin(slots, tokens, positions, masks, graph=graph)
 
-    def capture_graphs(self, *, graph: bool | None = None) -> int:
+    def capture_graphs(self, *, graph: bool | None = None, progress: bool = False) -> int:
         """Capture every decode bucket's graph and every padded prefill length's graph now.
 
         Otherwise each is captured at its first use, inside a step (an eager run, a stream
         synchronization and the capture: tens of milliseconds of host time on the caller's
         thread). Nothing is captured where graphs are not used (``graph`` default: on
         CUDA only). The warm-up runs write only the null block (prefill) or nothing
-        (decode, all rows idle). Returns the number of graphs captured now.
+        (decode, all rows idle). Returns the number of graphs captured now. ``progress``:
+        a named bar on stderr for the warm-up runs (kernels compile there on first use) and
+        one for the captures (``serve`` shows them at start-up).
         """
-        return self.runner.capture_graphs(graph=graph)
+        return self.runner.capture_graphs(graph=graph, progress=progress)
 
     def release(self, slot: int) -> None:
         """Forget row ``slot``: it is idle (writes nothing) from the next decode on, and its

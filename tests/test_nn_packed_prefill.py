@@ -244,3 +244,16 @@ def test_worth_packing_takes_short_chunks_wherever_they_start() -> None:
     assert worth_packing(0, 1) and worth_packing(0, 96) and worth_packing(0, MAX_CHUNK)
     assert worth_packing(992, 72)  # a suffix after a cached prefix (measured: packed wins)
     assert not worth_packing(0, MAX_CHUNK + 1) and not worth_packing(500, MAX_CHUNK + 1)
+
+
+def test_capture_graphs_shows_a_named_bar_for_the_warm_ups_and_one_for_the_captures(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    m = _model()
+    n = m.capture_graphs(graph=True, progress=True)
+    err = capsys.readouterr().err
+    assert "compiling kernels (warm-up runs)" in err and "capturing CUDA graphs" in err
+    assert n == len(m.runner.decoder.graphs) + len(m.runner.prefiller.graphs) + len(
+        m.runner.packer.graphs)
+    quiet = _model()
+    quiet.capture_graphs(graph=True)
+    assert "capturing" not in capsys.readouterr().err  # no bar unless asked

@@ -359,32 +359,39 @@ class Runner:
             pos = [int(p) for p in positions]
         return sl, toks, pos
 
-    def capture_graphs(self, *, graph: bool | None = None) -> int:
+    def capture_graphs(self, *, graph: bool | None = None, progress: bool = False) -> int:
         """Capture every decode bucket's and padded prefill length's graph now; returns how
-        many were captured (none where graphs are not used: ``graph`` default, CUDA only)."""
+        many were captured (none where graphs are not used: ``graph`` default, CUDA only).
+        ``progress``: two named tqdm bars on stderr, one over the warm-up runs (where kernels
+        compile on first use) and one over the captures."""
+        from tqdm.auto import tqdm
+
         use_graph = (not self.device.is_cpu) if graph is None else bool(graph)
         if not use_graph:
             return 0
+        keys = self.prefiller.kinds()
+        packed = self.packer.lengths()
         # eager runs of the largest shapes first: the stream's kernel workspace reaches its
         # final size before any capture, so every graph shares one workspace
-        self.decoder.warm_up(self.max_batch)
-        keys = self.prefiller.kinds()
-        for key in reversed(keys):
-            self.prefiller.warm_up(key)
-        packed = self.packer.lengths()
-        for tp in reversed(packed):
-            self.packer.warm_up(tp)
+        warm: list[tuple[Callable[[Any], None], Any]] = [(self.decoder.warm_up, self.max_batch)]
+        warm += [(self.prefiller.warm_up, k) for k in reversed(keys)]
+        warm += [(self.packer.warm_up, t) for t in reversed(packed)]
+        with tqdm(total=len(warm), desc="compiling kernels (warm-up runs)", unit="run",
+                  disable=not progress, leave=False) as bar:
+            for run, arg in warm:
+                run(arg)
+                bar.update()
+        todo: list[Any] = [(self.decoder.capture, b) for b in self.buckets
+                           if b not in self.decoder.graphs]
+        todo += [(self.prefiller.capture, k) for k in keys if k not in self.prefiller.graphs]
+        todo += [(self.packer.capture, t) for t in packed if t not in self.packer.graphs]
         n = 0
-        for b in self.buckets:
-            if b not in self.decoder.graphs:
-                self.decoder.capture(b)
-                n += 1
-        for key in keys:
-            if key not in self.prefiller.graphs and self.prefiller.capture(key):
-                n += 1
-        for tp in packed:
-            if tp not in self.packer.graphs and self.packer.capture(tp):
-                n += 1
+        with tqdm(total=len(todo), desc="capturing CUDA graphs", unit="graph",
+                  disable=not progress, leave=False) as bar:
+            for capture, key in todo:
+                if capture(key) is not False:  # (Decoder.capture returns None; the others
+                    n += 1                     # False when the capture was refused)
+                bar.update()
         self.stream.synchronize()
         return n
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -254,9 +255,14 @@ class CausalLMSteps:
         self.model.release(slot)
 
     def warmup(self) -> None:
-        """Capture the model's decode and prefill graphs (no-op where it uses none)."""
+        """Capture the model's decode and prefill graphs (no-op where it uses none), with
+        its named progress bars on a terminal's stderr (``serve``'s start-up)."""
         cap = getattr(self.model, "capture_graphs", None)
-        if cap is not None:
+        if cap is None:
+            return
+        if "progress" in inspect.signature(cap).parameters:
+            cap(progress=sys.stderr.isatty())
+        else:
             cap()
 
     # -- paged KV (optional StepModel extension the engine uses when present) ---------------
