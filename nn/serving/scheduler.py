@@ -19,6 +19,12 @@ KV write lands in its own, by then released, blocks, before any later write to t
 stream order). A request finished between a step's enqueue and its delivery (cancelled, a
 stop) has its in-flight token dropped.
 
+**Prompt chunks** are planned each step in admission order under the ``prefill_chunk``
+token budget and enqueued together when the step model packs them (``submit_prefills``: the
+short ones of rows without features in one forward pass); a refused packed call is retried
+chunk by chunk, so only a bad chunk's request fails; a constrained request's last chunk
+(it draws under its grammar's first mask) makes the step's chunks go one by one.
+
 **Prefix caching** (a step model with ``prefix_hashes``/``share_prefix``/``cache_prefix``,
 ``prefix_cache`` on): at admission a request's row points at the cached blocks of its
 prompt's longest cached full-block prefix (never the block holding its last prompt token,
@@ -27,7 +33,8 @@ budget. Each prompt chunk's full blocks are cached as soon as the chunk is enque
 stream orders any later read after the write), and the chunk budget goes to the requests
 in admission order, so when a request's first chunk comes every earlier request has
 enqueued its whole prompt: the request looks the cache up again then and shares what they
-cached (its unwritten reserved blocks there go back). ``n`` choices of one prompt, or many
+cached (its unwritten reserved blocks there go back); planned chunks filling blocks it could
+share are enqueued (and cached) before it looks. ``n`` choices of one prompt, or many
 clients with one system prompt admitted together, prefill the shared blocks once. A
 finished request's written full blocks (prompt and generated tokens) stay cached; a failed
 prefill or step empties the cache.
