@@ -353,13 +353,18 @@ def test_qwen_three_turn_tool_conversation_round_trips(qwen_server: ServerThread
     prompt grows each turn (earlier calls and results are rendered), and both calls
     validate."""
     c = _client(qwen_server, timeout=600)
+
+    def forced_call(msgs: list[dict[str, Any]]) -> tuple[Any, Any]:
+        r = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
+                                      tool_choice="required", temperature=0, max_tokens=48)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "get_weather" and _city(json.loads(call.function.arguments))
+        return r, call
+
     msgs: list[dict[str, Any]] = list(TOOL_ASK)
-    r1 = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
-                                   tool_choice="required", temperature=0, max_tokens=48)
-    ch1 = r1.choices[0]
-    assert ch1.finish_reason == "tool_calls", ch1
-    (call1,) = ch1.message.tool_calls
-    assert call1.function.name == "get_weather" and _city(json.loads(call1.function.arguments))
+    r1, call1 = forced_call(msgs)
     msgs.append({"role": "assistant", "content": None, "tool_calls": [
         {"id": call1.id, "type": "function",
          "function": {"name": call1.function.name, "arguments": call1.function.arguments}}]})
@@ -372,10 +377,5 @@ def test_qwen_three_turn_tool_conversation_round_trips(qwen_server: ServerThread
     assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
     msgs.append({"role": "assistant", "content": ch2.message.content})
     msgs.append({"role": "user", "content": "And in Berlin for 3 days?"})
-    r3 = c.chat.completions.create(model="real", messages=msgs, tools=[CITY],
-                                   tool_choice="required", temperature=0, max_tokens=48)
-    ch3 = r3.choices[0]
-    assert ch3.finish_reason == "tool_calls", ch3
-    (call3,) = ch3.message.tool_calls
-    assert call3.function.name == "get_weather" and _city(json.loads(call3.function.arguments))
+    r3, _ = forced_call(msgs)
     assert r3.usage.prompt_tokens > r2.usage.prompt_tokens

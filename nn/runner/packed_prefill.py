@@ -31,7 +31,7 @@ import numpy as np
 
 import deviceops
 import deviceops.kernels as kernels
-from deviceops import DeviceOp, Tensor, api
+from deviceops import DeviceOp, api
 
 from .forward import chain, decoder_ops
 from .prefill import graph_refused
@@ -192,7 +192,3 @@ class Packer:
         th += arch.lm_head_ops(w, rows_m, logits)
         th.append(lambda: kernels.sample(logits, temp, top_k, top_p, seed, counter, out=out))
         return chain(th)
-
-    def view(self) -> Tensor:
-        """The rows' token buffer (row ``slot`` holds a sampled chunk's token)."""
-        return self.r.rows.tokens

@@ -261,17 +261,23 @@ class Runner:
     def prefill(self, slot: int, ids: Sequence[int], start: int = 0, *, sample: bool = True,
                 graph: bool | None = None) -> Tensor | None:
         """Write the KV of ``ids`` at ``start ..`` of row ``slot``; sample the next token."""
-        slot = self.check_slot(slot, "prefill")
-        ids_l = self.check_ids(list(ids), "prefill")
+        slot, ids_l = self.check_chunk(slot, ids, start, "prefill")
+        return self.prefiller.prefill(slot, ids_l, start, sample, graph)
+
+    def check_chunk(self, slot: Any, ids: Any, start: Any, what: str) -> tuple[int, list[int]]:
+        """A prompt chunk's row and ids, checked: the row, the ids, positions ``start ..``
+        inside ``max_seq``, and none of them in the row's cached (shared) blocks."""
+        slot = self.check_slot(slot, what)
+        ids_l = self.check_ids(list(ids), what)
         if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
-            raise ValueError(f"prefill: positions {start}..{start + len(ids_l) - 1} do not fit "
-                             f"max_seq={self.max_seq} (start must be an int >= 0)")
+            raise ValueError(f"{what}: row {slot}'s positions {start}..{start + len(ids_l) - 1} "
+                             f"do not fit max_seq={self.max_seq} (start must be an int >= 0)")
         frozen = self.kv.frozen(slot)
         if start < frozen:
-            raise ValueError(f"prefill: row {slot}'s positions 0..{frozen - 1} are cached blocks "
+            raise ValueError(f"{what}: row {slot}'s positions 0..{frozen - 1} are cached blocks "
                              f"other rows may read; start={start} would overwrite them (write "
                              f"from {frozen} on, or release the row first)")
-        return self.prefiller.prefill(slot, ids_l, start, sample, graph)
+        return slot, ids_l
 
     def prefill_many(self, chunks: Sequence[tuple[int, Sequence[int], int, bool]], *,
                      graph: bool | None = None) -> Tensor:
@@ -284,22 +290,13 @@ class Runner:
             raise ValueError("prefill_many: no chunks")
         checked: list[tuple[int, list[int], int, bool]] = []
         for slot, ids, start, sample in chunks:
-            slot = self.check_slot(slot, "prefill_many")
-            ids_l = self.check_ids(list(ids), "prefill_many")
-            if not isinstance(start, int) or start < 0 or start + len(ids_l) > self.max_seq:
-                raise ValueError(f"prefill_many: row {slot}'s positions {start}.."
-                                 f"{start + len(ids_l) - 1} do not fit max_seq={self.max_seq}")
+            slot, ids_l = self.check_chunk(slot, ids, start, "prefill_many")
             if len(ids_l) > MAX_CHUNK:
                 raise ValueError(f"prefill_many: row {slot}'s chunk has {len(ids_l)} tokens; a "
                                  f"packed chunk takes at most {MAX_CHUNK} (use prefill)")
             if self.rows.h_features[slot]:
                 raise ValueError(f"prefill_many: row {slot} has sampling features (penalties, "
                                  "logit bias or log-probabilities); prefill it with prefill")
-            frozen = self.kv.frozen(slot)
-            if start < frozen:
-                raise ValueError(f"prefill_many: row {slot}'s positions 0..{frozen - 1} are "
-                                 f"cached blocks other rows may read; start={start} would "
-                                 "overwrite them")
             checked.append((slot, ids_l, start, bool(sample)))
         slots = [c[0] for c in checked]
         if len(set(slots)) != len(slots):

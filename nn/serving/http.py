@@ -152,6 +152,17 @@ class _AllTokens:
         return [t for s in self.streams for t in s.tokens]
 
 
+async def _body(request: Request) -> bytes | None:
+    """The request's body, or ``None`` (logged) when the client closed the connection while
+    sending it: the route answers 499."""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        log.info("%s: the client closed the connection while sending the body (499)",
+                 request.url.path)
+        return None
+
+
 class _ClientGone(BaseException):
     """Sending an event failed (the client went away) inside a choice's producer: not the
     step's failure, which the producer catches as ``Exception``; re-raised as ``cause``."""
@@ -415,11 +426,8 @@ def create_app(load: Callable[[], Engine | Router] | None, *, model_name: str = 
         bad = unavailable()
         if bad is not None:
             return bad
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            log.info("%s: the client closed the connection while sending the body (499)",
-                     request.url.path)
+        raw = await _body(request)
+        if raw is None:
             return Response(status_code=499)
         router = state.router
         assert router is not None
@@ -747,11 +755,8 @@ def create_app(load: Callable[[], Engine | Router] | None, *, model_name: str = 
             msg = (f"the embedding model failed to load: {embedding.load_error}"
                    if embedding.load_error else "the embedding model is loading")
             return error_response(503, msg, kind="server_unavailable", retry_after=retry_after)
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            log.info("%s: the client closed the connection while sending the body (499)",
-                     request.url.path)
+        raw = await _body(request)
+        if raw is None:
             return Response(status_code=499)
 
         def parse() -> Any:
