@@ -30,7 +30,7 @@ from deviceops.nn.serving.openai import BadRequest, parse_request
 
 from . import nn_tiny
 from .test_serve_http import ServerThread
-from .weights import have_smollm2
+from .weights import have_smollm2, qwen_coder_cpu
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -322,15 +322,7 @@ def test_smollm2_json_schema_20_of_20_and_required_tool_call(smol_server: Server
 
 @pytest.fixture(scope="module")
 def qwen_server() -> Iterator[ServerThread]:
-    from deviceops.nn.checkpoint import qwen2_5_coder_path
-
-    try:
-        qwen2_5_coder_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"needs the Qwen2.5-Coder weights: {exc}")
-    yield from _real_server(lambda: nn.qwen2_5_coder_0_5b(device="cpu", dtype="float32",
-                                                          max_batch=8, max_seq=512,
-                                                          progress=False))
+    yield from _real_server(lambda: qwen_coder_cpu(max_batch=8, max_seq=512))
 
 
 @pytest.mark.slow

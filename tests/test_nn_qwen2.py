@@ -29,6 +29,7 @@ from deviceops.nn import models
 from deviceops.nn.models import LlamaConfig
 
 from . import nn_tiny
+from .weights import qwen_coder_cpu
 
 TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2_5_chat_template.jinja").read_text()
 D = nn_tiny.DIMS
@@ -254,14 +255,7 @@ def test_assemble_parts_is_atomic_and_checked(tmp_path: Path) -> None:
 # -- the real file ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def coder() -> Any:
-    from deviceops.nn.checkpoint import qwen2_5_coder_path
-
-    try:
-        qwen2_5_coder_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"Qwen2.5-Coder-0.5B weights not installed: {exc}")
-    return nn.qwen2_5_coder_0_5b(device="cpu", dtype="float32", max_batch=2, max_seq=160,
-                                 progress=False)
+    return qwen_coder_cpu(max_batch=2, max_seq=160)
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ import pytest
 
 from deviceops import api
 
+from .weights import qwen_coder_cpu
+
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen2_5_coder_oracle.json"
 N_TOKENS = 24
 TIE = 0.02  # a greedy step whose top-2 logits are closer than this may go either way
@@ -39,15 +41,7 @@ def oracle() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def coder() -> Any:
-    from deviceops import nn
-    from deviceops.nn.checkpoint import qwen2_5_coder_path
-
-    try:
-        qwen2_5_coder_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"Qwen2.5-Coder-0.5B weights not installed: {exc}")
-    return nn.qwen2_5_coder_0_5b(device="cpu", dtype="float32", max_batch=4, max_seq=160,
-                                 progress=False)
+    return qwen_coder_cpu(max_batch=4, max_seq=160)
 
 
 def test_tokenizer_and_chat_templates_match_oracle(coder: Any, oracle: dict[str, Any]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def have_smollm2() -> bool:
     """Whether ``nn.smollm2()`` finds its weights (``DEVICEOPS_SMOLLM2_GGUF``, then the
@@ -13,3 +15,19 @@ def have_smollm2() -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def qwen_coder_cpu(max_batch: int, max_seq: int) -> Any:
+    """``nn.qwen2_5_coder_0_5b()`` on the cpu backend (float32), or the test skipped, naming
+    what to install, when its weights are not found."""
+    import pytest
+
+    from deviceops import nn
+    from deviceops.nn.checkpoint import qwen2_5_coder_path
+
+    try:
+        qwen2_5_coder_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"Qwen2.5-Coder-0.5B weights not installed: {exc}")
+    return nn.qwen2_5_coder_0_5b(device="cpu", dtype="float32", max_batch=max_batch,
+                                 max_seq=max_seq, progress=False)
