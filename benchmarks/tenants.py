@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/tenants.py [--smoke] [--json PATH] [--seconds S] [--modes eager,graph]
+    python benchmarks/tenants.py [--smoke] [--json PATH] [--seconds S] [--modes eager,plain,graph]
 
 A *small job* is a chain of 4 GEMMs at 256³ float16 and a read-back of the result to the
 host; a *big job* a chain of 8 GEMMs at 4096³ or 8192³ float16 (awaited, not read back).
@@ -14,16 +14,21 @@ Scenarios, each measured over a window of ``--seconds`` after a warm-up:
 * ``mixed4096`` / ``mixed8192``: the 48 small tenants and 4 big tenants at once.
 
 deviceops' tenants come from one :class:`~deviceops.scheduling.TenantPool`: small tenants
-at ``priority="high"`` (``max_queued=2``), big ones at ``"low"`` (``max_queued=1``). Two
-ways to run a small job: ``eager`` builds the DAG again for every job; ``graph`` captures
-the tenant's 4 GEMMs once into a CUDA graph (into preallocated buffers) and each job is
-``await api.to_host(graph.launch_op())``. torch runs beside us in the same process with the
+at ``priority="high"`` (``max_queued=2``), big ones at ``"low"`` (``max_queued=1``: their
+streams yield SMs between GEMM tiles). Three ways to run a small job: ``eager`` builds the
+DAG again for every job, as a user writes it (the tenants' ``auto_graph``, on by default,
+replays it as a graph from its third run); ``plain`` the same with ``auto_graph=False``
+(every op launched each time); ``graph`` captures the tenant's 4 GEMMs by hand once into a
+CUDA graph (into preallocated buffers) and each job is
+``await api.to_host(graph.launch_op())``. The baseline of "one at a time" is ``sync()``
+under the default policy (no tenant: every op launched each time). torch runs beside us in the same process with the
 same jobs: one thread and one CUDA stream per tenant (default priority), ``.cpu()`` for the
 read-back. ``CUDA_DEVICE_MAX_CONNECTIONS`` is set to 32 for both, before CUDA starts, unless
 the environment sets it.
 
 Reported per scenario: small and big jobs/s, small-job p50/p99 (submission to the result on
-the host), and *work done*: (small jobs x solo small cost + big jobs x solo big cost) over
+the host), the event loop's longest stall (deviceops: how late a 1 ms sleep came back), and
+*work done*: (small jobs x solo small cost + big jobs x solo big cost) over
 the window, i.e. how many times faster than running the same jobs one at a time. torch's
 work is counted in its own solo costs (``work_x``) and, to compare the two, in ours
 (``work_ours_units``). Results are checked: every 50th small job of each tenant and the
@@ -89,6 +94,7 @@ class Tally:
     small: int = 0
     big: int = 0
     window: float = 0.0
+    loop_gap: float | None = None  # the event loop's longest stall in the window (deviceops)
 
 
 def ref_chain(x: np.ndarray, ws: list[np.ndarray]) -> np.ndarray:
@@ -193,8 +199,8 @@ async def ours_scenario(pool: TenantPool, smalls: list[SmallJob], big: BigJob | 
     stop = start + cfg.seconds
 
     async def small_loop(i: int, job: SmallJob) -> None:
-        make = job.eager if mode == "eager" else job.replay
-        with deviceops.using(tenants["small"][i]):
+        make = job.replay if mode == "graph" else job.eager
+        with deviceops.using(tenants["small_plain" if mode == "plain" else "small"][i]):
             while True:
                 t0 = loop.time()
                 got = await make()
@@ -220,12 +226,101 @@ async def ours_scenario(pool: TenantPool, smalls: list[SmallJob], big: BigJob | 
                 if t0 >= start:
                     tally.big += 1
 
+    async def ticker() -> None:
+        """The loop's longest stall: a 1 ms sleep that came back late (a blocked loop
+        delays every tenant's wake-up at once)."""
+        gap = 0.0
+        while True:
+            t0 = loop.time()
+            STALLS.tick = perf()
+            await asyncio.sleep(1e-3)
+            t1 = loop.time()
+            if t1 > stop:
+                tally.loop_gap = gap
+                return
+            if t0 >= start:
+                gap = max(gap, t1 - t0 - 1e-3)
+
     tasks = [small_loop(i, j) for i, j in enumerate(smalls)]
     if big is not None:
         tasks += [big_loop(i) for i in range(cfg.big_tenants)]
-    await asyncio.gather(*tasks)
+    STALLS.start(threading.get_ident())
+    try:
+        await asyncio.gather(ticker(), *tasks)
+    finally:
+        STALLS.stop()
     tally.window = cfg.seconds
     return tally
+
+
+class Stalls:
+    """``--stall-stacks MS``: a watchdog thread that, when the event loop has not ticked for
+    ``MS`` ms, samples the loop thread's stack (once per stall) and counts the stacks."""
+
+    def __init__(self) -> None:
+        self.limit = 0.0
+        self.tick = 0.0
+        self.seen: dict[str, int] = {}
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._gc0 = 0.0
+        self._run = False
+        self._thread: threading.Thread | None = None
+
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc0 = perf()
+        else:
+            self.gc_pauses.append((int(info.get("generation", -1)), perf() - self._gc0))
+
+    def start(self, ident: int) -> None:
+        if self.limit <= 0:
+            return
+        import gc
+
+        gc.callbacks.append(self._gc)
+        self.tick = perf()
+        self._run = True
+
+        def watch() -> None:
+            import sys
+            import traceback
+
+            flagged = 0.0
+            while self._run:
+                time.sleep(self.limit / 4)
+                t = self.tick
+                if perf() - t > self.limit and t != flagged:
+                    flagged = t
+                    frame = sys._current_frames().get(ident)
+                    if frame is not None:
+                        stack = "".join(traceback.format_stack(frame)[-12:])
+                        self.seen[stack] = self.seen.get(stack, 0) + 1
+
+        self._thread = threading.Thread(target=watch, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        import gc
+
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+        self._run = False
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def report(self) -> None:
+        if self.limit <= 0:
+            return
+        long = [(g, t) for g, t in self.gc_pauses if t > self.limit]
+        print(f"# garbage collections in the scenarios: {len(self.gc_pauses)}, longest "
+              f"{max((t for _, t in self.gc_pauses), default=0) * 1e3:.1f} ms; longer than "
+              f"{self.limit * 1e3:.0f} ms: {[(g, round(t * 1e3, 1)) for g, t in long]}")
+        for stack, n in sorted(self.seen.items(), key=lambda kv: -kv[1])[:5]:
+            print(f"# loop stalled > {self.limit * 1e3:.0f} ms {n} time(s) here:\n{stack}")
+
+
+STALLS = Stalls()
 
 
 # -- torch ----------------------------------------------------------------------------------------
@@ -349,6 +444,7 @@ def row(scenario: str, lib: str, mode: str, t: Tally, solo: dict[str, float], bi
         "small_p99_ms": pct(lat, 99) * 1e3 if lat else None,
         "work_x": work(solo, small_key),
         "work_ours_units": work(ours_solo, "small_eager_s"),
+        "loop_gap_ms": None if t.loop_gap is None else t.loop_gap * 1e3,
     }
 
 
@@ -356,9 +452,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--seconds", type=float, default=None, help="measured window of each scenario")
-    p.add_argument("--modes", default="eager,graph", help="small-job modes: eager, graph")
+    p.add_argument("--modes", default="eager,plain,graph",
+                   help="small-job modes: eager (the tenants replay a repeated job as a graph "
+                        "by themselves: auto_graph), plain (auto_graph off), graph (captured "
+                        "by hand)")
     p.add_argument("--no-torch", action="store_true", help="leave torch out")
+    p.add_argument("--scenarios", default=None,
+                   help="comma-separated subset of small48,mixed4096,mixed8192 (default: all)")
+    p.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
+                   help="sample the event loop's stack whenever it stalls longer than MS ms "
+                        "(a diagnosis: printed after the table)")
     args = p.parse_args()
+    STALLS.limit = args.stall_stacks * 1e-3
     b: Bench = setup(args)
     cfg = Config()
     if b.smoke:
@@ -373,6 +478,8 @@ def main() -> int:
     bigs = {n: BigJob(rng, n, cfg.big_gemms) for n in cfg.big_sizes}
     pool = TenantPool([dev], streams_per_priority=4)
     tenants = {"small": [pool.tenant(f"small{i}", priority="high", max_queued=2) for i in range(len(smalls))],
+               "small_plain": [pool.tenant(f"plain{i}", priority="high", max_queued=2, auto_graph=False)
+                               for i in range(len(smalls))],
                "big": [pool.tenant(f"big{i}", priority="low", max_queued=1) for i in range(cfg.big_tenants)]}
     for s, t in zip(smalls, tenants["small"], strict=True):
         s.capture(t.streams[0])
@@ -413,6 +520,9 @@ def main() -> int:
                      "work_x": 1.0, "work_ours_units": solo["small_eager_s"] / tsolo["small_s"]})
     scenarios: list[tuple[str, int | None]] = [(f"small{len(smalls)}", None)]
     scenarios += [(f"mixed{n}", n) for n in cfg.big_sizes]
+    if args.scenarios:
+        keep = set(args.scenarios.split(","))
+        scenarios = [sc for sc in scenarios if sc[0] in keep]
     for name, big_n in scenarios:
         big = bigs[big_n] if big_n is not None else None
         for mode in modes:
@@ -429,9 +539,11 @@ def main() -> int:
     print(table(rows, [("scenario", "scenario", 0), ("lib", "lib", 0), ("mode", "mode", 0),
                        ("small_jobs_s", "small jobs/s", 0), ("big_jobs_s", "big jobs/s", 2),
                        ("small_p50_ms", "small p50 ms", 2), ("small_p99_ms", "small p99 ms", 2),
-                       ("work_x", "work x", 2), ("work_ours_units", "work (our units)/s", 2)]))
+                       ("work_x", "work x", 2), ("work_ours_units", "work (our units)/s", 2),
+                       ("loop_gap_ms", "loop stall ms", 2)]))
     bars = make_bars(rows, modes, cfg, len(smalls))
     print_bars(bars, b)
+    STALLS.report()
     write_json(args.json, "tenants", b, {**cfg.__dict__, "modes": modes,
                "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")},
                rows, bars, {"solo": solo, "torch_solo": tsolo})

@@ -19,6 +19,7 @@ from __future__ import annotations
 from . import api
 from . import graphs as _graphs  # noqa: F401  (installs the capture hook; see _hooks)
 from ._async import configure_await
+from ._backend import on_program_load
 from ._context import ExecutionContext
 from ._device import Device, cuda_available, default_device, device, set_default_device
 from ._dtypes import bfloat16, float16, float32, int32, int64
@@ -66,6 +67,7 @@ __all__ = [
     "api",
     "bfloat16",
     "configure_await",
+    "on_program_load",
     "cuda_available",
     "default_device",
     "device",

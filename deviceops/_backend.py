@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from ._stream import Event, Stream
     from ._tensor import Storage
 
-__all__ = ["Backend", "count_program_load", "oom_error", "program_loads", "too_big_error"]
+__all__ = ["Backend", "count_program_load", "on_program_load", "oom_error", "program_loaded",
+           "program_loads", "too_big_error"]
 
 # ``[programs compiled or loaded, 1 once a backend that compiles exists]``, process-wide:
 # :meth:`Backend.load_program` counts (cuda: NVRTC), so that ``await`` can keep the
@@ -53,6 +54,42 @@ program_loads = [0, 0]
 def count_program_load() -> None:
     """Count one program compile/load (``program_loads[0]``; see :mod:`deviceops._offload`)."""
     program_loads[0] += 1
+
+
+_load_hooks: list[Callable[[float], None]] = []
+
+
+def on_program_load(hook: Callable[[float], None]) -> Callable[[], None]:
+    """Call ``hook(seconds)`` after each kernel program a backend compiles or loads, with the
+    time it took; returns a function that removes the hook.
+
+    On cuda a program is NVRTC output (compiled, or read from CuPy's on-disk kernel cache:
+    milliseconds, where a compile takes from a tenth of a second to several seconds), made
+    at a kernel's first use in the process; the cpu backend loads none. The hook runs on the
+    thread that loaded the program (``await`` may compile off the event loop's thread) and
+    must not raise or block. A command-line tool shows a "compiling kernels" bar with it
+    (``python -m deviceops.nn.generate`` does on a GPU whose kernel cache is empty).
+
+    Example:
+        >>> seen = []
+        >>> remove = deviceops.on_program_load(seen.append)
+        >>> remove()
+    """
+    if not callable(hook):
+        raise TypeError(f"on_program_load: hook must be callable, got {type(hook).__name__}")
+    _load_hooks.append(hook)
+
+    def remove() -> None:
+        if hook in _load_hooks:
+            _load_hooks.remove(hook)
+
+    return remove
+
+
+def program_loaded(seconds: float) -> None:
+    """Tell the :func:`on_program_load` hooks that a program was loaded in ``seconds``."""
+    for h in list(_load_hooks):
+        h(seconds)
 
 
 class Backend(ABC):

@@ -29,6 +29,9 @@ class CaptureState:
         self.tasks: list[tuple[Callable[[], None], str]] = []
         self.storages: dict[int, tuple[Storage, bool]] = {}
         self.keepalive: list[Any] = []
+        # ops may allocate their outputs during this capture: the graph keeps what they
+        # allocate (it touches it) for its life (automatic graphs of repeated DAGs)
+        self.allocates = False
 
     def join(self, stream: Stream) -> None:
         """Add ``stream`` to the capture (it waited on a captured event)."""

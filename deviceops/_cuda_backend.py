@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._backend import Backend, count_program_load, oom_error, program_loads, too_big_error
+from ._backend import (
+    Backend,
+    count_program_load,
+    oom_error,
+    program_loaded,
+    program_loads,
+    too_big_error,
+)
 from ._cuda_device import _runtime, enter_device, exit_device, on_device, peer_access
 from ._errors import DeviceError, DriverError, ShapeError
 from ._stream import Event, Stream
@@ -56,6 +63,7 @@ def raise_driver_error(exc: BaseException, op: str, device: str) -> None:
         raise DriverError(f"{op} on {device}: {exc}", op=op, device=device) from exc
 
 
+_D2H = 2  # cudaMemcpyDeviceToHost
 _EVENT_POOL_MAX = 4096
 # Recycled raw CUDA event handles (timing disabled) per device; list.pop/append
 # are atomic. Raw handles, not ``cupy.cuda.Event`` objects: a CuPy event
@@ -381,8 +389,11 @@ class CudaBackend(Backend):
             _on(native, lambda: dst.__setitem__(Ellipsis, src))
 
     def download(self, src: Any, out: np.ndarray, native: Any) -> None:
+        # ``out`` is page-locked and C-contiguous (host_empty): one asynchronous copy, made
+        # directly (CuPy's ``get`` checks and wraps the same call at several times its cost)
         a = src if src.flags.c_contiguous else _on(native, src.copy)
-        a.get(stream=native, out=out, blocking=False)
+        if a.nbytes:
+            _runtime().memcpyAsync(out.ctypes.data, a.data.ptr, a.nbytes, _D2H, native.ptr)
 
     def upload(self, dst: Any, src: np.ndarray, native: Any) -> None:
         dst.set(src if src.flags.c_contiguous else np.ascontiguousarray(src), stream=native)
@@ -428,8 +439,12 @@ class CudaBackend(Backend):
 
     def replay(self, stream: Stream, native: Any,
                tasks: Sequence[tuple[Callable[[], None], str]]) -> None:
-        with cuda_errors("graph launch", str(stream.device)), on_device(stream.device.index):
+        # (the stream's device is current: deviceops._storage.ordered makes it so)
+        try:
             native.launch(stream.native)
+        except Exception as exc:
+            raise_driver_error(exc, "graph launch", str(stream.device))
+            raise
 
     def graph_size(self, native: Any, tasks: Sequence[Any]) -> int | None:
         return None
@@ -449,6 +464,7 @@ class CudaBackend(Backend):
         cupy = _cp()
         program_loads[1] = 1
         count_program_load()  # (an await that sees the count move keeps the op cold)
+        t0 = time.perf_counter()
         with cupy.cuda.Device(device.index):
             arch = str(cupy.cuda.Device(device.index).compute_capability) + arch_suffix
             opts = (f"--gpu-architecture=sm_{arch}", "-std=c++17", *options)
@@ -459,6 +475,7 @@ class CudaBackend(Backend):
                 name_expressions=list(name_expressions) if name_expressions else None,
             )
             mod.compile()
+        program_loaded(time.perf_counter() - t0)
         return mod
 
     def trace_mark(self, stream: Stream, clock: dict[Any, Any]) -> Callable[[], float | None]:

@@ -111,7 +111,7 @@ class Device:
                 self._own = self.new_stream()
             return self._own
 
-    def new_stream(self, priority: int = 0) -> Stream:
+    def new_stream(self, priority: int = 0, *, yields: bool = False) -> Stream:
         """A new stream on this device (a worker thread for cpu, a CuPy stream for cuda).
 
         Args:
@@ -121,11 +121,22 @@ class Device:
                 device starts blocks of more urgent streams' kernels first (running blocks
                 are not preempted); the cpu backend holds a less urgent stream's next task
                 back while a more urgent stream of the device has a task ready to run.
+            yields: its long kernels give their SMs back between tiles, so that a more
+                urgent stream's kernels start within a tile's time rather than after the
+                whole kernel: the library's GEMM runs one block a tile on such a stream
+                instead of a persistent grid (a few percent slower for a big product
+                alone). For background work beside latency-sensitive work; low-priority
+                tenants' streams yield (:class:`deviceops.scheduling.Tenant`). No effect
+                on the cpu backend.
         """
         if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
             raise TypeError(f"new_stream: priority must be an int, got {type(priority).__name__} {priority!r}")
+        if not isinstance(yields, bool):
+            raise TypeError(f"new_stream: yields must be a bool, got {type(yields).__name__} {yields!r}")
         least, greatest = self.stream_priorities
-        return self.backend.new_stream(self, max(greatest, min(least, int(priority))))
+        s = self.backend.new_stream(self, max(greatest, min(least, int(priority))))
+        s.yields = yields
+        return s
 
     @property
     def stream_priorities(self) -> tuple[int, int]:

@@ -13,6 +13,8 @@ the hooks below; each layer installs its implementation when it is imported
 | ``await_future``  | ``deviceops._async``                 | ``DeviceFuture.__await__``         |
 | ``capture``       | ``deviceops.graphs._graph``          | ``DeviceOp.graph`` / ``graph_on``  |
 | ``to_host``       | ``deviceops.api``                    | ``Tensor.to_host``                 |
+| ``auto_graph``    | ``deviceops.graphs._auto``           | top-level execution under a policy |
+|                   |                                      | with ``auto_graph`` (a tenant)     |
 
 An uninstalled hook raises ``RuntimeError`` naming the module to import.
 """
@@ -22,7 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["await_future", "await_op", "capture", "current_policy", "install", "to_host"]
+__all__ = ["MISS", "auto_graph", "await_future", "await_op", "capture", "current_policy", "install",
+           "to_host"]
+
+#: what ``auto_graph`` returns when it did not run the op (the caller executes it)
+MISS: Any = object()
 
 
 def _missing(hook: str, module: str) -> Callable[..., Any]:
@@ -39,7 +45,14 @@ await_future: Callable[[Any], Any] = _missing("await_future", "deviceops._async"
 capture: Callable[[Any, Any], Any] = _missing("capture", "deviceops.graphs")
 to_host: Callable[[Any], Any] = _missing("to_host", "deviceops.api")
 
-_NAMES = frozenset(__all__) - {"install"}
+
+def _no_auto_graph(op: Any, ctx: Any) -> Any:
+    return MISS
+
+
+auto_graph: Callable[[Any, Any], Any] = _no_auto_graph
+
+_NAMES = frozenset(__all__) - {"install", "MISS"}
 
 
 def install(**hooks: Callable[..., Any]) -> None:

@@ -102,6 +102,10 @@ def _run(op: DeviceOp[T], stream: Stream, policy: SchedulingPolicy | None, what:
         guard.active = op
         seq0 = stream.seq
         try:
+            if policy is not None and policy.auto_graph and stream.capture is None:
+                got = _hooks.auto_graph(op, ctx)  # a repeated DAG: its graph replayed
+                if got is not _hooks.MISS:
+                    return got
             return op._exec(ctx)
         except BaseException:
             stream.absorb_after(seq0)  # the op raised: device failures of its partial work are its own

@@ -110,6 +110,8 @@ class Stream(ABC):
         capture: the graph capture it belongs to, if any.
         priority: CUDA's convention (``0`` least urgent, lower more urgent); see
             :meth:`Device.new_stream <deviceops.Device.new_stream>`.
+        yields: its long kernels give their SMs back between tiles (see
+            :meth:`Device.new_stream <deviceops.Device.new_stream>`).
         enter_device: ``None``, or (cuda) a function making the stream's device current
             on the calling thread and returning the device to give back to
             :attr:`exit_device` (-1: nothing to give back). Every op's driver calls run
@@ -119,6 +121,7 @@ class Stream(ABC):
 
     native: Any = None
     priority: int = 0
+    yields: bool = False
     enter_device: Callable[[], int] | None = None
     exit_device: Callable[[int], None] | None = None
 

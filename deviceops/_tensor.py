@@ -391,9 +391,10 @@ def allocate(stream: Stream, shape: tuple[int, ...], dtype: Any, op: str) -> Ten
     """A new uninitialised tensor on ``stream``'s device, owned by ``stream``.
 
     Raises:
-        CaptureError: ``stream`` is being captured into a graph.
+        CaptureError: ``stream`` is being captured into a graph (unless the capture lets
+            ops allocate: :attr:`deviceops._capture.CaptureState.allocates`).
     """
-    if stream.capture is not None:
+    if stream.capture is not None and not stream.capture.allocates:
         from ._errors import CaptureError
 
         raise CaptureError(

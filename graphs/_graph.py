@@ -34,7 +34,7 @@ from deviceops._storage import ordered
 if TYPE_CHECKING:
     from deviceops._stream import Stream
 
-__all__ = ["CudaGraph", "capture"]
+__all__ = ["CudaGraph", "capture", "capture_locked"]
 
 T = TypeVar("T")
 
@@ -148,32 +148,45 @@ def capture(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
             raise
     if stream.capture is not None:
         raise CaptureError(f"{stream!r} is already capturing", op=op._describe())
+    with enqueue_lock:
+        prev = guard.active
+        try:
+            return capture_locked(op, stream, policy)
+        finally:
+            guard.active = prev
+
+
+def capture_locked(op: DeviceOp[T], stream: Stream, policy: Any, *, allocates: bool = False
+                   ) -> CudaGraph[T]:
+    """The capture itself (``enqueue_lock`` held, ``stream`` not capturing); leaves
+    ``guard.active`` at ``None``. ``allocates``: ops may allocate their outputs inside the
+    capture (the graph keeps them: :mod:`._auto`)."""
     stream.device.synchronize()
     state = CaptureState(stream, op._describe())
+    state.allocates = allocates
     ctx = ExecutionContext(stream, policy)
     backend = stream.backend
-    with enqueue_lock:
-        stream.capture = state
+    stream.capture = state
+    began = False
+    guard.active = f"the graph capture of {op._describe()}"
+    try:
+        backend.begin_capture(stream)
+        began = True
+        out = op._exec(ctx)
+        for member in state.members[1:]:
+            stream.wait_event(member.record_event())
+        native = backend.end_capture(stream)
         began = False
-        guard.active = f"the graph capture of {op._describe()}"
-        try:
-            backend.begin_capture(stream)
-            began = True
-            out = op._exec(ctx)
-            for member in state.members[1:]:
-                stream.wait_event(member.record_event())
-            native = backend.end_capture(stream)
-            began = False
-        except BaseException as exc:
-            if began:
-                backend.abort_capture(stream)
-            exc.add_note(f"deviceops: raised while capturing {op._describe()} into a graph; "
-                         "the capture was ended and the partial graph freed")
-            raise
-        finally:
-            guard.active = None
-            for member in state.members:
-                member.capture = None
+    except BaseException as exc:
+        if began:
+            backend.abort_capture(stream)
+        exc.add_note(f"deviceops: raised while capturing {op._describe()} into a graph; "
+                     "the capture was ended and the partial graph freed")
+        raise
+    finally:
+        guard.active = None
+        for member in state.members:
+            member.capture = None
     return CudaGraph(stream, out, native, state)
 
 

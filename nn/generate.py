@@ -90,7 +90,51 @@ def visible_text(model: Any, ids: list[int]) -> str:
                                       skip_special_tokens=True))
 
 
+class CompileBar:
+    """A "compiling kernels" bar on stderr while kernels compile at their first use (a GPU
+    whose kernel cache is empty): shown from the first load that took longer than a cache
+    hit, counting the loads; nothing at all when every kernel comes from the cache.
+    Install it with :func:`deviceops.on_program_load` (it is the hook); :meth:`close` when
+    the first token is out."""
+
+    #: a load slower than this was a compile (a disk-cache hit takes milliseconds)
+    COMPILE_S = 0.05
+
+    def __init__(self, file: Any = None) -> None:
+        self.file = sys.stderr if file is None else file
+        self.bar: Any = None
+        self.loads = 0
+
+    def __call__(self, seconds: float) -> None:
+        self.loads += 1
+        if self.bar is None:
+            if seconds < self.COMPILE_S:
+                return
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc="compiling kernels (first use on this GPU)", unit="kernel",
+                            initial=self.loads - 1, leave=False, file=self.file)
+        self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 async def _run(model: Any, args: argparse.Namespace) -> int:
+    import deviceops
+
+    bar = CompileBar()
+    remove = deviceops.on_program_load(bar)
+    try:
+        return await _stream_answer(model, args, bar)
+    finally:
+        remove()
+        bar.close()
+
+
+async def _stream_answer(model: Any, args: argparse.Namespace, bar: CompileBar) -> int:
     prompt = args.prompt
     if use_chat(model, args):
         prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
@@ -105,6 +149,7 @@ async def _run(model: Any, args: argparse.Namespace) -> int:
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed):
         if not ids:
             t_first = time.perf_counter()
+            bar.close()  # (before the first piece of the answer is written)
         ids.append(tok)
         text = visible_text(model, ids)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character

@@ -47,6 +47,9 @@ class SchedulingPolicy(ABC):
     #: then reports each op it enqueued through :meth:`enqueued`, and ``await`` asks
     #: :meth:`backlog` before enqueueing.
     counts_enqueued: bool = False
+    #: True for policies whose top-level ops are replayed as CUDA graphs once the same small
+    #: DAG repeats (:mod:`deviceops.graphs._auto`; tenants by default).
+    auto_graph: bool = False
 
     @abstractmethod
     def next_stream(self) -> Stream:

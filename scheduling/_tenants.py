@@ -13,8 +13,11 @@ tenant is passed explicitly (``op.schedule(tenant)``). A tenant has:
   ``"normal"`` half way. When SMs free up the GPU starts blocks of a more urgent stream's
   kernels first, so latency-sensitive tenants' small kernels slip between a big job's
   blocks instead of queueing behind the whole job. (Blocks already running are not
-  preempted: a kernel whose blocks run for long -- a persistent grid -- still holds its
-  SMs; see the README's "many tenants" section.) The ``cpu`` backend holds a less urgent
+  preempted, so a tenant of the least urgent level, ``"low"``, gets streams that *yield*
+  (:meth:`Device.new_stream <deviceops.Device.new_stream>`): the GEMM runs one block a
+  tile there instead of a persistent grid, and a more urgent tenant's kernels start as
+  soon as a tile ends rather than after the whole product. A low-priority tenant that
+  wants the persistent grid passes its own streams.) The ``cpu`` backend holds a less urgent
   stream's next task back while a more urgent one has a task ready, so the same ordering
   is tested without a GPU.
 * **a bound on queued work.** At most ``max_queued`` of the tenant's top-level ops (each
@@ -102,17 +105,22 @@ class Tenant(SchedulingPolicy):
             device; their priority is theirs).
         max_queued: top-level ops in flight at once (>= 1); the next waits for the oldest.
         branch_streams: the streams ``zip`` branches draw from (default: its own).
+        auto_graph: replay a small DAG that repeats as a CUDA graph (default ``True``): a
+            job ending in ``api.to_host`` whose kernel ops repeat with the same tensors is
+            captured at its third run and replayed after, at a fraction of the host cost
+            (:mod:`deviceops.graphs._auto` says what is eligible and what it keeps alive).
 
     Attributes:
         name, priority (the stream priority, an int), device, streams, branch_streams,
-        max_queued.
+        max_queued, auto_graph.
     """
 
     counts_enqueued = True
 
     def __init__(self, name: str | None = None, *, priority: str | int = "normal",
                  device: Device | int | str | None = None, streams: int | Sequence[Stream] = 1,
-                 max_queued: int = 4, branch_streams: Sequence[Stream] | None = None) -> None:
+                 max_queued: int = 4, branch_streams: Sequence[Stream] | None = None,
+                 auto_graph: bool = True) -> None:
         from deviceops._device import default_device
         from deviceops._device import device as _device
 
@@ -124,7 +132,9 @@ class Tenant(SchedulingPolicy):
                 raise SchedulingError(f"Tenant {self.name!r}: streams must be >= 1, got {streams!r}")
             dev = default_device() if device is None else _device(device)
             self.priority = priority_level(dev, priority)
-            own: tuple[Stream, ...] = tuple(dev.new_stream(self.priority) for _ in range(streams))
+            yields = self.priority == dev.stream_priorities[0]  # a "low" tenant's streams yield SMs
+            own: tuple[Stream, ...] = tuple(dev.new_stream(self.priority, yields=yields)
+                                            for _ in range(streams))
         else:
             own = tuple(streams)
             if not own:
@@ -140,6 +150,9 @@ class Tenant(SchedulingPolicy):
         self.streams = own
         self.branch_streams = branches
         self.max_queued = max_queued
+        if not isinstance(auto_graph, bool):
+            raise SchedulingError(f"Tenant {self.name!r}: auto_graph must be a bool, got {auto_graph!r}")
+        self.auto_graph = auto_graph
         self._own = itertools.cycle(own).__next__
         self._branch = itertools.cycle(branches).__next__
         self._events: deque[Event] = deque()  # the in-flight top-level ops' completion events
@@ -220,6 +233,7 @@ class TenantPool:
         streams_per_priority: streams per device and priority level (>= 1), made when the
             first tenant of that level lands on the device.
         max_queued: the default bound of its tenants (see :class:`Tenant`).
+        auto_graph: its tenants' default (see :class:`Tenant`).
 
     Each new tenant goes to the device with the fewest tenants of its priority (then the
     fewest tenants, then the first listed), and takes one of that level's streams in turn
@@ -227,7 +241,7 @@ class TenantPool:
     """
 
     def __init__(self, devices: Sequence[Device | int | str] | None = None, *,
-                 streams_per_priority: int = 4, max_queued: int = 4) -> None:
+                 streams_per_priority: int = 4, max_queued: int = 4, auto_graph: bool = True) -> None:
         from deviceops._device import backend, cuda_available
         from deviceops._device import device as _device
 
@@ -245,12 +259,14 @@ class TenantPool:
         self.devices = tuple(devs)
         self.streams_per_priority = streams_per_priority
         self.max_queued = max_queued
+        self.auto_graph = auto_graph
         self.tenants: list[Tenant] = []
         self._streams: dict[tuple[Device, int], tuple[Stream, ...]] = {}
         self._lock = threading.Lock()
 
     def tenant(self, name: str | None = None, *, priority: str | int = "normal",
-               max_queued: int | None = None, device: Device | int | str | None = None) -> Tenant:
+               max_queued: int | None = None, device: Device | int | str | None = None,
+               auto_graph: bool | None = None) -> Tenant:
         """A new tenant on the least loaded device (or ``device``, one of the pool's)."""
         from deviceops._device import device as _device
 
@@ -269,11 +285,14 @@ class TenantPool:
             key = (dev, level)
             pool = self._streams.get(key)
             if pool is None:
-                pool = self._streams[key] = tuple(dev.new_stream(level) for _ in range(self.streams_per_priority))
+                yields = level == dev.stream_priorities[0]  # "low": background work yields SMs
+                pool = self._streams[key] = tuple(dev.new_stream(level, yields=yields)
+                                                  for _ in range(self.streams_per_priority))
             k = sum(1 for t in self.tenants if t._device is dev and t.priority == level)
             home = pool[k % len(pool)]
             t = Tenant(name, streams=(home,), branch_streams=pool,
-                       max_queued=self.max_queued if max_queued is None else max_queued)
+                       max_queued=self.max_queued if max_queued is None else max_queued,
+                       auto_graph=self.auto_graph if auto_graph is None else auto_graph)
             self.tenants.append(t)
             return t
 

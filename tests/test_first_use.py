@@ -214,6 +214,56 @@ def test_timing_line_reports_tokens_per_second() -> None:
 # ----------------------------------------------------------------------------- the server's log
 
 
+def test_compile_bar_shows_only_when_kernels_compile() -> None:
+    """generate's "compiling kernels" bar: nothing while every load is a cache hit, then one
+    bar counting loads from the first slow one; closed (and gone) at the first token."""
+    import io
+
+    from deviceops.nn.generate import CompileBar
+
+    out = io.StringIO()
+    bar = CompileBar(file=out)
+    bar(0.001)
+    bar(0.002)
+    assert bar.bar is None and out.getvalue() == ""
+    bar(0.8)
+    bar(0.001)
+    assert bar.bar is not None and bar.bar.n == 4 and bar.loads == 4
+    assert "compiling kernels (first use on this GPU)" in out.getvalue()
+    bar.close()
+    assert bar.bar is None
+    bar.close()  # twice: nothing
+
+
+def test_program_load_hooks_are_called_and_removed() -> None:
+    from deviceops._backend import program_loaded
+
+    seen: list[float] = []
+    remove = deviceops.on_program_load(seen.append)
+    try:
+        program_loaded(0.25)
+    finally:
+        remove()
+    program_loaded(0.5)
+    remove()  # twice: nothing
+    assert seen == [0.25]
+    with pytest.raises(TypeError, match="must be callable"):
+        deviceops.on_program_load(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_a_kernel_compile_calls_the_program_load_hooks() -> None:
+    seen: list[float] = []
+    remove = deviceops.on_program_load(seen.append)
+    try:
+        src = 'extern "C" __global__ void deviceops_hook_probe_%d(float* x) { x[0] = 1.0f; }'
+        deviceops.default_device().backend.load_program(deviceops.default_device(),
+                                                        src % np.random.default_rng().integers(1 << 30))
+    finally:
+        remove()
+    assert len(seen) == 1 and seen[0] > 0
+
+
 def test_access_log_one_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
     from deviceops.nn.serving.access_log import SCOPE_KEY, AccessLog
 

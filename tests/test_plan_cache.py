@@ -69,15 +69,52 @@ def test_a_failed_check_is_not_cached(s: deviceops.Stream) -> None:
             kernels.rms_norm(x, w16)
 
 
-def test_partition_and_deferred_args_are_checked_each_time(s: deviceops.Stream) -> None:
+def test_partition_args_are_checked_each_time(s: deviceops.Stream) -> None:
     x = api.ones((4, 8)).sync_on(s)
     o = api.zeros((4, 8)).sync_on(s)
     _plan.clear()
     kernels.softmax(x.partition((2, 8)), out=o).sync_on(s)
-    kernels.softmax(api.ones((4, 8)), out=o).sync_on(s)
     assert _plan.stats()["entries"] == 0
     with pytest.raises(ShapeError):
+        kernels.softmax(x.partition((2, 8)), out=api.zeros((4, 9)).sync_on(s)).sync_on(s)
+
+
+def test_deferred_args_are_planned_once_their_values_are_known(s: deviceops.Stream) -> None:
+    """A DeviceOp argument's output is a fresh storage each call: the plan is keyed by the
+    alias pattern as positions, so a repeated chain hits it (checked once, as for Tensors),
+    and a misfit is still refused before anything of the op runs."""
+    o = api.zeros((4, 8)).sync_on(s)
+    _plan.clear()
+    for _ in range(3):
+        got = kernels.softmax(api.ones((4, 8)), out=o).sync_on(s)
+        np.testing.assert_allclose(got.to_host().sync_on(s), np.full((4, 8), 1 / 8), rtol=1e-6)
+    st = _plan.stats()
+    assert st["entries"] == 1 and st["misses"] == 1 and st["hits"] == 2
+    with pytest.raises(ShapeError):
         kernels.softmax(api.ones((4, 9)), out=o).sync_on(s)
+    np.testing.assert_allclose(o.to_host().sync_on(s), np.full((4, 8), 1 / 8), rtol=1e-6)
+    assert _plan.stats()["entries"] == 1  # a failed check is not cached
+
+
+def test_deferred_alias_pattern_is_part_of_the_key(s: deviceops.Stream) -> None:
+    """One DeviceOp's output passed twice (``shared``) and two outputs are two plans."""
+    _plan.clear()
+    twice = api.full((3, 3), 2.0).shared()
+    got = kernels.gemm(twice, twice).sync_on(s).to_host().sync_on(s)
+    np.testing.assert_array_equal(got, np.full((3, 3), 12.0, np.float32))
+    got = kernels.gemm(api.full((3, 3), 2.0), api.full((3, 3), 3.0)).sync_on(s).to_host().sync_on(s)
+    np.testing.assert_array_equal(got, np.full((3, 3), 18.0, np.float32))
+    assert _plan.stats()["entries"] == 2
+
+
+def test_a_deferred_partition_takes_the_general_path(s: deviceops.Stream) -> None:
+    x = api.ones((4, 8)).sync_on(s)
+    o = api.zeros((4, 8)).sync_on(s)
+    _plan.clear()
+    part = api.dup(x).map(lambda t: t.partition((2, 8)))
+    got = kernels.softmax(part, out=o).sync_on(s)
+    np.testing.assert_allclose(got.to_host().sync_on(s), np.full((4, 8), 1 / 8), rtol=1e-6)
+    assert _plan.stats()["entries"] == 0
 
 
 def test_cache_is_bounded(s: deviceops.Stream, monkeypatch: pytest.MonkeyPatch) -> None:

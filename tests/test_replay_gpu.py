@@ -241,6 +241,38 @@ def test_no_replay_under_experiment_overrides() -> None:
     np.testing.assert_allclose(api.to_host(o).sync_on(s).astype(np.float32), 256.0)
 
 
+def test_a_full_plan_records_a_new_key_at_its_second_execution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past _REPLAYS_PER_PLAN records a plan runs a new pointer key plainly once (ever-new
+    pointers pay no recording), records it the second time and replays it the third; every
+    result is right. (The output comes from a DeviceOp, so one plan serves every pointer.)"""
+    from deviceops.kernels.runtime import _spec
+
+    monkeypatch.setattr(_spec, "_REPLAYS_PER_PLAN", 3)
+    s = deviceops.device(0).new_stream()
+    rng = np.random.default_rng()
+    xh = rng.standard_normal((3, 200), dtype=np.float32).astype(np.float16)
+    x, w = api.from_host(xh).sync_on(s), api.ones((200,), F16).sync_on(s)
+    want = xh.astype(np.float64) / np.sqrt((xh.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
+    outs = [api.empty((3, 200), F16).sync_on(s) for _ in range(4)]
+
+    def run(o: Any) -> dict[str, int]:
+        given = api.zeros((1,)).map(lambda _: o)  # a DeviceOp whose value is o
+        kernels.rms_norm(x, w, eps=1e-5, out=given).sync_on(s)
+        np.testing.assert_allclose(api.to_host(o).sync_on(s).astype(np.float64), want, rtol=1e-2, atol=1e-2)
+        return _replay.stats()
+
+    for o in outs[:-1]:
+        run(o)  # fills the plan's records
+    last = outs[-1]
+    n0 = _replay.stats()
+    n1 = run(last)
+    assert n1["recorded"] == n0["recorded"] and n1["replayed"] == n0["replayed"]  # plain
+    n2 = run(last)
+    assert n2["recorded"] == n1["recorded"] + 1  # recorded now
+    n3 = run(last)
+    assert n3["replayed"] == n2["replayed"] + 1 and n3["recorded"] == n2["recorded"]
+
+
 def test_single_launch_replay_falls_back_on_a_driver_error() -> None:
     """A one-launch record calls the driver directly; if that call raises, the general replay
     runs instead (its retry on a context error, else DriverError): the launch still happens

@@ -59,6 +59,39 @@ def test_cuda_stream_carries_its_priority() -> None:
     assert dev.new_stream().native.priority == least
 
 
+def test_yielding_streams(dev: deviceops.Device) -> None:
+    assert not dev.new_stream().yields
+    assert dev.new_stream(0, yields=True).yields
+    with pytest.raises(TypeError, match="yields must be a bool"):
+        dev.new_stream(0, yields=1)  # type: ignore[arg-type]
+    assert Tenant("bg", priority="low", device=dev, streams=2).streams[1].yields
+    assert not any(s.yields for s in Tenant("fg", priority="high", device=dev).streams)
+    assert not any(s.yields for s in Tenant("mid", device=dev).streams)  # "normal"
+    mine = dev.new_stream(0)
+    assert not Tenant("own", priority="low", streams=[mine]).streams[0].yields  # as given
+
+
+@pytest.mark.gpu
+def test_gemm_on_a_yielding_stream_equals_the_persistent_grid() -> None:
+    """More tiles than SMs (the persistent grid walks several a block; yielding: one each):
+    the same products, equal to a float64 reference, outputs poisoned first."""
+    dev = deviceops.device(0)
+    rng = np.random.default_rng()
+    for m, n, k in ((2048 + 64, 4096 + 8, 520), (3000, 2056, 1000)):
+        ah = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+        bh = (rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)).astype(np.float16)
+        want = ah.astype(np.float64) @ bh.astype(np.float64)
+        a, b = api.from_host(ah).sync(), api.from_host(bh).sync()
+        got = []
+        for yields in (False, True):
+            s = dev.new_stream(0, yields=yields)
+            out = api.full((m, n), float("nan"), "float16").sync_on(s)
+            kernels.gemm(a, b, out=out).sync_on(s)
+            got.append(to_np(out).astype(np.float64))
+        np.testing.assert_allclose(got[1], want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(got[0], got[1])  # same tiles, same sums: bit-equal
+
+
 def test_priority_levels() -> None:
     assert priority_level(CPU, "high") == -5
     assert priority_level(CPU, "low") == 0
@@ -296,6 +329,9 @@ def test_pool_shares_streams_per_priority_and_spreads_over_devices() -> None:
     assert len(homes) == 4 and all(s.priority == -5 for s in homes)  # 2 a device, shared
     assert all(t.max_queued == 3 for t in smalls) and all(t.max_queued == 1 for t in bigs)
     assert all(t.streams[0].priority == 0 for t in bigs)
+    # background (least urgent) streams yield SMs between tiles; the others do not
+    assert all(s.yields for t in bigs for s in t.branch_streams)
+    assert not any(s.yields for t in smalls for s in t.branch_streams)
     pinned = pool.tenant("p", device="cpu:1")
     assert pinned.device is c1
     with pytest.raises(SchedulingError, match="not one of"):

@@ -145,9 +145,11 @@ def _build_skinny_tma(dev: int, cfg: tuple[int, int, int, int, int, int, int], b
 
 
 def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float, tf32: bool,
-           trans_b: bool, ws_nbytes: int, ov: GemmOverride | None, checked: bool) -> _Run:
+           trans_b: bool, ws_nbytes: int, ov: GemmOverride | None, checked: bool,
+           yields: bool = False) -> _Run:
     """The launch plan of one problem (see the module doc), after the checks unless the op
-    made them already (``checked``); ``ov``: the override in force, if any."""
+    made them already (``checked``); ``ov``: the override in force, if any; ``yields``: one
+    block a tile on the ``sm90`` path (no persistent grid)."""
     if checked:
         odt = np.dtype(out.dtype)
         dev = int(a.device.id)
@@ -254,10 +256,11 @@ def _build(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: f
         geo_a = ((k, m, batch), (k * 2, m * k * 2), (64, bm, 1))
         # b as (N, K): one box of the BN rows; as (K, N): 64 x 64 boxes
         geo_b = ((k, n, bb), (k * 2, n * k * 2), (64, bn, 1)) if trans_b else ((n, k, bb), (n * 2, k * n * 2), (64, 64, 1))
-        # a persistent grid of at most one block per SM
+        # a persistent grid of at most one block per SM (yielding: one block a tile, so that
+        # a more urgent stream's blocks get SMs as each tile ends)
         tiles_m, tiles_n = G._cdiv(m, bm), G._cdiv(n, bn)
         total = batch * splits * tiles_m * tiles_n
-        slots = n_sm
+        slots = total if yields else n_sm
         i32, f32 = ctypes.c_int32, ctypes.c_float
         tail90 = tuple(zip((i32,) * 10 + (f32, f32, i32, i32, i32),
                            (m, n, batch, tiles_m, tiles_n, splits, kt_total, kps, int(b_batched), total, *epi),
@@ -356,9 +359,12 @@ def gemm_cuda(
 
 
 def _launch(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: float, beta: float,
-            tf32: bool, trans_b: bool, workspace: Any, stream: Any, checked: bool) -> None:
+            tf32: bool, trans_b: bool, workspace: Any, stream: Any, checked: bool,
+            yields: bool = False) -> None:
     """:func:`gemm_cuda`; ``checked``: the op checked the arguments already (its plan), so a
-    plan-cache miss only plans."""
+    plan-cache miss only plans; ``yields``: the stream yields SMs between tiles
+    (:meth:`deviceops.Device.new_stream`): the ``sm90`` path runs one block a tile, not a
+    persistent grid."""
     ad, bd, od = a.data, b.data, out.data
     ap, bp, opp = ad.ptr, bd.ptr, od.ptr
     if bias is None:
@@ -371,11 +377,11 @@ def _launch(a: Any, b: Any, out: Any, bias: Any, activation: str | None, alpha: 
     ov = active(GemmOverride)
     # (device, op, statics, signature): the pointers' 16-byte alignment and the other
     # operands' devices are part of the signature (they choose the path or refuse the call)
-    key = (("cuda", ad.device_id), "gemm_cuda", (activation, alpha, beta, tf32, trans_b, wsn, ov),
+    key = (("cuda", ad.device_id), "gemm_cuda", (activation, alpha, beta, tf32, trans_b, wsn, ov, yields),
            (a.shape, b.shape, out.shape, a.dtype, b.dtype, out.dtype, a.strides, b.strides, out.strides,
             bd.device_id, od.device_id, ap & 15, bp & 15, opp & 15, bkey))  # fmt: skip
     run = plan_cache.lookup(key)
     if run is None:
         run = plan_cache.store(key, _build(a, b, out, bias, activation, alpha, beta, tf32, trans_b, wsn,
-                                           ov, checked))  # fmt: skip
+                                           ov, checked, yields))  # fmt: skip
     run(ap, bp, opp, biasp, 0 if workspace is None else workspace.data.ptr, stream.ptr)

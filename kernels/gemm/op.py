@@ -76,6 +76,7 @@ def _gemm_parts(name: str, activation: str | None, alpha: float, beta: float, tf
         at, bt, ot = ts["a"], ts["b"], ts["out"]
         bias_t = ts.get("bias")
         stream = ctx.stream
+        yields = stream.yields  # (a yielding stream: no persistent grid)
         ws = workspace_for(stream, gemm_workspace_nbytes(at.shape, bt.shape, at.dtype, trans_b), name)
         reads = [at, bt] + ([bias_t] if bias_t is not None else []) + ([ot] if beta != 0.0 else [])
         writes = [ot] + ([ws] if ws is not None else [])
@@ -100,7 +101,7 @@ def _gemm_parts(name: str, activation: str | None, alpha: float, beta: float, tf
 
         def cuda(native: Any) -> None:
             _launch(aa, ba, oa, biasa, activation, alpha, beta, tf32, trans_b,
-                    None if ws is None else ws.array, native, True)  # (checked: this plan)
+                    None if ws is None else ws.array, native, True, yields)  # (checked: this plan)
 
         launch(ctx, name, reads, writes, cpu, cuda)
 

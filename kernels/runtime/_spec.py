@@ -39,6 +39,7 @@ from deviceops.extend import (
     check_device,
     trace_state,
 )
+from deviceops.extend import drive as _drive
 
 from . import _override, _plan, _replay
 from ._builder import OPTIONAL_ARGS, Body, _general_op, _outputs, plain_args
@@ -51,6 +52,11 @@ __all__ = ["KernelSpec", "Plan"]
 
 Parts = Callable[..., tuple[Callable[[Any], Any], Body]]
 _REPLAYS_PER_PLAN = 64
+# pointer keys seen once (not recorded yet) per plan: once a plan holds _REPLAYS_PER_PLAN
+# records, a new key is recorded only at its second execution, so a stream of ever-new
+# pointers (DeviceOp arguments' fresh outputs under many tenants) runs the plain body instead
+# of paying for recordings that are evicted before they are replayed
+_SEEN_PER_PLAN = 256
 _PARTS_LIMIT = 256
 
 
@@ -174,20 +180,72 @@ class KernelSpec:
 
     def _general(self, vals: tuple[Any, ...], statics: tuple[Any, ...], name: str | None
                  ) -> KernelOp:
-        """Partition or DeviceOp arguments: :mod:`._builder`'s general path."""
+        """Partition or DeviceOp arguments: a :class:`_DeferredOp` when every argument is a
+        Tensor, ``None`` or a DeviceOp (planned once the values are known), else
+        :mod:`._builder`'s general path."""
         name = name or self.name
         args = dict(zip(self.keys, vals, strict=True))
         if plain_args(name, args, self.optional):  # (raises for a bad argument)
             return _PlannedOp.make(self._new_plan(vals, statics, name), vals)
-        check, body = self.parts_for(statics)
-        return _general_op(name, args, check, not self.outputs, body, self.result,
-                           self.defaults)
+        for v in vals:
+            if v is not None and type(v) is not Tensor and not isinstance(v, DeviceOp):
+                check, body = self.parts_for(statics)
+                return _general_op(name, args, check, not self.outputs, body, self.result,
+                                   self.defaults)
+        return _DeferredOp(self, name, statics, vals)
+
+    def run_values(self, ctx: ExecutionContext, vals: tuple[Any, ...], statics: tuple[Any, ...],
+                   name: str) -> Any:
+        """Check (through the plan cache), allocate and launch for argument values known
+        only now (a :class:`_DeferredOp`'s, once its DeviceOp arguments have run).
+
+        Tensor values take the planned path: the plan keyed by the signatures and the
+        alias pattern *as positions* (a DeviceOp's output is a fresh storage each time, so
+        its ``id`` would make every call a miss), then :meth:`Plan.execute`, replayed when
+        recorded. A DeviceOp that produced a Partition (or anything else) takes
+        :mod:`._builder`'s general path for this call.
+        """
+        sig: list[Any] = []
+        app = sig.append
+        dev = None
+        seen: dict[int, int] = {}
+        for v in vals:
+            if v is None:
+                app(None)
+                continue
+            if type(v) is not Tensor:
+                check, body = self.parts_for(statics)
+                op = _general_op(name, dict(zip(self.keys, vals, strict=True)), check,
+                                 not self.outputs, body, self.result, self.defaults)
+                op._consume()  # (only its run function is used, for this call)
+                return op._run(ctx, *vals)
+            sid = v._sig_id
+            if sid < 0:
+                sid = v.signature_id()
+                if sid < 0:  # the signature table is full: check every time
+                    return self._new_plan(vals, statics, name).execute(ctx, vals)
+            st = v._storage
+            if dev is None:
+                dev = st.device
+            app(sid)
+            app(seen.setdefault(id(st), len(seen)))
+        k = (dev, self, statics, tuple(sig), "positions")  # (see .op's key; aliases as positions)
+        try:
+            plan = _plans.get(k)
+        except TypeError:  # an unhashable static: no caching
+            return self._new_plan(vals, statics, name).execute(ctx, vals)
+        if plan is None:
+            _plan_counts[1] += 1
+            plan = _plan.store(k, self._new_plan(vals, statics, name))
+        else:
+            _plan_counts[0] += 1
+        return plan.execute(ctx, vals)
 
 
 class Plan:
     """What one (spec, statics, signatures, alias pattern) decided, and its replays."""
 
-    __slots__ = ("body", "defaults", "device", "first", "missing", "name", "replays", "spec")
+    __slots__ = ("body", "defaults", "device", "first", "missing", "name", "replays", "seen", "spec")
 
     def __init__(self, spec: KernelSpec, name: str, body: Body, ts: Mapping[str, Tensor | None],
                  outs: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
@@ -204,6 +262,7 @@ class Plan:
                              if ts[k] is None)
         self.replays: dict[tuple[int, ...], Record] | None = (
             {} if spec.replay and not self.device.is_cpu else None)
+        self.seen: dict[tuple[int, ...], None] = {}  # pointer keys run once, not recorded
 
     def execute(self, ctx: ExecutionContext, args: tuple[Any, ...]) -> Any:
         """Allocate missing outputs, launch (replayed when recorded), return the output."""
@@ -222,7 +281,15 @@ class Plan:
                 pk.append(0 if a is None else a._array.data.ptr)
             key = tuple(pk)
             rec = reps.get(key)
-            if rec is None or not rec.run(stream, args, native):
+            if rec is None and len(reps) >= _REPLAYS_PER_PLAN and key not in self.seen:
+                # a full plan's first sighting of this key: run, remember
+                seen = self.seen
+                if len(seen) >= _SEEN_PER_PLAN:
+                    del seen[next(iter(seen))]
+                seen[key] = None
+                self.body(ctx, self._tensors(args))
+            elif rec is None or not rec.run(stream, args, native):
+                self.seen.pop(key, None)
                 with recording() as (calls, sets):
                     self.body(ctx, self._tensors(args))
                 rec = record(calls, sets, args)
@@ -285,6 +352,33 @@ class _PlannedOp(KernelOp):
 
     def _compile_key(self) -> Any:
         return self._plan  # one per (launcher, statics, signatures): what it may compile
+
+
+def _unplanned(ctx: ExecutionContext, *vals: Any) -> Any:  # (a _DeferredOp finishes instead)
+    raise AssertionError("a _DeferredOp runs through _finish")
+
+
+class _DeferredOp(KernelOp):
+    """A KernelSpec op with DeviceOp arguments (and Tensors or ``None``): the DeviceOps run
+    first on the same stream, then :meth:`KernelSpec.run_values` checks the values through
+    the plan cache and launches (replayed when recorded), as for Tensor arguments."""
+
+    __slots__ = ("_spec", "_statics")
+
+    def __init__(self, spec: KernelSpec, name: str, statics: tuple[Any, ...], vals: tuple[Any, ...]
+                 ) -> None:
+        KernelOp.__init__(self, name, _unplanned, vals)
+        self._spec = spec
+        self._statics = statics
+
+    def _execute(self, ctx: ExecutionContext) -> Any:
+        return _drive(self, ctx)
+
+    def _finish(self, ctx: ExecutionContext, vals: list[Any]) -> Any:
+        args = list(self._args)
+        for i, v in zip(self._dpos, vals, strict=True):
+            args[i] = v
+        return self._spec.run_values(ctx, tuple(args), self._statics, self._name)
 
 
 _new_op = object.__new__

@@ -1,0 +1,198 @@
+"""Automatic graphs (deviceops/graphs/_auto.py): a tenant's repeated small DAG is captured at
+its third run and replayed after; everything else runs as before."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import deviceops
+from deviceops import ShapeError, api, kernels
+from deviceops.graphs import _auto
+from deviceops.scheduling import Tenant, TenantPool
+
+CPU = deviceops.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache() -> Iterator[None]:
+    _auto.clear()
+    yield
+    _auto.clear()
+
+
+def _chain(x: Any, ws: list[Any]) -> Any:
+    op: Any = x
+    for w in ws:
+        op = kernels.gemm(op, w)
+    return op
+
+
+def _data(n: int = 6, k: int = 3, seed: int | None = None) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    xh = rng.standard_normal((n, n)).astype(np.float32)
+    whs = [rng.standard_normal((n, n)).astype(np.float32) for _ in range(k)]
+    want = xh.astype(np.float64)
+    for w in whs:
+        want = want @ w.astype(np.float64)
+    return xh, whs, want
+
+
+def _put(dev: deviceops.Device, xh: np.ndarray, whs: list[np.ndarray]) -> tuple[Any, list[Any]]:
+    s = dev.new_stream()
+    return api.from_host(xh).sync_on(s), [api.from_host(w).sync_on(s) for w in whs]
+
+
+def test_a_repeated_job_is_captured_at_its_third_run_and_replayed(dev: deviceops.Device) -> None:
+    xh, whs, want = _data()
+    x, ws = _put(dev, xh, whs)
+    t = Tenant("t", device=dev)
+    seen = []
+    with deviceops.using(t):
+        for _ in range(6):
+            got = api.to_host(_chain(x, ws)).sync()
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+            seen.append((_auto.stats()["captured"], _auto.stats()["replayed"]))
+        assert seen == [(0, 0), (0, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+        # the leaves are read as they are at each replay
+        api.memcpy(x, api.from_host(2 * xh)).sync()
+        np.testing.assert_allclose(api.to_host(_chain(x, ws)).sync(), 2 * want, rtol=1e-3, atol=1e-3)
+        assert _auto.stats()["replayed"] == 5
+        # other leaves: another key (eager twice, then its own graph)
+        x2, _ = _put(dev, -xh, whs)
+        for _ in range(3):
+            np.testing.assert_allclose(api.to_host(_chain(x2, ws)).sync(), -want, rtol=1e-3, atol=1e-3)
+        assert _auto.stats()["graphs"] == 2
+
+
+def test_replayed_ops_count_as_executed(dev: deviceops.Device) -> None:
+    xh, whs, _ = _data()
+    x, ws = _put(dev, xh, whs)
+    t = Tenant("t", device=dev)
+    with deviceops.using(t), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "never executed" warning for the replayed ops
+        for _ in range(_auto.SIGHTINGS + 1):
+            mid = kernels.gemm(x, ws[0])
+            op = api.to_host(kernels.gemm(mid, ws[1]))
+            op.sync()
+        assert _auto.stats()["replayed"] == 2
+        with pytest.raises(deviceops.SchedulingError):
+            op.sync()  # a DeviceOp runs once, replayed or not
+
+
+def test_what_is_not_eligible_runs_eagerly(dev: deviceops.Device) -> None:
+    xh, whs, want = _data()
+    x, ws = _put(dev, xh, whs)
+    on = Tenant("on", device=dev)
+    off = Tenant("off", device=dev, auto_graph=False)
+    jobs = {
+        "device result": lambda: _chain(x, ws),
+        "a map in the chain": lambda: api.to_host(kernels.gemm(_chain(x, ws[:1]).map(lambda v: v), ws[1])),
+        "a partition argument": lambda: api.to_host(kernels.gemm(x.partition((3, 6)), ws[0])),
+        "a shared op": lambda: api.to_host(kernels.add(*([_chain(x, ws[:1]).shared()] * 2))),
+        "a copy in the chain": lambda: api.to_host(kernels.gemm(api.dup(x), ws[0])),
+    }
+    with deviceops.using(on):
+        for name, make in jobs.items():
+            for _ in range(_auto.SIGHTINGS + 1):
+                make().sync()
+            assert _auto.stats()["captured"] == 0, name
+    for policy in (off, None):
+        for _ in range(_auto.SIGHTINGS + 1):
+            if policy is None:
+                got = api.to_host(_chain(x, ws)).sync()  # the default policy
+            else:
+                with deviceops.using(policy):
+                    got = api.to_host(_chain(x, ws)).sync()
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    assert _auto.stats()["captured"] == 0
+    with pytest.raises(deviceops.SchedulingError, match="auto_graph must be a bool"):
+        Tenant("bad", auto_graph=1)  # type: ignore[arg-type]
+
+
+def test_a_failed_capture_runs_eagerly_for_good(dev: deviceops.Device,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    xh, whs, want = _data()
+    x, ws = _put(dev, xh, whs)
+    calls = []
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise deviceops.CaptureError("refused here")
+
+    monkeypatch.setattr(_auto, "capture_locked", refuse)
+    with deviceops.using(Tenant("t", device=dev)):
+        for _ in range(_auto.SIGHTINGS + 3):
+            np.testing.assert_allclose(api.to_host(_chain(x, ws)).sync(), want, rtol=1e-3, atol=1e-3)
+    assert calls == [1] and _auto.stats()["failed"] == 1 and _auto.stats()["replayed"] == 0
+
+
+def test_a_misfit_is_refused_as_it_would_be_eagerly(dev: deviceops.Device) -> None:
+    xh, whs, _ = _data()
+    x, ws = _put(dev, xh, whs)
+    bad = api.from_host(np.ones((5, 6), np.float32)).sync()
+    with deviceops.using(Tenant("t", device=dev)):
+        for _ in range(_auto.SIGHTINGS + 1):
+            with pytest.raises(ShapeError):
+                api.to_host(kernels.gemm(kernels.gemm(x, ws[0]), bad)).sync()
+
+
+def test_graphs_are_bounded(dev: deviceops.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_auto, "MAX_GRAPHS", 2)
+    xh, whs, _ = _data()
+    _, ws = _put(dev, xh, whs)
+    with deviceops.using(Tenant("t", device=dev)):
+        for i in range(4):
+            x, _ = _put(dev, xh + i, [])
+            for _ in range(_auto.SIGHTINGS):
+                api.to_host(_chain(x, ws)).sync()
+    assert _auto.stats()["captured"] == 4 and _auto.stats()["graphs"] == 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.anyio
+async def test_awaiting_tenants_each_get_their_own_results(anyio_backend: str) -> None:
+    pool = TenantPool([CPU], streams_per_priority=2, max_queued=2)
+    jobs = []
+    for i in range(6):
+        xh, whs, want = _data(seed=i)
+        x, ws = _put(CPU, xh, whs)
+        jobs.append((pool.tenant(f"t{i}", priority="high"), x, ws, want))
+    bad: list[str] = []
+
+    async def loop(t: Tenant, x: Any, ws: list[Any], want: np.ndarray) -> None:
+        with deviceops.using(t):
+            for _ in range(6):
+                got = await api.to_host(_chain(x, ws))
+                if not np.allclose(got, want, rtol=1e-3, atol=1e-3):
+                    bad.append(t.name)
+
+    async with anyio.create_task_group() as tg:
+        for job in jobs:
+            tg.start_soon(loop, *job)
+    assert not bad
+    assert _auto.stats()["captured"] == 6 and _auto.stats()["replayed"] == 6 * 4
+
+
+@pytest.mark.gpu
+def test_gpu_replay_is_bit_equal_to_eager() -> None:
+    dev = deviceops.device(0)
+    rng = np.random.default_rng()
+    xh = rng.standard_normal((200, 256), dtype=np.float32).astype(np.float16)
+    whs = [(rng.standard_normal((256, 256), dtype=np.float32) / 16).astype(np.float16) for _ in range(4)]
+    x, ws = _put(dev, xh, whs)
+    eager = api.to_host(_chain(x, ws)).sync()
+    with deviceops.using(Tenant("t", device=dev, priority="high")):
+        outs = [api.to_host(_chain(x, ws)).sync() for _ in range(_auto.SIGHTINGS + 3)]
+    assert _auto.stats()["replayed"] == 4
+    for got in outs:
+        np.testing.assert_array_equal(got, eager)
+    want = xh.astype(np.float64)
+    for w in whs:
+        want = (want @ w.astype(np.float64)).astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(eager.astype(np.float64), want, rtol=2e-2, atol=2e-2)
