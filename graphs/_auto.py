@@ -101,7 +101,9 @@ def _walk(op: DeviceOp[Any]) -> tuple[tuple[Any, ...], list[DeviceOp[Any]], list
     key: list[Any] = []
     index: dict[int, int] = {}
 
-    def visit(n: DeviceOp[Any]) -> bool:
+    def visit(n: DeviceOp[Any], depth: int) -> bool:
+        if depth > _MAX_NODES:  # (a deep DAG: not small, and no deep recursion here)
+            return False
         t = type(n)
         if t is deferred:
             spec = n._spec  # type: ignore[attr-defined]
@@ -115,7 +117,7 @@ def _walk(op: DeviceOp[Any]) -> tuple[tuple[Any, ...], list[DeviceOp[Any]], list
             head = plan
         else:
             return False
-        if n._state == _DONE or id(n) in index or len(nodes) >= _MAX_NODES:
+        if n._state == _DONE or id(n) in index:
             return False
         parts: list[Any] = [head]
         for a in n._args:  # type: ignore[attr-defined]
@@ -125,17 +127,19 @@ def _walk(op: DeviceOp[Any]) -> tuple[tuple[Any, ...], list[DeviceOp[Any]], list
                 leaves.append(a)
                 parts.append(id(a))
             elif isinstance(a, DeviceOp):
-                if not visit(a):
+                if not visit(a, depth + 1):
                     return False
                 parts.append(-1 - index[id(a)])
             else:
                 return False
+        if len(nodes) >= _MAX_NODES:
+            return False
         index[id(n)] = len(nodes)
         nodes.append(n)
         key.append(tuple(parts))
         return True
 
-    if not visit(op):
+    if not visit(op, 1):
         return None
     return tuple(key), nodes, leaves
 
@@ -208,8 +212,7 @@ def run(op: DeviceOp[Any], ctx: ExecutionContext) -> Any:
 
 
 def _remember(key: tuple[Any, ...], entry: _Entry | None) -> None:
-    _graphs[key] = entry
-    _graphs.move_to_end(key)
+    _graphs[key] = entry  # (a new key: the most recent)
     while len(_graphs) > MAX_GRAPHS:
         _graphs.popitem(last=False)
 

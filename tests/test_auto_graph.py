@@ -70,6 +70,102 @@ def test_a_repeated_job_is_captured_at_its_third_run_and_replayed(dev: deviceops
         assert _auto.stats()["graphs"] == 2
 
 
+def test_sightings_and_graphs_are_bounded_and_kept_in_use_order(
+        dev: deviceops.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    xh, whs, _ = _data()
+    _, ws = _put(dev, xh, whs)
+    xs = [_put(dev, xh + i, [])[0] for i in range(3)]
+    t = Tenant("t", device=dev)
+
+    def job(i: int) -> None:
+        api.to_host(_chain(xs[i], ws)).sync()
+
+    with deviceops.using(t):
+        monkeypatch.setattr(_auto, "_MAX_KEYS", 1)
+        job(0), job(0), job(1), job(0)  # the second key pushed the first's sightings out
+        assert _auto.stats()["captured"] == 0
+        job(0), job(0)
+        assert _auto.stats()["captured"] == 1 and not _auto._seen  # (captured: no sightings kept)
+        monkeypatch.setattr(_auto, "MAX_GRAPHS", 2)
+        for _ in range(_auto.SIGHTINGS):
+            job(1)
+        job(0)  # a replay: key 0 is now the most recently used
+        for _ in range(_auto.SIGHTINGS):
+            job(2)  # evicts key 1, the least recently used
+        assert _auto.stats()["captured"] == 3 and _auto.stats()["graphs"] == 2
+        n = _auto.stats()["replayed"]
+        job(0)
+        assert _auto.stats()["replayed"] == n + 1  # kept
+        job(1)
+        assert _auto.stats()["replayed"] == n + 1  # evicted: eager again
+
+
+def test_a_dag_of_more_than_max_nodes_runs_eagerly(dev: deviceops.Device) -> None:
+    xh, whs, _ = _data(k=1)
+    x, ws = _put(dev, xh, whs)
+    w = api.from_host(np.eye(6, dtype=np.float32)).sync()
+    with deviceops.using(Tenant("t", device=dev)):
+        for n in (_auto._MAX_NODES, _auto._MAX_NODES + 1):
+            _auto.clear()
+            for _ in range(_auto.SIGHTINGS):
+                got = api.to_host(_chain(x, [w] * n)).sync()
+            np.testing.assert_allclose(got, xh, rtol=1e-5, atol=1e-5)
+            assert _auto.stats()["captured"] == (n == _auto._MAX_NODES), n
+            assert _auto.stats()["failed"] == 0
+
+
+def test_a_wide_dag_of_more_than_max_nodes_runs_eagerly(dev: deviceops.Device) -> None:
+    """A DAG shallower than _MAX_NODES but with more ops than that is not captured."""
+    x = api.from_host(np.full((2, 2), 0.5, np.float32)).sync()
+    eye = api.from_host(np.eye(2, dtype=np.float32)).sync()
+
+    def wide(steps: int, tail: bool) -> Any:  # 1 + 2 * steps (+ 1) ops
+        op = kernels.gemm(x, eye)
+        for _ in range(steps):
+            op = kernels.gemm(op, kernels.gemm(x, eye))
+        return kernels.gemm(op, eye) if tail else op
+
+    with deviceops.using(Tenant("t", device=dev)):
+        for steps, tail, n in ((31, True, 64), (32, False, 65)):
+            _auto.clear()
+            for _ in range(_auto.SIGHTINGS):
+                api.to_host(wide(steps, tail)).sync()
+            assert _auto.stats()["captured"] == (n <= _auto._MAX_NODES), n
+            assert _auto.stats()["failed"] == 0
+
+
+def test_a_deep_chain_is_walked_without_recursion(dev: deviceops.Device) -> None:
+    """Deeper than Python's recursion limit: the walk stops at _MAX_NODES, the op runs."""
+    x = api.from_host(np.full((2, 2), 0.5, np.float32)).sync()
+    eye = api.from_host(np.eye(2, dtype=np.float32)).sync()
+    with deviceops.using(Tenant("t", device=dev)):
+        got = api.to_host(_chain(x, [eye] * 3000)).sync()
+    np.testing.assert_array_equal(got, np.full((2, 2), 0.5, np.float32))
+
+
+def test_a_launcher_that_may_not_be_recorded_is_never_captured(
+        dev: deviceops.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deviceops.kernels.gemm.op import _GEMM
+
+    xh, whs, want = _data()
+    x, ws = _put(dev, xh, whs)
+    monkeypatch.setattr(_GEMM, "replay", False)
+    with deviceops.using(Tenant("t", device=dev)):
+        for job in (lambda: _chain(x, ws), lambda: kernels.gemm(x, ws[0])):
+            for _ in range(_auto.SIGHTINGS + 1):
+                api.to_host(job()).sync()
+    assert _auto.stats()["captured"] == 0 and _auto.stats()["failed"] == 0  # not even tried
+
+
+def test_a_fresh_process_counts_from_zero() -> None:
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", "from deviceops.graphs import _auto; print(_auto.stats())"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert got.strip() == str({"captured": 0, "replayed": 0, "failed": 0, "graphs": 0})
+
+
 def test_replayed_ops_count_as_executed(dev: deviceops.Device) -> None:
     xh, whs, _ = _data()
     x, ws = _put(dev, xh, whs)
@@ -81,6 +177,7 @@ def test_replayed_ops_count_as_executed(dev: deviceops.Device) -> None:
             op = api.to_host(kernels.gemm(mid, ws[1]))
             op.sync()
         assert _auto.stats()["replayed"] == 2
+        assert "stream" in op.to_dot() and "stream" in mid.to_dot()  # where they ran
         with pytest.raises(deviceops.SchedulingError):
             op.sync()  # a DeviceOp runs once, replayed or not
 
@@ -96,12 +193,20 @@ def test_what_is_not_eligible_runs_eagerly(dev: deviceops.Device) -> None:
         "a partition argument": lambda: api.to_host(kernels.gemm(x.partition((3, 6)), ws[0])),
         "a shared op": lambda: api.to_host(kernels.add(*([_chain(x, ws[:1]).shared()] * 2))),
         "a copy in the chain": lambda: api.to_host(kernels.gemm(api.dup(x), ws[0])),
+        "a copy at the root": lambda: api.dup(_chain(x, ws)),
     }
     with deviceops.using(on):
         for name, make in jobs.items():
             for _ in range(_auto.SIGHTINGS + 1):
                 make().sync()
-            assert _auto.stats()["captured"] == 0, name
+            assert _auto.stats()["captured"] == 0 and _auto.stats()["failed"] == 0, name
+    from deviceops.kernels.gemm import GemmOverride
+    from deviceops.kernels.runtime import overrides
+
+    with deviceops.using(on), overrides(GemmOverride(splits=1)):  # an experiment: as it says
+        for _ in range(_auto.SIGHTINGS + 1):
+            api.to_host(_chain(x, ws)).sync()
+    assert _auto.stats()["captured"] == 0
     for policy in (off, None):
         for _ in range(_auto.SIGHTINGS + 1):
             if policy is None:

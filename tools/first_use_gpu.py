@@ -2,7 +2,7 @@
 
 Usage (repo root, the venv with CuPy active)::
 
-    python tools/first_use_gpu.py [--parts ticker,server,precompile] [--json out.json]
+    python tools/first_use_gpu.py [--parts ticker,server,generate,precompile] [--json out.json]
 
 * ``ticker``: with an EMPTY kernel cache (a new ``CUPY_CACHE_DIR``), an asyncio program
   runs a 1 ms ticker while it awaits a chain of fp32 GEMMs (first use: NVRTC compiles) and
@@ -12,6 +12,10 @@ Usage (repo root, the venv with CuPy active)::
   once ``/health`` is 200 a client polls ``/health`` every 10 ms while the first chat request
   runs. Bar: no ``/health`` answer slower than 50 ms. The load itself (graphs captured in
   the loader thread) is measured the same way while ``/health`` is 503.
+* ``generate``: with an empty cache, ``python -m deviceops.nn.generate`` streams a short
+  answer (SmolLM2 when ``DEVICEOPS_SMOLLM2_GGUF`` or the package is there, else a tiny random
+  GGUF written for the run) with its stderr to a file; then again on the now warm cache. Bar:
+  the first run shows the named "compiling kernels" bar, the warm run shows none.
 * ``precompile``: ``python -m deviceops.precompile`` into an empty cache (its time and
   failures), then the ``ticker`` part again on that cache (the first chain should no longer
   compile at all: ``offloaded`` awaits still happen once per op, but fast).
@@ -160,6 +164,47 @@ def part_server(env: dict[str, str]) -> dict[str, object]:
     return res
 
 
+TINY_GGUF = r'''
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+import nn_tiny
+nn_tiny.write_gguf(Path(sys.argv[1]), nn_tiny.hf_weights())
+'''
+
+
+def part_generate(env: dict[str, str]) -> dict[str, object]:
+    model = env.get("DEVICEOPS_SMOLLM2_GGUF") or ""
+    if not model:
+        try:
+            from deviceops.nn.checkpoint import smollm2_path
+
+            model = str(smollm2_path())
+        except Exception:
+            model = os.path.join(tempfile.mkdtemp(prefix="first_use_"), "tiny.gguf")
+            subprocess.run([sys.executable, "-c", TINY_GGUF, model], cwd=ROOT, env=env, check=True,
+                           timeout=300)
+    res: dict[str, object] = {"model": model}
+    for label in ("empty cache", "warm cache"):
+        with tempfile.NamedTemporaryFile("w+", prefix="first_use_generate_", suffix=".err") as err:
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "deviceops.nn.generate", "--model", model,
+                                   "--raw", "The capital of France is", "--max-new-tokens", "8"],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                  timeout=900)
+            dt = time.perf_counter() - t0
+            err.seek(0)
+            text = err.read()
+        bar = "compiling kernels (first use on this GPU)" in text
+        want = label == "empty cache"
+        print(f"generate, {label}: exit {proc.returncode} in {dt:.1f} s; compile bar "
+              f"{'shown' if bar else 'not shown'} (want {'shown' if want else 'none'}): "
+              f"{'PASS' if bar == want and proc.returncode == 0 else 'FAIL'}; "
+              f"stdout {proc.stdout.strip()[-80:]!r}", flush=True)
+        res[label] = {"rc": proc.returncode, "s": dt, "bar": bar, "stderr_tail": text[-600:]}
+    return res
+
+
 def part_precompile(env: dict[str, str]) -> dict[str, object]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "deviceops.precompile"], cwd=ROOT, env=env,
@@ -174,14 +219,14 @@ def part_precompile(env: dict[str, str]) -> dict[str, object]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="ticker,server,precompile")
+    ap.add_argument("--parts", default="ticker,server,generate,precompile")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     out: dict[str, object] = {}
     base = {k: v for k, v in os.environ.items() if k != "DEVICEOPS_DEVICE"}
     for part in args.parts.split(","):
         env = _fresh_cache(base)  # every part starts from an empty kernel cache
-        out[part] = {"ticker": part_ticker, "server": part_server,
+        out[part] = {"ticker": part_ticker, "server": part_server, "generate": part_generate,
                      "precompile": part_precompile}[part](env)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
