@@ -48,7 +48,8 @@ class Checkpoint:
     Attributes:
         config: the hyper-parameters.
         weights: float32 arrays by Hugging Face name; ``lm_head.weight`` absent when tied.
-        tokenizer_meta: GGUF ``tokenizer.*`` metadata (GGUF files), else empty.
+        tokenizer_meta: GGUF ``tokenizer.*`` metadata and ``general.architecture`` (GGUF
+            files), else empty.
         tokenizer_file: path of ``tokenizer.json`` (safetensors folders), else ``None``.
         chat_template: the jinja2 chat template, if the checkpoint has one.
         source: the file or folder read.
@@ -166,7 +167,8 @@ def _conversion_version(architecture: str) -> int | None:
 
 def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str],
                 weights: dict[str, np.ndarray]) -> Checkpoint:
-    tok_meta: dict[str, Any] = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tok_meta: dict[str, Any] = {k: v for k, v in meta.items()
+                                if k.startswith("tokenizer.") or k == "general.architecture"}
     tokens = tok_meta.get("tokenizer.ggml.tokens")
     cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
                                 tensors=tensor_names)

@@ -13,9 +13,10 @@ __all__ = ["attention_cpu"]
 
 def attention_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, *,
                   causal: bool, scale: float | None, kv_len: np.ndarray | None,
-                  block_table: np.ndarray | None) -> None:
+                  block_table: np.ndarray | None, window: int | None = None) -> None:
     """:func:`._reference.attention_reference` in float32, one batched matmul per
-    batch row (every head of a key/value head group at once). Shapes checked beforehand."""
+    batch row (every head of a key/value head group at once). Shapes checked beforehand;
+    ``window`` (with ``causal``): keys older than ``window`` positions are masked too."""
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -49,8 +50,12 @@ def attention_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         qq = f32(q[bi]).reshape(hkv, g * lq, d)
         s = np.matmul(qq, f32(kk).transpose(0, 2, 1))  # (Hkv, g*Lq, n)
         s *= sc
-        if causal and lq > 1:  # (with Lq = 1 every valid key is visible)
-            hidden = np.arange(n)[None, :] > np.arange(lq)[:, None] + (n - lq)  # (Lq, n)
+        if causal and (lq > 1 or (window is not None and n > window)):
+            # (with Lq = 1 and no window every valid key is visible)
+            pos = np.arange(lq)[:, None] + (n - lq)  # (Lq, 1) each query's position
+            hidden = np.arange(n)[None, :] > pos  # (Lq, n)
+            if window is not None:
+                hidden |= np.arange(n)[None, :] <= pos - window
             if hidden.any():
                 s.reshape(hkv, g, lq, n)[:, :, hidden] = -np.inf
         m = s.max(axis=-1, keepdims=True)
