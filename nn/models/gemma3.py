@@ -232,12 +232,15 @@ class Gemma3(Llama):
 
         Raises:
             ValueError: a required key is missing, or the config asks for logit
-                soft-capping, RoPE scaling or an activation other than GELU-tanh, which this
-                module does not implement.
+                soft-capping, RoPE scaling, bidirectional attention or an activation other
+                than GELU-tanh, which this module does not implement.
         """
         for k in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(k) is not None:
                 raise ValueError(f"load_safetensors: gemma3: {k}={cfg[k]!r} is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("load_safetensors: gemma3: use_bidirectional_attention=true is not "
+                             "supported (deviceops.nn runs causal attention)")
         act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"load_safetensors: gemma3: hidden_activation={act!r} is not "
