@@ -188,7 +188,7 @@ class Gemma3(Llama):
 
     name = "gemma3"
     gguf_names = ("gemma3",)
-    hf_names = ("Gemma3ForCausalLM", "gemma3_text")
+    hf_names: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM", "gemma3_text")
     config_class = Gemma3Config
     conversion_version = 1
     gguf_blocks: ClassVar[Mapping[str, str]] = {
@@ -331,7 +331,7 @@ class Gemma3(Llama):
         s = math.sqrt(int(w.embed.table.shape[1]))  # the table's width is hidden_size
         return [lambda: w.embed(ids, out), lambda: kernels.saxpy(out, s - 1.0, out)]
 
-    def layer_ops(self, layer: Gemma3Layer, io: LayerIO) -> list[Thunk]:
+    def layer_ops(self, layer: Any, io: LayerIO) -> list[Thunk]:
         """Sandwich-norm residual block. The previous layer's output (``down``: its
         post-feed-forward-normed MLP output) is added into the stream by this layer's first
         norm (layer 0 norms the embedding), the last layer's by :meth:`final_norm_ops`::
@@ -342,17 +342,18 @@ class Gemma3(Llama):
             o = pre_ff_norm(resid += normed)
             normed = mlp(o); down = post_ff_norm(normed)
         """
+        ly: Gemma3Layer = layer
         vw = io.views
         resid, normed, o, down = vw["resid"], vw["normed"], vw["o"], vw["down"]
         th: list[Thunk] = []
         if io.index == 0:
-            th.append(lambda: layer.norm1(resid, normed))
+            th.append(lambda: ly.norm1(resid, normed))
         else:
-            th.append(lambda: layer.norm1.add_norm(down, resid, normed))
-        th += layer.attn.ops(normed, io.k_cache, io.v_cache, io.start, io.kv_len, vw["attn"], o,
-                             block_table=io.table, fresh_kv=io.fresh_kv)
-        th.append(lambda: layer.post_attn_norm(o, normed))
-        th.append(lambda: layer.pre_ff_norm.add_norm(normed, resid, o))
-        th += layer.mlp.ops(o, vw["gu"], vw["act"], normed)
-        th.append(lambda: layer.post_ff_norm(normed, down))
+            th.append(lambda: ly.norm1.add_norm(down, resid, normed))
+        th += ly.attn.ops(normed, io.k_cache, io.v_cache, io.start, io.kv_len, vw["attn"], o,
+                          block_table=io.table, fresh_kv=io.fresh_kv)
+        th.append(lambda: ly.post_attn_norm(o, normed))
+        th.append(lambda: ly.pre_ff_norm.add_norm(normed, resid, o))
+        th += ly.mlp.ops(o, vw["gu"], vw["act"], normed)
+        th.append(lambda: ly.post_ff_norm(normed, down))
         return th
