@@ -170,6 +170,28 @@ def test_qk_rms_norm_and_geglu_match_reference(dtype: str) -> None:
     assert float(np.max(np.abs(got - want) / (1 + np.abs(want)))) <= atol
 
 
+def test_greedy_and_top_k_sampling_over_the_262k_vocabulary() -> None:
+    """Gemma 3's vocabulary (262,144 logits a row): greedy picks the argmax; top-k 5
+    sampling picks one of the 5 largest values."""
+    dev = _cuda()
+    s = dev.new_stream()
+    rng = np.random.default_rng(3)
+    b, v = 3, 262_144
+    logits = (rng.standard_normal((b, v)) * 4).astype(np.float16)
+    lt = api.from_host(logits).sync_on(s)
+    temp = api.from_host(np.array([0.0, 1.0, 0.7], np.float32)).sync_on(s)
+    top_k = api.from_host(np.array([0, 5, 5], np.int32)).sync_on(s)
+    top_p = api.from_host(np.ones(b, np.float32)).sync_on(s)
+    seed = api.from_host(np.arange(b, dtype=np.int64)).sync_on(s)
+    counter = api.from_host(np.zeros(b, np.int64)).sync_on(s)
+    out = kernels.sample(lt, temp, top_k, top_p, seed, counter).sync_on(s)
+    got = np.asarray(api.to_host(out).sync_on(s))
+    assert got[0] == int(np.argmax(logits[0]))
+    for r in (1, 2):
+        # (ties at the 5th largest value are kept)
+        assert logits[r, got[r]] >= np.sort(logits[r])[-5], (r, got[r])
+
+
 # -- a tiny random Gemma 3 against transformers -------------------------------------------------
 
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
