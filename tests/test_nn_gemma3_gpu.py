@@ -296,18 +296,37 @@ def test_tiny_gemma3_matches_transformers(dtype: str, tiny: tuple[Path, Any]) ->
         assert ours[i] == toks[i], f"{dtype}: token {i}: {ours[:i + 1]} vs transformers {toks[:i + 1]}"
 
 
+def forced_decode_logits(m: Any, ids: list[int], feed: list[int], graph: bool) -> list[np.ndarray]:
+    """Row 0's logits after each decode step, feeding ``feed`` (teacher forcing)."""
+    s = m.device_stream
+    m.set_sampling(0)
+    m.read(m.prefill(0, ids)).sync_on(s)
+    pos, out = len(ids), []
+    try:
+        for t in feed:
+            m.runner.rows.dirty = True  # upload the fed token
+            m.read(m.decode_step([0], [t], [pos], graph=graph)).sync_on(s)
+            out.append(np.asarray(api.to_host(m.runner.logits[0]).sync_on(s), np.float64))
+            pos += 1
+    finally:
+        m.release(0)
+    return out
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tiny_gemma3_graph_decode_equals_eager(dtype: str, tiny: tuple[Path, Any]) -> None:
     from deviceops import nn
 
-    from .test_nn_gpu import forced_decode_logits
-
-    folder, _hf = tiny
+    folder, hf = tiny
     m = nn.load_safetensors(folder, dtype=dtype, device="cuda", max_batch=2, max_seq=128)
     feed = [(i * 53 + 7) % 380 + 4 for i in range(30)]  # decode past the window
     g = forced_decode_logits(m, PROMPT, feed, graph=True)
     e = forced_decode_logits(m, PROMPT, feed, graph=False)
+    want = _hf_logits(hf, PROMPT + feed)[len(PROMPT):]
+    scale = float(np.max(np.abs(want)))
     for step, (gl, el) in enumerate(zip(g, e, strict=True), start=1):
         assert np.isfinite(gl).all() and np.isfinite(el).all(), f"step {step}: non-finite"
         diff = float(np.max(np.abs(gl - el)))
         assert diff <= GRAPH_ATOL[dtype], f"{dtype} step {step}: graph vs eager differ by {diff:.3g}"
+        rel = float(np.max(np.abs(el - want[step - 1]))) / scale
+        assert rel <= REL[dtype], f"{dtype} decode step {step}: off transformers by {rel:.3g}"
