@@ -107,20 +107,22 @@ def sentencepiece_merges(tokens: Sequence[str]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary whose merge order is its token
     order (Gemma's: earlier tokens merge first; the file's scores do not follow that order).
 
-    Every split of a token into two tokens of the vocabulary is a merge ranked by the merged
-    token's position, then by the longer left piece (the order transformers'
-    ``generate_merges`` gives, so the ids equal its Gemma GGUF tokenizer's).
+    Every split of a token into two tokens of the vocabulary is a merge, ranked by the
+    merged token's position, then by the longer left piece (the order transformers'
+    ``generate_merges`` gives, so the ids equal its Gemma GGUF tokenizer's). Built in that
+    order, so no sort is needed.
     """
-    vocab = {t: i for i, t in enumerate(tokens)}
-    ranked: list[tuple[int, int, int, int, int, str, str]] = []
-    for rank, merged in enumerate(tokens):
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            il, ir = vocab.get(left), vocab.get(right)
-            if il is not None and ir is not None:
-                ranked.append((rank, -len(left), -len(right), il, ir, left, right))
-    ranked.sort()
-    return [(r[5], r[6]) for r in ranked]
+    vocab = set(tokens)
+    merges: list[tuple[str, str]] = []
+    add = merges.append
+    for merged in dict.fromkeys(tokens):
+        for cut in range(len(merged) - 1, 0, -1):
+            left = merged[:cut]
+            if left in vocab:
+                right = merged[cut:]
+                if right in vocab:
+                    add((left, right))
+    return merges
 
 
 def sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Any:
@@ -149,6 +151,9 @@ def sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Any:
         raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens")
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in map(str, raw)]
     vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("tokenizer: the GGUF vocabulary repeats a token; it is not a Gemma "
+                         "SentencePiece vocabulary deviceops.nn can rebuild")
     unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens), fuse_unk=True,
                                unk_token=tokens[unk_id], byte_fallback=True))
