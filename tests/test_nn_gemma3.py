@@ -256,6 +256,42 @@ def test_random_gemma3_model_matches_the_reference() -> None:
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
+def test_gemma3_hugging_face_folder_matches_the_reference(tmp_path: Path) -> None:
+    """load_safetensors of a Gemma3ForCausalLM folder (norm weights stored as ``w``, config
+    with ``layer_types`` and ``rope_parameters`` as transformers 5 writes them)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers import models as tmodels
+
+    from .test_nn_loading import _write_safetensors
+
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    w = gemma_weights(cfg, 9)
+    _write_safetensors(tmp_path / "model.safetensors", w)
+    Tokenizer(tmodels.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t3")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 3,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True}))
+    m = nn.load_safetensors(tmp_path, device="cpu", dtype="float32", max_batch=1, max_seq=32)
+    c = m.config
+    assert isinstance(c, Gemma3Config) and c.layer_types == (True, False, True)
+    want = reference_logits(dataclasses.replace(cfg, layer_types=(True, False, True)), w, IDS)
+    got = logits_of(m, IDS)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert m.encode("t5 t7")[0] == 2  # BOS prepended, as Gemma's tokenizer does
+
+
 def test_gemma3_tokenizer_from_gguf(tiny: tuple[Any, dict[str, np.ndarray]]) -> None:
     m, _w = tiny
     toks, _types = sp_vocab(CFG.vocab_size)
