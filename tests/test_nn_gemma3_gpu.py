@@ -330,3 +330,39 @@ def test_tiny_gemma3_graph_decode_equals_eager(dtype: str, tiny: tuple[Path, Any
         assert diff <= GRAPH_ATOL[dtype], f"{dtype} step {step}: graph vs eager differ by {diff:.3g}"
         rel = float(np.max(np.abs(el - want[step - 1]))) / scale
         assert rel <= REL[dtype], f"{dtype} decode step {step}: off transformers by {rel:.3g}"
+
+
+# -- a tiny random Gemma 3 GGUF against the float64 forward (no transformers needed) ------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tiny_gemma3_gguf_matches_float64_forward(dtype: str, tmp_path: Path) -> None:
+    """The GGUF path (norms stored as ``1 + w``, SentencePiece vocabulary) on the GPU, head
+    dim 256 and a window of 16: prefill logits and graph-replayed decode steps past the
+    window against ``tests/test_nn_gemma3.py``'s float64 forward."""
+    import dataclasses
+
+    from deviceops import nn
+
+    from .test_nn_gemma3 import CFG, gemma_weights, reference_logits, write_gemma_gguf
+
+    _cuda()
+    cfg = dataclasses.replace(CFG, hidden_size=128, intermediate_size=256, num_heads=4,
+                              num_kv_heads=1, head_dim=256, sliding_window=16,
+                              query_pre_attn_scalar=256.0)
+    w = gemma_weights(cfg, 11)
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma_gguf(path, cfg, w)
+    m = nn.load_gguf(path, device="cuda", dtype=dtype, max_batch=2, max_seq=128, progress=False)
+    ids = [2, *[(i * 37 + 11) % 290 + 8 for i in range(39)]]
+    feed = [(i * 53 + 7) % 290 + 8 for i in range(24)]
+    want = reference_logits(cfg, w, ids + feed)
+    scale = float(np.max(np.abs(want)))
+    s = m.device_stream
+    got = np.asarray(api.to_host(m.logits(ids).sync_on(s)).sync_on(s), np.float64)
+    m.release(0)
+    rel = float(np.max(np.abs(got - want[: len(ids)]))) / scale
+    assert rel <= REL[dtype], f"{dtype}: prefill logits off the float64 forward by {rel:.3g}"
+    steps = forced_decode_logits(m, ids, feed, graph=True)
+    for k, row in enumerate(steps):
+        rel = float(np.max(np.abs(row - want[len(ids) + k]))) / scale
+        assert rel <= REL[dtype], f"{dtype}: decode step {k + 1} off the float64 forward by {rel:.3g}"
