@@ -204,7 +204,8 @@ class Gemma3(Llama):
                          tensors: set[str]) -> LlamaConfig:
         """From the ``gemma3.*`` keys: ``head_dim`` from ``attention.key_length``, the
         window from ``attention.sliding_window``; llama.cpp's fixed pattern (every 6th layer
-        global) and local RoPE base (10 000), as the file does not store them."""
+        global), local RoPE base (10 000) and attention scale (``query_pre_attn_scalar`` =
+        ``head_dim``, ``hidden / heads`` for the 27B), as the file does not store them."""
         base = super().config_from_gguf(meta, vocab_size=vocab_size, tensors=tensors)
         arch = str(meta.get("general.architecture", "gemma3"))
         head_dim = int(meta.get(f"{arch}.attention.key_length", base.head_dim))
@@ -220,11 +221,13 @@ class Gemma3(Llama):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
         fields |= {"head_dim": head_dim, "add_bos_token": bool(
             meta.get("tokenizer.ggml.add_bos_token", True))}
+        # llama.cpp's attention scale: 1/sqrt(head_dim), but hidden/heads for the 27B (62 layers)
+        scalar = base.hidden_size / base.num_heads if base.num_layers == 62 else float(head_dim)
         return Gemma3Config(
             **fields,
             rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0)),
             sliding_window=None if window is None else int(window),
-            query_pre_attn_scalar=float(head_dim),
+            query_pre_attn_scalar=float(scalar),
         )
 
     def config_from_hf(self, cfg: Mapping[str, Any]) -> LlamaConfig:
