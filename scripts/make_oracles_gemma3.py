@@ -11,8 +11,8 @@ every norm weight) and records:
   every 397th entry;
 * one prompt longer than the 512-token sliding window (its first-step logits only), so
   the local layers' window is exercised;
-* the ids of a few extra strings (tokenizer-only checks: whitespace, unicode, byte
-  fallback).
+* the ids and decoded text of extra strings (tokenizer-only checks: whitespace, unicode,
+  byte fallback), a few written here and 200 seeded random ones.
 
 Run it in a venv of its own (not the project's)::
 
@@ -59,6 +59,19 @@ EXTRA_STRINGS = [
 ]
 TOPK = 32
 STRIDE = 397
+
+
+def random_strings(n: int, seed: int = 0) -> list[str]:
+    """``n`` seeded random strings over ASCII, Latin-1, Greek, CJK, emoji, control
+    characters and whitespace runs (tokenizer-only checks: merges, byte fallback)."""
+    import random
+
+    rng = random.Random(seed)
+    pool = ([chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xA0, 0x250)]
+            + [chr(c) for c in range(0x391, 0x3CA)] + [chr(c) for c in range(0x4E00, 0x4E80)]
+            + [chr(c) for c in (0x1F600, 0x1F680, 0x1F9EC, 0x2028, 0x0, 0x7, 0xE000, 0x10FFFD)]
+            + [" ", "  ", "   ", "\n", "\n\n", "\t", " the", " and", "ing", "tion"])
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
 def default_gguf() -> Path:
@@ -141,7 +154,7 @@ def main() -> int:
         "long": long,
         "extra": [{"text": s, "ids": [int(x) for x in tok(s)["input_ids"]],
                    "decoded": tok.decode(tok(s)["input_ids"], skip_special_tokens=True)}
-                  for s in EXTRA_STRINGS],
+                  for s in [*EXTRA_STRINGS, *random_strings(200)]],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fixture, indent=1, ensure_ascii=False, default=str) + "\n")

@@ -2,8 +2,9 @@
 
 ``tests/fixtures/gemma3_oracle.json`` was written by ``scripts/make_oracles_gemma3.py``
 (transformers, float32, CPU, eager attention, the same GGUF dequantized). Checked: the ids
-of the prompts (BOS prepended) and of extra strings (whitespace runs, unicode, byte
-fallback, special tokens written in the text) and their decoded text; the first-step logits
+of the prompts (BOS prepended) and of 209 extra strings (whitespace runs, unicode, byte
+fallback, special tokens written in the text; 200 of them seeded random) and their decoded
+text; the first-step logits
 (the last prompt position: the top 32 and every 397th entry) within 1e-4 of the largest
 logit, for four short prompts and one of 923 tokens (past the 512-token sliding window of
 the local layers); 24 greedy tokens of the four prompts in one batch, equal up to the first
