@@ -7,8 +7,8 @@ Families, one folder each (the public launchers are re-exported here):
 | ``gemm``        | ``gemm``, ``matmul``                                               |
 | ``attention``   | ``flash_attention``                                                |
 | ``norms``       | ``rms_norm``, ``add_rms_norm``, ``layer_norm``                     |
-| ``elementwise`` | ``saxpy``, ``add``, ``mul``, ``softmax``, ``gelu``, ``silu``, ``swiglu`` |
-| ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv``        |
+| ``elementwise`` | ``saxpy``, ``add``, ``mul``, ``softmax``, ``gelu``, ``silu``, ``swiglu``, ``geglu`` |
+| ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv``, ``qk_rms_norm`` |
 | ``sampling``    | ``sample``, ``penalize``, ``mask_logits``, ``logprobs``            |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
 | ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
@@ -41,7 +41,7 @@ producing tensors interchangeably (see :mod:`.runtime._op`).
 from __future__ import annotations
 
 from .attention.op import flash_attention
-from .elementwise.op import add, gelu, mul, saxpy, silu, softmax, swiglu
+from .elementwise.op import add, geglu, gelu, mul, saxpy, silu, softmax, swiglu
 from .fused.op import FusedDecodeModel, FusedLayer
 from .gemm.op import gemm, matmul
 from .lookup.op import argmax, embedding
@@ -49,7 +49,7 @@ from .norms.op import add_rms_norm, layer_norm, rms_norm
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
 from .sampling.op import logprobs, mask_logits, penalize, sample
-from .transformer.op import merge_heads, rope, rope_kv_write, split_qkv
+from .transformer.op import merge_heads, qk_rms_norm, rope, rope_kv_write, split_qkv
 
 __all__ = [
     "FusedDecodeModel",
@@ -60,6 +60,7 @@ __all__ = [
     "argmax",
     "embedding",
     "flash_attention",
+    "geglu",
     "gelu",
     "gemm",
     "layer_norm",
@@ -69,6 +70,7 @@ __all__ = [
     "merge_heads",
     "mul",
     "penalize",
+    "qk_rms_norm",
     "reserve_workspace",
     "rms_norm",
     "rope",

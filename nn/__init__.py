@@ -21,7 +21,7 @@ Layers, bottom to top (each imports only those below it and the public ``deviceo
 | :mod:`.checkpoint` | reading GGUF files and Hugging Face folders into host arrays |
 | :mod:`.model` | :class:`CausalLM`: the user's handle (config, weights, tokenizer, a runner) |
 | :mod:`.static_batch` | :func:`generate` / :func:`stream` of one fixed batch (``CausalLM.generate``) |
-| :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`random_model` |
+| :mod:`.load` | :func:`load_gguf`, :func:`load_safetensors`, :func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`gemma3_270m`, :func:`random_model` |
 | :mod:`.encoder` | :class:`Encoder`: a BERT sentence encoder (tokenise, batch under a padding mask, mean-pool, normalise) |
 | :mod:`.encoder_load` | :func:`load_encoder`, :func:`minilm`, :func:`random_encoder` |
 | :mod:`.serving` | :class:`Engine` (continuous batching), the HTTP app, routing over devices, Ray replicas, :func:`batch_generate` |
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from .encoder import Encoder
 from .encoder_load import load_encoder, minilm, random_encoder
 from .load import (
+    gemma3_270m,
     load_gguf,
     load_safetensors,
     qwen2_5_coder_0_5b,
@@ -84,6 +85,7 @@ __all__ = [
     "ReplicaSpec",
     "RequestStream",
     "batch_generate",
+    "gemma3_270m",
     "generate",
     "load_encoder",
     "load_gguf",

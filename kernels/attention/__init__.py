@@ -34,6 +34,11 @@ Semantics (shared by the ``cpu`` reference and the CUDA kernels):
   ``Lk = max_blocks * block_size``. Entries of blocks at or past ``kv_len[b]`` are never read.
   An entry outside ``[0, num_blocks)`` that is read is an error: the ``cpu`` reference raises
   ``IndexError``; the CUDA kernel clamps it into range (no out-of-bounds access).
+* ``window`` (optional int >= 1, needs ``causal=True``): sliding-window attention (Gemma 3's
+  local layers): query ``i`` at position ``p = i + kv_len[b] - Lq`` sees keys
+  ``p - window < j <= p`` only, at most ``window`` of them. The kernels skip the keys before
+  the window (the sm_90 kernel whole key tiles, the split-KV kernel each split's range), so a
+  windowed decode step over a long cache costs what ``window`` keys cost.
 * dtypes: float32, float16 or bfloat16 (``ml_dtypes.bfloat16``), the same for q, k, v and
   out. ``D`` must be a multiple of 8 and at most 256 (32, 64 and 128 are the model head dims).
 

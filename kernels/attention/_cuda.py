@@ -128,7 +128,7 @@ def _splitkv_kernels(
         if smem:
             set_max_dynamic_smem(raw[0], smem, device_id)
         fns = (
-            Launcher(raw[0], "pppppppp" + "iiiifiiiiii", "attn_splitkv", device_id),
+            Launcher(raw[0], "pppppppp" + "iiiifiiiiiii", "attn_splitkv", device_id),
             Launcher(raw[1], "pppp" + "iii", "attn_splitkv_combine", device_id),
         )
         _kernels[key] = fns
@@ -193,6 +193,7 @@ def flash_attention_cuda(
     block_table: Any = None,
     workspace: Any = None,
     stream: Any,
+    window: int | None = None,
 ) -> None:
     """Enqueue flash attention on ``stream`` (CuPy arrays; no allocation, no sync).
 
@@ -211,20 +212,23 @@ def flash_attention_cuda(
         workspace: device buffer (cupy array) of at least
             :func:`attention_workspace_nbytes` bytes, or None (decode runs unsplit).
         stream: the ``cupy.cuda.Stream`` every launch goes to.
+        window: optional sliding window (with ``causal``; see ``flash_attention``).
 
     Raises:
         ShapeError, DTypeError: before any launch.
     """
-    _launch(q, k, v, out, causal, scale, kv_len, block_table, workspace, stream, False)
+    if window is not None and (not causal or int(window) < 1):
+        raise ValueError(f"flash_attention: window={window} needs causal=True and must be >= 1")
+    _launch(q, k, v, out, causal, scale, kv_len, block_table, workspace, stream, False, window)
 
 
 def _launch(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, kv_len: Any,
-            bt: Any, workspace: Any, stream: Any, checked: bool) -> None:
+            bt: Any, workspace: Any, stream: Any, checked: bool, window: int | None = None) -> None:
     """:func:`flash_attention_cuda`; ``checked``: the op checked the arguments already (its
     plan), so a plan-cache miss only plans."""
     ov = active(AttentionOverride)
     key = (("cuda", q.device.id), "flash_attention_cuda",
-           (bool(causal), scale, None if workspace is None else workspace.nbytes, ov),
+           (bool(causal), scale, None if workspace is None else workspace.nbytes, ov, window),
            (q.shape, k.shape, v.shape, out.shape, q.dtype, k.dtype, v.dtype, out.dtype,
             q.strides, k.strides, v.strides, out.strides,
             None if kv_len is None else (kv_len.shape, kv_len.dtype, kv_len.strides),
@@ -232,7 +236,7 @@ def _launch(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None,
     plan = plan_cache.lookup(key)
     if plan is None:
         plan = plan_cache.store(key, _plan(q, k, v, out, causal, scale, kv_len, bt, workspace, ov,
-                                           checked))
+                                           checked, window))
     for name, a, align in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16),
                            ("kv_len", kv_len, 4), ("block_table", bt, 4)):
         if a is not None and a.data.ptr % align:
@@ -244,10 +248,11 @@ _Plan = Callable[[Any, Any, Any, Any, Any, Any, Any, Any], None]
 
 
 def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, kv_len: Any,
-          block_table: Any, workspace: Any, ov: AttentionOverride | None, checked: bool) -> _Plan:
+          block_table: Any, workspace: Any, ov: AttentionOverride | None, checked: bool,
+          window: int | None = None) -> _Plan:
     """Validate one problem (unless the op did: ``checked``) and choose its path, kernels,
     grid and workspace layout, once; return the per-call launch (pointers only). ``ov``: the
-    override in force, if any."""
+    override in force, if any; ``window``: the sliding window (0 in the kernels: none)."""
     device_id = q.device.id
     if not checked:
         attention_check(
@@ -277,6 +282,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
     cc, n_sm = _device_info(device_id)
     i32 = np.int32
     causal_i = int(bool(causal))
+    win = int(window) if window is not None and causal else 0
 
     force_splitkv = ov.path == "splitkv"
     if cc == 90 and lq > DECODE_MAX_LQ and not (force_splitkv or f32 or paged):
@@ -292,7 +298,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
         grid, block = (b * hq, n_mblk, 1), (128 * nwg, 1, 1)
         smem = sm90_smem_bytes(dp, bn, nwg, nstage)
         tail9: tuple[Any, ...] = (i32(hq), i32(hkv), i32(lq), i32(lk), i32(d), scale_log2,
-                                  i32(causal_i), i32(n_mblk))
+                                  i32(causal_i), i32(n_mblk), i32(win))
 
         def run_sm90(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,
                      stream: Any) -> None:
@@ -340,7 +346,7 @@ def _plan(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float | None, k
     # launch overlaps the split kernel (DEVICEOPS_PDL=0: plain launches).
     go = launcher_for(device_id)
     grid, cgrid = (x_blocks, n_split, b), (rows, 1, 1)
-    tail = (hq, hkv, lq, lk, float(scale_log2), causal_i, n_split, n_hchunk, mb, bs, nb)
+    tail = (hq, hkv, lq, lk, float(scale_log2), causal_i, n_split, n_hchunk, mb, bs, nb, win)
     ctail = (n_split, lk, hq * lq)
 
     def run_splitkv(q: Any, k: Any, v: Any, out: Any, kv_len: Any, bt: Any, ws: Any,

@@ -53,6 +53,7 @@ def attention_reference(
     scale: float | None = None,
     kv_len: np.ndarray | None = None,
     block_table: np.ndarray | None = None,
+    window: int | None = None,
 ) -> np.ndarray:
     """NumPy flash-attention forward (float64 math), returned in ``q.dtype``.
 
@@ -68,6 +69,8 @@ def attention_reference(
         scale: softmax scale; ``1/sqrt(D)`` when None.
         kv_len: optional integer ``(B,)``: valid keys per batch row (clamped to ``[0, Lk]``).
         block_table: optional integer ``(B, max_blocks)`` (paged KV; needs ``kv_len``).
+        window: optional sliding window (with ``causal``): query ``i`` at position
+            ``p = i + n - Lq`` sees keys ``p - window < j <= p``.
 
     Returns:
         ``(B, Hq, Lq, D)`` array of q's dtype.
@@ -102,6 +105,8 @@ def attention_reference(
         if n == 0:
             continue
         visible = np.arange(n)[None, :] <= qi + (n - lq)  # (Lq, n)
+        if window is not None:
+            visible &= np.arange(n)[None, :] > qi + (n - lq) - window
         for hk in range(hkv):
             kk = ks[bi][hk].astype(np.float64)  # (n, D)
             vv = vs[bi][hk].astype(np.float64)  # (n, D)

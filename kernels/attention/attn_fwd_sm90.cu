@@ -19,7 +19,9 @@
 //
 // Causal masking is bottom-right aligned: query i (0-based in Lq) sees keys j <= i + kvl - Lq,
 // where kvl = clamp(kv_len[b], 0, Lk) (Lk when kv_len is null); keys >= kvl are ignored.
-// Rows that see no key produce zeros.
+// Rows that see no key produce zeros. With window > 0 (sliding window) query i also ignores
+// keys j <= i + kvl - Lq - window: it sees at most `window` keys, itself included; the key
+// tiles below every row's window are skipped (the first tile is n_first).
 //
 // Compile-time parameters (NVRTC -D): ATTN_DP (padded head dim: 64/128/192/256),
 // ATTN_BN (keys per tile), ATTN_NWG (warpgroups), ATTN_NSTAGE (K/V buffers), ATTN_BF16,
@@ -98,7 +100,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
               const elem_t* __restrict__ V,  // (B, Hkv, Lk, D)
               elem_t* __restrict__ O,        // (B, Hq, Lq, D)
               const int* __restrict__ kv_len,  // (B,) valid keys per batch row, or nullptr
-              int Hq, int Hkv, int Lq, int Lk, int D, float scale_log2, int causal, int n_mblk) {
+              int Hq, int Hkv, int Lq, int Lk, int D, float scale_log2, int causal, int n_mblk,
+              int window) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 sQ = sbase;
@@ -126,7 +129,10 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   const int off = kvl - Lq;  // bottom-right causal alignment
   int n_end = kvl;
   if (causal) n_end = min(kvl, m0 + BM + off);  // keys < m0 + BM + off can be visible
-  const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+  // Sliding window: the first key tile any row of this block sees (rows m0.. see keys > m0 + off - window).
+  const int n_first = window > 0 ? max(0, m0 + off + 1 - window) / BN : 0;
+  const int n_base = n_first * BN;  // key index of tile 0
+  const int n_tiles = n_end > 0 ? max(0, (n_end + BN - 1) / BN - n_first) : 0;
 
   if (DP != D) {  // padded head dim: zero the whole buffer once so the pad columns stay 0
     const int n16 = (Q_BYTES + 2 * NSTAGE * KV_BYTES) / 16;
@@ -173,7 +179,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale_log2;
 #endif
-    const bool need_mask = (n0 + BN > kvl) || (causal && n0 + BN - 1 > m0 + off);
+    const bool need_mask = (n0 + BN > kvl) || (causal && n0 + BN - 1 > m0 + off) ||
+                           (window > 0 && n0 <= m0 + BM - 1 + off - window);
     if (need_mask) {
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t)
@@ -183,7 +190,8 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
           for (int e = 0; e < 2; ++e) {
             const int col = n0 + 8 * t + c_base + e;
             const int row = r_base + 8 * h;
-            if (col >= kvl || (causal && col > row + off)) s[4 * t + 2 * h + e] = ATTN_NEG_INF;
+            if (col >= kvl || (causal && col > row + off) || (window > 0 && col <= row + off - window))
+              s[4 * t + 2 * h + e] = ATTN_NEG_INF;
           }
     }
 #if ATTN_SCALE_POS  // scale > 0: max of raw logits, scale folded into the exponent's FFMA
@@ -245,13 +253,13 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
   __syncthreads();
   auto issue_group = [&](int g) {  // only for g < n_tiles
     if (g >= NSTAGE) mbar_wait(empty0 + 8 * (g % NSTAGE), ((g / NSTAGE) + 1) & 1);
-    if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, (g + 1) * BN, kvl, D);
-    load_tile<BN>(sV0 + (g % NSTAGE) * KV_BYTES, v, g * BN, kvl, D);
+    if (g + 1 < n_tiles) load_tile<BN>(sK0 + ((g + 1) % NSTAGE) * KV_BYTES, k, n_base + (g + 1) * BN, kvl, D);
+    load_tile<BN>(sV0 + (g % NSTAGE) * KV_BYTES, v, n_base + g * BN, kvl, D);
     cp_async_commit();
     mbar_arrive_cp_async(full0 + 8 * (g % NSTAGE));
   };
   load_tile<BM>(sQ, q, m0, Lq, D);
-  if (n_tiles > 0) load_tile<BN>(sK0, k, 0, kvl, D);
+  if (n_tiles > 0) load_tile<BN>(sK0, k, n_base, kvl, D);
   cp_async_commit();
 #pragma unroll
   for (int g = 0; g < PF; ++g) {
@@ -268,7 +276,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];
-    softmax(0, alpha);
+    softmax(n_base, alpha);
     to_p();
     __syncthreads();  // K buffer 0 is free for group NSTAGE-1
   }
@@ -284,7 +292,7 @@ attn_fwd_sm90(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
     wgmma_wait<1>();
     fence_regs(s);
     float alpha[2];
-    softmax((j + 1) * BN, alpha);
+    softmax(n_base + (j + 1) * BN, alpha);
     wgmma_wait<0>();
     fence_regs(acc);
     fence_regs(p);

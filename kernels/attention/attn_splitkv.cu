@@ -12,7 +12,9 @@
 // merged across the warp with shuffles and across warps in shared memory.
 //
 // Valid keys: kvl = clamp(kv_len[b], 0, Lk) (kv_len == nullptr: kvl = Lk); query i sees keys
-// j < kvl, and with causal j <= kvl - Lq + i. The split of the keys is computed here from kvl
+// j < kvl, and with causal j <= kvl - Lq + i; with window > 0 (sliding window) also
+// j > kvl - Lq + i - window: a split's key range starts at that bound at the earliest, so the
+// keys before the window are never loaded (splits wholly before it do nothing). The split of the keys is computed here from kvl
 // (split_geometry, shared with the combine kernel): n_act <= n_split splits of `chunk` keys;
 // blocks of splits >= n_act exit at once, so a long cache with few valid keys costs what a
 // short one costs. Key loops are bounded by kvl read on the device (graph-capturable).
@@ -158,7 +160,7 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
              const int* __restrict__ kv_len,       // (B,) or nullptr
              const int* __restrict__ block_table,  // (B, max_blocks) (ATTN_PAGED)
              int Hq, int Hkv, int Lq, int Lk, float scale_log2, int causal, int n_split,
-             int n_hchunk, int max_blocks, int block_size, int num_blocks) {
+             int n_hchunk, int max_blocks, int block_size, int num_blocks, int window) {
   __shared__ float sm_m[NWARP][GT], sm_l[NWARP][GT];
 #if ATTN_BULK  // the per-warp partials reuse the ring once every warp has left the key loop
   extern __shared__ __align__(128) unsigned char dsm[];
@@ -195,8 +197,9 @@ attn_splitkv(const elem_t* __restrict__ Q,  // (B, Hq, Lq, D)
 #endif
   const int off = kvl - Lq;
   const int kend = causal ? min(kvl, i + off + 1) : kvl;
-  const int ks = split * chunk;
-  const int ke = min(kend, ks + chunk);
+  const int kbeg = window > 0 ? max(0, i + off + 1 - window) : 0;  // first key in the window
+  const int ks = max(split * chunk, kbeg);  // this split's keys: [split * chunk, + chunk) in the window
+  const int ke = min(kend, split * chunk + chunk);
 
   // q for my chunk of the head dim (raw; converted once the first K/V loads are in flight).
   Row8 qr[GT];

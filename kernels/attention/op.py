@@ -1,5 +1,5 @@
 """Flash attention as a DeviceOp: ``flash_attention(q, k, v, *, causal, scale, out, kv_len,
-block_table)``.
+block_table, window)``.
 
 Semantics are those of :mod:`deviceops.kernels.attention`: ``q`` ``(B, Hq, Lq, D)``, ``k``/``v``
 ``(B, Hkv, Lk, D)`` with ``Hq % Hkv == 0`` (GQA/MQA), float32, float16 or bfloat16, ``D`` a
@@ -51,6 +51,7 @@ def flash_attention(
     out: Any = None,
     kv_len: Any = None,
     block_table: Any = None,
+    window: int | None = None,
 ) -> KernelOp:
     """``out = softmax(scale * q k^T) v`` per head; produces ``out`` in the form given.
 
@@ -78,12 +79,18 @@ def flash_attention(
             is ``Lk = max_blocks * block_size``; entries of blocks past ``kv_len[b]`` are
             never read. A read entry outside ``[0, num_blocks)`` is an error: the ``cpu``
             backend raises ``IndexError``, the CUDA kernel clamps it into the pool.
+        window: optional sliding window (needs ``causal``; an int >= 1): query ``i`` also
+            ignores keys older than ``window`` positions, i.e. it sees keys ``j`` with
+            ``p - window < j <= p`` where ``p = i + Lk - Lq`` (``kv_len[b]`` for ``Lk``) is
+            its position: at most ``window`` keys, itself included (Gemma 3's local layers,
+            Mistral). ``None``: no window.
 
     Returns:
         A :class:`KernelOp` producing ``out``.
 
     Raises:
-        TypeError: ``causal`` is not a bool.
+        TypeError: ``causal`` is not a bool, or ``window`` not an int.
+        ValueError: ``window`` is below 1 or given without ``causal``.
         ShapeError: shapes do not fit (the message names them); before any launch.
         DTypeError: unsupported or mismatched dtypes (``kv_len``/``block_table`` must be
             int32); before any launch.
@@ -102,10 +109,21 @@ def flash_attention(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"flash_attention: scale {scale} must be finite")
-    return _FLASH_ATTENTION.op((q, k, v, out, kv_len, block_table), (causal, scale))
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+            raise TypeError(f"flash_attention: window must be an int (keys a query sees) or "
+                            f"None; got {type(window).__name__} {window!r}")
+        window = int(window)
+        if window < 1:
+            raise ValueError(f"flash_attention: window={window} must be >= 1 (or None: no window)")
+        if not causal:
+            raise ValueError("flash_attention: window needs causal=True (the window is the last "
+                             "`window` positions up to each query's own)")
+    return _FLASH_ATTENTION.op((q, k, v, out, kv_len, block_table), (causal, scale, window))
 
 
-def _flash_attention_parts(causal: bool, scale: float | None) -> tuple[Check, Body]:
+def _flash_attention_parts(causal: bool, scale: float | None,
+                           window: int | None = None) -> tuple[Check, Body]:
     name = "flash_attention"
 
     def check(ts: Mapping[str, Tensor | None]) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -145,16 +163,16 @@ def _flash_attention_parts(causal: bool, scale: float | None) -> tuple[Check, Bo
         if reference_mode():
             def cpu() -> None:
                 oa[...] = attention_reference(
-                    qa, ka, va, causal=causal, scale=scale, kv_len=la, block_table=ba
-                )
+                    qa, ka, va, causal=causal, scale=scale, kv_len=la, block_table=ba,
+                    window=window)
         else:
             def cpu() -> None:
                 attention_cpu(qa, ka, va, oa, causal=causal, scale=scale, kv_len=la,
-                              block_table=ba)
+                              block_table=ba, window=window)
 
         def cuda(native: Any) -> None:
             _launch(qa, ka, va, oa, causal, scale, la, ba, None if ws is None else ws.array, native,
-                    True)  # (checked: this op's plan)
+                    True, window)  # (checked: this op's plan)
 
         launch(ctx, name, reads, [ot] + ([ws] if ws is not None else []), cpu, cuda)
 

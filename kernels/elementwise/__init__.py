@@ -1,5 +1,5 @@
 """The elementwise family: ``saxpy``, ``add``, ``mul`` and the activations ``softmax``,
-``gelu``, ``silu``, ``swiglu``.
+``gelu``, ``silu``, ``swiglu``, ``geglu``.
 
 | part             | module              | what                                                    |
 |------------------|---------------------|---------------------------------------------------------|
@@ -12,6 +12,6 @@
 | sources          | ``elementwise.cu``, ``activations.cu`` |                              |
 """
 
-from .op import add, gelu, mul, saxpy, silu, softmax, swiglu
+from .op import add, geglu, gelu, mul, saxpy, silu, softmax, swiglu
 
-__all__ = ["add", "gelu", "mul", "saxpy", "silu", "softmax", "swiglu"]
+__all__ = ["add", "geglu", "gelu", "mul", "saxpy", "silu", "softmax", "swiglu"]

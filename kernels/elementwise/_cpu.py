@@ -52,6 +52,13 @@ def swiglu_cpu(gate_up: np.ndarray, out: np.ndarray) -> None:
     out[...] = _silu32(g) * u
 
 
+def geglu_cpu(gate_up: np.ndarray, out: np.ndarray) -> None:
+    """``out = gelu_tanh(g) * u`` of the halves of the last dim, in float32."""
+    f = gate_up.shape[-1] // 2
+    g, u = f32(gate_up[..., :f]), f32(gate_up[..., f:])
+    out[...] = act_np(g, "gelu") * u
+
+
 def activation_cpu(kind: str, x: np.ndarray, out: np.ndarray) -> None:
     """``out = gelu(x)`` (tanh approximation), ``silu(x)`` or ``softmax(x)`` (last dim), float32."""
     x32 = f32(x)

@@ -124,7 +124,8 @@ def _act_names() -> tuple[str, ...]:
     """Every instantiation in ``activations.cu`` (one module)."""
     out = [f"{k}<{c}>" for k in ("softmax", "gelu", "silu") for c in CTYPE.values()]
     for c in CTYPE.values():
-        out += [f"swiglu<{c}, {v}>" for v in (1, 16 // (4 if c == "float" else 2))]
+        out += [f"{k}<{c}, {v}>" for k in ("swiglu", "geglu")
+                for v in (1, 16 // (4 if c == "float" else 2))]
     return tuple(out)
 
 
@@ -147,13 +148,14 @@ def activation_cuda(device_index: int, name: str, xa: Any, oa: Any) -> Any:
     return cuda
 
 
-def swiglu_cuda(device_index: int, ga: Any, oa: Any) -> Any:
-    """A ``cuda(native_stream)`` launch function of ``swiglu`` (CuPy arrays)."""
+def swiglu_cuda(device_index: int, ga: Any, oa: Any, kind: str = "swiglu") -> Any:
+    """A ``cuda(native_stream)`` launch function of ``swiglu`` (or ``kind`` ``"geglu"``;
+    CuPy arrays)."""
     f = ga.shape[-1] // 2
     rows = ga.size // (2 * f)
     vec = vec_width(ga.dtype, f, (ga, oa))
     units = rows * (f // vec)
-    fn = kernel_function(device_index, _ACT_SOURCE, f"swiglu<{CTYPE[ga.dtype]}, {vec}>", _act_names())
+    fn = kernel_function(device_index, _ACT_SOURCE, f"{kind}<{CTYPE[ga.dtype]}, {vec}>", _act_names())
     args = (oa, ga, np.int64(rows), np.int32(f))
     blocks = grid(units)
 

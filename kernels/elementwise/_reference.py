@@ -1,4 +1,5 @@
-"""NumPy references of the activation family: ``softmax``, ``gelu``, ``silu``, ``swiglu``.
+"""NumPy references of the activation family: ``softmax``, ``gelu``, ``silu``, ``swiglu``,
+``geglu``.
 
 Float64 math, cast once to the input dtype; ``gelu`` and ``silu`` use the GEMM epilogue's
 definitions (:func:`..runtime._cpu.act_np`).
@@ -33,3 +34,10 @@ def swiglu_reference(gate_up: np.ndarray) -> np.ndarray:
     f = gate_up.shape[-1] // 2
     g, u = gate_up[..., :f].astype(np.float64), gate_up[..., f:].astype(np.float64)
     return np.asarray(g / (1.0 + np.exp(-g)) * u).astype(gate_up.dtype)
+
+
+def geglu_reference(gate_up: np.ndarray) -> np.ndarray:
+    """``gelu_tanh(g) * u`` of the halves of the last dim in float64, in ``gate_up.dtype``."""
+    f = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :f].astype(np.float64), gate_up[..., f:].astype(np.float64)
+    return np.asarray(_act_np(g, "gelu") * u).astype(gate_up.dtype)

@@ -1,5 +1,5 @@
 // Activation kernels: softmax (row-wise over the last dim), gelu, silu (elementwise) and
-// swiglu (gate_up (rows, 2F) -> (rows, F)). Launchers: kernels/elementwise/_cuda.py.
+// swiglu and geglu (gate_up (rows, 2F) -> (rows, F)). Launchers: kernels/elementwise/_cuda.py.
 // In-place use (out == x) is allowed for softmax, gelu and silu.
 // Storage types for the 16-bit floats are plain structs converted with PTX `cvt` (no
 // cuda_fp16.h / cuda_bf16.h needed under NVRTC). Every kernel loads its inputs as float32,
@@ -57,6 +57,29 @@ __global__ void swiglu(T* out, const T* gate_up, long long rows, int F) {
         load_vec<T, VEC>(b, g + F);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) a[e] = a[e] / (1.f + expf(-a[e])) * b[e];
+        store_vec<T, VEC>(out + r * F + c, a);
+    }
+}
+
+// ---------------------------------------------------------------------------- geglu
+// gate_up (rows, 2F) -> out (rows, F): gelu_tanh(gate) * up (Gemma's MLP), as swiglu.
+template <typename T, int VEC>
+__global__ void geglu(T* out, const T* gate_up, long long rows, int F) {
+    const int fv = F / VEC;
+    const long long n_units = rows * fv;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < n_units;
+         u += (long long)gridDim.x * blockDim.x) {
+        const long long r = u / fv;
+        const int c = (int)(u - r * fv) * VEC;
+        const T* g = gate_up + r * 2 * F + c;
+        float a[VEC], b[VEC];
+        load_vec<T, VEC>(a, g);
+        load_vec<T, VEC>(b, g + F);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float v = a[e];
+            a[e] = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * b[e];
+        }
         store_vec<T, VEC>(out + r * F + c, a);
     }
 }

@@ -10,6 +10,7 @@
 | ``gelu(x, *, out)``            | tanh-approximate GELU (as the GEMM epilogue)              | ``out`` or new   |
 | ``silu(x, *, out)``            | ``x * sigmoid(x)``                                        | ``out`` or new   |
 | ``swiglu(gate_up, *, out)``    | ``silu(gate_up[..., :F]) * gate_up[..., F:]``             | ``out`` or new   |
+| ``geglu(gate_up, *, out)``     | ``gelu(gate_up[..., :F]) * gate_up[..., F:]`` (tanh)      | ``out`` or new   |
 
 ``saxpy``/``add``/``mul``: all dtypes; float16/bfloat16 compute in float32; integer ``saxpy``
 computes in float64 and truncates toward zero. Shapes must match exactly (no broadcasting).
@@ -62,12 +63,18 @@ from ..runtime._driver import launch_packed
 from ..runtime._op import KernelOp, as_tensor
 from ..runtime._spec import KernelSpec
 from ._check import _binary_check, _saxpy_check, _saxpy_scalar, _scalar_arg
-from ._cpu import _cpu_task, activation_cpu, swiglu_cpu
+from ._cpu import _cpu_task, activation_cpu, geglu_cpu, swiglu_cpu
 from ._cuda import _driver_args, _submit, _tile_of, activation_cuda, softmax_cuda, swiglu_cuda
 from ._plan import _EwPlan, _recall, _remember, recall_alloc, remember_alloc
-from ._reference import gelu_reference, silu_reference, softmax_reference, swiglu_reference
+from ._reference import (
+    geglu_reference,
+    gelu_reference,
+    silu_reference,
+    softmax_reference,
+    swiglu_reference,
+)
 
-__all__ = ["add", "gelu", "mul", "saxpy", "silu", "softmax", "swiglu"]
+__all__ = ["add", "geglu", "gelu", "mul", "saxpy", "silu", "softmax", "swiglu"]
 
 def _tensor_of(arg: Any, op: str, name: str) -> Tensor:
     if type(arg) is Tensor:
@@ -394,8 +401,28 @@ def swiglu(gate_up: Any, *, out: Any = None) -> KernelOp:
     return _SWIGLU.op((gate_up, out))
 
 
-def _swiglu_parts() -> tuple[MultiCheck, Body]:
-    name = "swiglu"
+def geglu(gate_up: Any, *, out: Any = None) -> KernelOp:
+    """GEGLU (tanh GELU) of a fused gate/up projection: ``gelu(gate_up[..., :F]) *
+    gate_up[..., F:]`` with :func:`gelu`'s tanh approximation (Gemma's MLP).
+
+    Args:
+        gate_up: ``(..., 2F)`` Tensor, Partition or DeviceOp producing one (float32,
+            float16, bfloat16; C-contiguous).
+        out: optional ``(..., F)`` of gate_up's dtype, not sharing memory with it;
+            allocated if ``None``.
+
+    Returns:
+        A :class:`KernelOp` producing ``out`` in the form given.
+
+    Raises:
+        ShapeError, DTypeError: before any launch.
+    """
+    return _GEGLU.op((gate_up, out))
+
+
+def _swiglu_parts(name: str = "swiglu") -> tuple[MultiCheck, Body]:
+    glu_ref, glu_cpu = (swiglu_reference, swiglu_cpu) if name == "swiglu" else (
+        geglu_reference, geglu_cpu)
 
     def check(ts: Mapping[str, Tensor | None]) -> Outputs:
         gt = ts["gate_up"]
@@ -415,12 +442,12 @@ def _swiglu_parts() -> tuple[MultiCheck, Body]:
 
         if reference_mode():
             def cpu() -> None:
-                oa[...] = swiglu_reference(ga)
+                oa[...] = glu_ref(ga)
         else:
             def cpu() -> None:
-                swiglu_cpu(ga, oa)
+                glu_cpu(ga, oa)
 
-        cuda = swiglu_cuda(ctx.device.index, ga, oa) if not ctx.device.is_cpu else noop
+        cuda = swiglu_cuda(ctx.device.index, ga, oa, name) if not ctx.device.is_cpu else noop
 
         launch(ctx, name, (gt,), (o,), cpu, cuda)
 
@@ -428,3 +455,5 @@ def _swiglu_parts() -> tuple[MultiCheck, Body]:
 
 
 _SWIGLU = KernelSpec("swiglu", ("gate_up", "out"), _swiglu_parts, outputs=True, replay=True)
+_GEGLU = KernelSpec("geglu", ("gate_up", "out"), lambda: _swiglu_parts("geglu"), outputs=True,
+                    replay=True)

@@ -1,4 +1,5 @@
-"""The transformer family: ``rope``, ``rope_kv_write``, ``merge_heads`` and ``split_qkv``.
+"""The transformer family: ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv`` and
+``qk_rms_norm``.
 
 | part             | module              | what                                                    |
 |------------------|---------------------|---------------------------------------------------------|
@@ -10,6 +11,6 @@
 | sources          | ``transformer.cu``  |                                                         |
 """
 
-from .op import merge_heads, rope, rope_kv_write, split_qkv
+from .op import merge_heads, qk_rms_norm, rope, rope_kv_write, split_qkv
 
-__all__ = ["merge_heads", "rope", "rope_kv_write", "split_qkv"]
+__all__ = ["merge_heads", "qk_rms_norm", "rope", "rope_kv_write", "split_qkv"]

@@ -1,4 +1,5 @@
-"""The transformer kernels on the ``cpu`` backend: float32 RoPE (see :mod:`..runtime._cpu`)."""
+"""The transformer kernels on the ``cpu`` backend: float32 RoPE and q/k RMSNorm (see
+:mod:`..runtime._cpu`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 
 from ..runtime._cpu import f32
 
-__all__ = ["rope_cpu", "rope_kv_write_cpu"]
+__all__ = ["qk_rms_norm_cpu", "rope_cpu", "rope_kv_write_cpu"]
 
 _F32 = np.dtype(np.float32)
 
@@ -92,3 +93,14 @@ def rope_kv_write_cpu(qkv: np.ndarray, start: np.ndarray, k_cache: np.ndarray,
     bi, ii, p, blk = bi[good], ii[good], p[good], blk[good]
     k_cache[blk, :, p % s_len] = k[bi, ii]
     v_cache[blk, :, p % s_len] = v[bi, ii]
+
+
+def qk_rms_norm_cpu(qkv: np.ndarray, wq: np.ndarray, wk: np.ndarray, hq: int, hkv: int,
+                    eps: float) -> None:
+    """In place: every q and k head of the fused QKV rows RMS-normed in float32."""
+    d = qkv.shape[-1] // (hq + 2 * hkv)
+    x = qkv.reshape(-1, hq + 2 * hkv, d)
+    for lo, hi, w in ((0, hq, wq), (hq, hq + hkv, wk)):
+        h = f32(x[:, lo:hi])
+        ms = np.einsum("thd,thd->th", h, h)[..., None] / np.float32(d)
+        x[:, lo:hi] = h / np.sqrt(ms + np.float32(eps)) * f32(w)

@@ -1,5 +1,5 @@
 """The transformer kernels on CUDA: loading ``transformer.cu`` (``rope``, ``rope_kv_write``,
-``merge_heads``, ``split_qkv``; one module, every instantiation named up front). The launches (in
+``merge_heads``, ``split_qkv``, ``qk_rms_norm``; one module, every instantiation named up front). The launches (in
 :mod:`.op`) are flat: one thread per unit of :data:`..runtime._rows.THREADS`-thread blocks,
 16-byte accesses where the row length and the pointers allow (:func:`..runtime._rows.vec_width`)."""
 
@@ -20,6 +20,7 @@ def _names() -> tuple[str, ...]:
         vecs = (1, 16 // (4 if c == "float" else 2))
         out += [f"{k}<{c}, {v}>" for k in ("rope", "rope_kv_write") for v in vecs]
     out += [f"{k}<{e}>" for k in ("merge_heads", "split_qkv") for e in MOVE_TYPES.values()]
+    out += [f"qk_rms_norm<{c}>" for c in CTYPE.values()]
     return tuple(out)
 
 

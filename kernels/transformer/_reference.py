@@ -82,3 +82,15 @@ def split_qkv_reference(qkv: np.ndarray, n_heads: int, n_kv_heads: int
     return (np.ascontiguousarray(heads[:, :n_heads]),
             np.ascontiguousarray(heads[:, n_heads:n_heads + n_kv_heads]),
             np.ascontiguousarray(heads[:, n_heads + n_kv_heads:]))
+
+
+def qk_rms_norm_reference(qkv: np.ndarray, wq: np.ndarray, wk: np.ndarray, hq: int, hkv: int,
+                          eps: float) -> np.ndarray:
+    """The fused QKV rows with every q and k head RMS-normed (float64 math), in ``qkv.dtype``;
+    v heads unchanged."""
+    d = qkv.shape[-1] // (hq + 2 * hkv)
+    x = qkv.astype(np.float64).reshape(-1, hq + 2 * hkv, d)
+    for lo, hi, w in ((0, hq, wq), (hq, hq + hkv, wk)):
+        h = x[:, lo:hi]
+        x[:, lo:hi] = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+    return x.reshape(qkv.shape).astype(qkv.dtype)

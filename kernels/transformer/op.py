@@ -14,6 +14,8 @@ reference mode; tests compare with them). Argument checks: :mod:`._check`.
 | ``merge_heads(x, *, out)``                                   | ``(B, H, L, D) -> (B, L, H * D)``               |
 | ``split_qkv(qkv, *, n_heads, n_kv_heads, q_out, k_out,``     | ``(B, L, (Hq + 2 Hkv) D)`` -> q ``(B, Hq, L, D)``, |
 | ``v_out)``                                                   | k, v ``(B, Hkv, L, D)`` (no RoPE, no cache)     |
+| ``qk_rms_norm(qkv, q_weight, k_weight, *, n_heads,``         | in place: RMSNorm of every q and k head of      |
+| ``n_kv_heads, eps)``                                         | ``(..., (Hq + 2 Hkv) D)`` (Gemma 3's q/k norm)  |
 
 Positions live in device memory (``start``, int32 ``(B,)``), so one captured CUDA graph
 serves every decode step. Floating tensors are float32, float16 or bfloat16, C-contiguous.
@@ -36,16 +38,17 @@ from ..runtime._op import KernelOp
 from ..runtime._rows import CTYPE, MOVE_TYPES, THREADS, grid, vec_width
 from ..runtime._spec import KernelSpec
 from ._check import _block_table, _start, _theta
-from ._cpu import rope_cpu, rope_kv_write_cpu
+from ._cpu import qk_rms_norm_cpu, rope_cpu, rope_kv_write_cpu
 from ._cuda import function
 from ._reference import (
     merge_heads_reference,
+    qk_rms_norm_reference,
     rope_kv_write_reference,
     rope_reference,
     split_qkv_reference,
 )
 
-__all__ = ["merge_heads", "rope", "rope_kv_write", "split_qkv"]
+__all__ = ["merge_heads", "qk_rms_norm", "rope", "rope_kv_write", "split_qkv"]
 
 def rope(x: Any, start: Any, *, theta: float = 10000.0, out: Any = None) -> KernelOp:
     """Rotary position embedding, Llama "rotate half" convention.
@@ -407,3 +410,89 @@ def _split_qkv_parts(hq: int, hkv: int) -> tuple[MultiCheck, Body]:
 _SPLIT_QKV = KernelSpec("split_qkv", ("qkv", "q_out", "k_out", "v_out"), _split_qkv_parts,
                         returns=lambda v: (v["q_out"], v["k_out"], v["v_out"]), outputs=True,
                         replay=True)
+
+
+def qk_rms_norm(qkv: Any, q_weight: Any, k_weight: Any, *, n_heads: int, n_kv_heads: int,
+                eps: float = 1e-6) -> KernelOp:
+    """RMS-norm every q and k head of fused QKV rows, in place (Gemma 3's q/k norm).
+
+    ``qkv`` holds, for each token, ``n_heads`` q heads, ``n_kv_heads`` k heads and
+    ``n_kv_heads`` v heads of ``D`` elements (the layout :func:`rope_kv_write` reads). Each q
+    head becomes ``h / sqrt(mean(h**2) + eps) * q_weight``, each k head the same with
+    ``k_weight`` (float32 math, one rounding); v heads are not touched. One launch.
+
+    Args:
+        qkv: ``(..., (n_heads + 2 n_kv_heads) * D)`` Tensor or DeviceOp producing one
+            (float32, float16, bfloat16; C-contiguous); written in place.
+        q_weight, k_weight: ``(D,)`` of qkv's dtype.
+        n_heads, n_kv_heads: query and key/value head counts (``n_heads % n_kv_heads == 0``).
+        eps: added to the mean square (``>= 0``).
+
+    Returns:
+        A :class:`KernelOp` producing ``qkv``.
+
+    Raises:
+        ShapeError, DTypeError, ValueError: before any launch.
+    """
+    name = "qk_rms_norm"
+    hq, hkv = int(n_heads), int(n_kv_heads)
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"{name}: n_heads={n_heads}, n_kv_heads={n_kv_heads}: both must be >= 1 "
+                         "and n_heads a multiple of n_kv_heads")
+    e = float(eps)
+    if not (math.isfinite(e) and e >= 0.0):
+        raise ValueError(f"{name}: eps {eps!r} must be finite and >= 0")
+    return _QK_RMS_NORM.op((qkv, q_weight, k_weight), (hq, hkv, e))
+
+
+def _qk_rms_norm_parts(hq: int, hkv: int, e: float) -> tuple[MultiCheck, Body]:
+    name = "qk_rms_norm"
+
+    def check(ts: Mapping[str, Tensor | None]) -> Outputs:
+        qt, wq, wk = ts["qkv"], ts["q_weight"], ts["k_weight"]
+        assert qt is not None and wq is not None and wk is not None
+        floating(name, "qkv", qt)
+        nh = hq + 2 * hkv
+        if qt.ndim < 1 or qt.shape[-1] == 0 or qt.shape[-1] % nh:
+            raise ShapeError(
+                f"{name}: qkv has shape {qt.shape}; expected (..., (n_heads + 2 n_kv_heads) * D) "
+                f"= (..., {nh} * D) (n_heads={hq}, n_kv_heads={hkv})", op=name)
+        d = qt.shape[-1] // nh
+        why = f"the head dim of qkv {qt.shape} ({d})"
+        same(name, "q_weight", wq, (d,), qt.dtype, why)
+        same(name, "k_weight", wk, (d,), qt.dtype, why)
+        distinct(name, ts, (("qkv", "q_weight"), ("qkv", "k_weight")), "use separate tensors")
+        return {}
+
+    def body(ctx: ExecutionContext, ts: dict[str, Tensor]) -> None:
+        qt, wq, wk = ts["qkv"], ts["q_weight"], ts["k_weight"]
+        qa, wqa, wka = qt.array, wq.array, wk.array
+
+        if reference_mode():
+            def cpu() -> None:
+                qa[...] = qk_rms_norm_reference(qa, wqa, wka, hq, hkv, e)
+        else:
+            def cpu() -> None:
+                qk_rms_norm_cpu(qa, wqa, wka, hq, hkv, e)
+
+        cuda: Any = noop
+        if not ctx.device.is_cpu:
+            d = qt.shape[-1] // (hq + 2 * hkv)
+            n_tok = qt.size // qt.shape[-1]
+            units = n_tok * (hq + hkv)
+            fn = function(ctx.device.index, f"qk_rms_norm<{CTYPE[qt.dtype]}>")
+            args = (qa, wqa, wka, np.int64(n_tok), np.int32(hq), np.int32(hkv), np.int32(d),
+                    np.float32(e))
+            blocks = grid(units * 32)  # one warp per (token, head)
+
+            def cuda(native: Any) -> None:
+                if units > 0:
+                    fn((blocks,), (THREADS,), args, stream=native)
+
+        launch(ctx, name, (qt, wq, wk), (qt,), cpu, cuda)
+
+    return check, body
+
+
+_QK_RMS_NORM = KernelSpec("qk_rms_norm", ("qkv", "q_weight", "k_weight"), _qk_rms_norm_parts,
+                          returns="qkv", outputs=True, replay=True)

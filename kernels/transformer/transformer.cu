@@ -161,3 +161,33 @@ __global__ void split_qkv(E* __restrict__ q, E* __restrict__ k, E* __restrict__ 
         }
     }
 }
+
+// ---------------------------------------------------------------------------- qk_rms_norm
+// In place on the fused QKV rows x (n_tok, (Hq + 2 Hkv) D): every q head (0 .. Hq-1) and k
+// head (Hq .. Hq+Hkv-1) of D elements is RMS-normed, x / sqrt(mean(x^2) + eps) * w, with wq
+// for q heads and wk for k heads; v heads are left alone. One warp per (token, head): each
+// lane reads its elements, the warp sums the squares, the lane writes the same elements
+// (in place is safe: no element is read by one lane and written by another).
+template <typename T>
+__global__ void qk_rms_norm(T* x, const T* __restrict__ wq, const T* __restrict__ wk,
+                            long long n_tok, int Hq, int Hkv, int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const int nh = Hq + Hkv;
+    const long long n_units = n_tok * nh;
+    for (long long u = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); u < n_units;
+         u += warps) {
+        const long long tok = u / nh;
+        const int h = (int)(u - tok * nh);
+        T* row = x + tok * (long long)(Hq + 2 * Hkv) * D + (long long)h * D;
+        const T* w = h < Hq ? wq : wk;
+        float ss = 0.f;
+        for (int c = lane; c < D; c += 32) {
+            const float v = ld(row[c]);
+            ss = fmaf(v, v, ss);
+        }
+        ss = warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)D + eps);
+        for (int c = lane; c < D; c += 32) st(row[c], ld(row[c]) * inv * ld(w[c]));
+    }
+}

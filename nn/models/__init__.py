@@ -14,6 +14,7 @@ What a module provides is :class:`~.base.Architecture` (:mod:`.base`). Registere
 |---|---|---|---|
 | :mod:`.llama` | ``llama`` | ``llama`` | ``LlamaForCausalLM`` |
 | :mod:`.qwen2` | ``qwen2`` | ``qwen2`` | ``Qwen2ForCausalLM`` |
+| :mod:`.gemma3` | ``gemma3`` | ``gemma3`` | ``Gemma3ForCausalLM`` (``gemma3_text``) |
 
 A new architecture is one module and one :func:`register` line below (or, outside the
 package, one :func:`register` call).
@@ -26,11 +27,12 @@ of decoders: :func:`deviceops.nn.load_encoder` reads its folders and
 from __future__ import annotations
 
 from .base import Architecture, LayerIO, Weights
+from .gemma3 import Gemma3, Gemma3Config
 from .llama import Llama, LlamaConfig
 from .qwen2 import Qwen2
 
-__all__ = ["Architecture", "LayerIO", "Llama", "LlamaConfig", "Qwen2", "Weights", "get",
-           "register", "registered", "unregister"]
+__all__ = ["Architecture", "Gemma3", "Gemma3Config", "LayerIO", "Llama", "LlamaConfig", "Qwen2",
+           "Weights", "get", "register", "registered", "unregister"]
 
 _REGISTRY: dict[str, Architecture] = {}
 
@@ -85,3 +87,4 @@ def get(key: str, *, what: str = "deviceops.nn", kind: str = "architecture") -> 
 
 register(Llama())
 register(Qwen2())
+register(Gemma3())

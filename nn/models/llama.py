@@ -237,7 +237,7 @@ class Llama(Architecture):
 
     name = "llama"
     gguf_names = ("llama",)
-    hf_names = ("LlamaForCausalLM",)
+    hf_names: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
     #: The config dataclass (a variant with more hyper-parameters subclasses LlamaConfig).
     config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
     #: llama.cpp block tensor -> Hugging Face module (``blk.{i}.attn_q`` -> ``...q_proj``).

