@@ -46,6 +46,7 @@ from .fused.op import FusedDecodeModel, FusedLayer
 from .gemm.op import gemm, matmul
 from .lookup.op import argmax, embedding
 from .norms.op import add_rms_norm, layer_norm, rms_norm
+from .quant.op import dequantize, qmatmul
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
 from .sampling.op import logprobs, mask_logits, penalize, sample
@@ -58,6 +59,7 @@ __all__ = [
     "add",
     "add_rms_norm",
     "argmax",
+    "dequantize",
     "embedding",
     "flash_attention",
     "gelu",
@@ -68,6 +70,7 @@ __all__ = [
     "matmul",
     "merge_heads",
     "mul",
+    "qmatmul",
     "penalize",
     "reserve_workspace",
     "rms_norm",
