@@ -161,6 +161,8 @@ class CausalLM(TextCodec):
         def upload(a: np.ndarray) -> Tensor:
             # weights already in the model's dtype (read_gguf(dtype=...)) are copied as they
             # are; others go through float32 (one rounding to the dtype, whatever they were)
+            if a.dtype == np.int32:  # a packed quantized weight (weights="native"): its bytes
+                return api.from_host(np.ascontiguousarray(a), "int32").sync_on(stream)
             host = a if str(a.dtype) == dtype else np.ascontiguousarray(a, dtype=np.float32)
             return api.from_host(host, dtype).sync_on(stream)
 

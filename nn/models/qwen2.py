@@ -94,6 +94,6 @@ class Qwen2(Llama):
             return f"model.layers.{m.group(1)}.self_attn.{m.group(2)}_proj.bias"
         return super().hf_name(gguf_name)
 
-    def from_gguf(self, hf_name: str, array: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+    def from_gguf(self, hf_name: str, array: Any, cfg: LlamaConfig) -> Any:
         """As stored: llama.cpp keeps Qwen2's q/k rows in Hugging Face's order."""
         return array

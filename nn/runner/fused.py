@@ -40,6 +40,8 @@ def fused_reason(r: Runner) -> str | None:
     arch = type(r.arch)
     if not issubclass(arch, Llama) or any(getattr(arch, n) is not getattr(Llama, n) for n in _SAME):
         return f"architecture {r.arch.name!r} has its own forward"
+    if r.weights.quantized:
+        return "its weights are kept quantized (weights='native'); the fused step reads fp16 weights"
     c = r.config
     return FusedDecodeModel.support(hidden=c.hidden_size, ffn=c.intermediate_size, vocab=c.vocab_size,
                                 n_heads=c.num_heads, n_kv_heads=c.num_kv_heads,
