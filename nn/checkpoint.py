@@ -144,22 +144,22 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
         entry = weight_cache.load_entry(root, p, dtype, _conversion_version)
         if entry is not None:
             arch = models.get(entry.architecture, what="load_gguf")
-            weights = {}
+            cached: dict[str, Any] = {}
             with _progress(len(entry.weights), f"loading {p.name} from cache", show) as bar:
                 for name, a in entry.weights.items():
-                    weights[name] = a
+                    cached[name] = a
                     bar.update(1)
-            return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), weights)
-    meta, tensor_names, arch, weights = _convert_gguf(p, dtype, show)
-    ck = _checkpoint(p, arch, meta, tensor_names, weights)
+            return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), cached)
+    meta, tensor_names, arch, conv = _convert_gguf(p, dtype, show)
+    ck = _checkpoint(p, arch, meta, tensor_names, conv)
     if root is not None:
         try:
-            with _progress(len(weights), f"caching {p.name}", show) as bar:
+            with _progress(len(conv), f"caching {p.name}", show) as bar:
                 weight_cache.store_entry(root, p, dtype, meta=meta,
                                          tensor_names=sorted(tensor_names),
                                          architecture=arch.name,
                                          conversion_version=arch.conversion_version,
-                                         weights=weights, on_tensor=lambda: bar.update(1))
+                                         weights=conv, on_tensor=lambda: bar.update(1))
         except OSError as exc:
             raise OSError(f"load_gguf: cannot write the converted weights of {p.name} to the "
                           f"weight cache {str(root)!r} ({exc}); free space there, point "

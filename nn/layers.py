@@ -94,11 +94,17 @@ class QuantPart:
         return int(self.weight.shape[0])
 
 
+def _after(th: Thunk) -> Callable[[Any], DeviceOp[Any]]:
+    def then(_value: Any) -> DeviceOp[Any]:
+        return th()
+    return then
+
+
 def _chain(thunks: list[Thunk]) -> DeviceOp[Any]:
     """One op running the thunks' ops in order on one stream (the last one's output)."""
     op = thunks[0]()
     for th in thunks[1:]:
-        op = op.then(lambda _v, th=th: th())
+        op = op.then(_after(th))
     return op
 
 
@@ -147,13 +153,18 @@ class QuantLinear:
         if sc is not None and rows > DENSE_PREFILL_ROWS and not out.device.is_cpu:
             n = self.out_features
             w = sc[:n * k].reshape((n, k))
-            ths: list[Thunk] = [
-                (lambda p=p: kernels.dequantize(p.weight, out=w[p.row0:p.row0 + p.rows], fmt=p.fmt, k=k))
-                for p in self.parts]
+
+            def deq(p: QuantPart) -> Thunk:
+                return lambda: kernels.dequantize(p.weight, out=w[p.row0:p.row0 + p.rows], fmt=p.fmt, k=k)
+
+            ths = [deq(p) for p in self.parts]
             ths.append(lambda: kernels.gemm(x, w, out=out, bias=self.bias, trans_b=True))
             return _chain(ths)
-        return _chain([(lambda p=p: kernels.qmatmul(x, p.weight, out, fmt=p.fmt, bias=p.bias, out_col=p.row0))
-                       for p in self.parts])
+
+        def qmm(p: QuantPart) -> Thunk:
+            return lambda: kernels.qmatmul(x, p.weight, out, fmt=p.fmt, bias=p.bias, out_col=p.row0)
+
+        return _chain([qmm(p) for p in self.parts])
 
 
 @dataclass

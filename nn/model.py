@@ -38,7 +38,7 @@ import deviceops
 from deviceops import DeviceOp, Tensor, api
 
 from . import _args, models
-from .layers import Embedding, Linear, RMSNorm
+from .layers import Embedding, Linear, QuantEmbedding, QuantLinear, RMSNorm
 from .models import LlamaConfig
 from .runner import BlockAllocator, KVCache, KVCacheFull, Runner, buckets
 from .runner.forward import chain
@@ -239,12 +239,12 @@ class CausalLM(TextCodec):
         self.runner.contiguous_first_chunk = bool(value)
 
     @property
-    def embed(self) -> Embedding:
+    def embed(self) -> Embedding | QuantEmbedding:
         """The token embedding."""
         return self.weights.embed
 
     @property
-    def lm_head(self) -> Linear:
+    def lm_head(self) -> Linear | QuantLinear:
         """The LM head (the embedding's table when tied)."""
         return self.weights.lm_head
 

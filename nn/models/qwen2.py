@@ -33,8 +33,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .llama import Llama, LlamaConfig
 
 __all__ = ["Qwen2"]

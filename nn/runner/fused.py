@@ -20,6 +20,7 @@ import numpy as np
 from deviceops import _env
 from deviceops.kernels import FusedDecodeModel, FusedLayer
 
+from ..layers import Linear
 from ..models.llama import Llama
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ def make_fused(r: Runner) -> FusedDecodeModel | None:
             down=host(m.down.weight), norm1=host(ly.norm1.weight), norm2=host(ly.norm2.weight),
             qkv_bias=maybe(a.qkv.bias), o_bias=maybe(a.o.bias), gate_up_bias=maybe(m.gate_up.bias),
             down_bias=maybe(m.down.bias)))
+    assert isinstance(w.lm_head, Linear)  # (fused_reason refuses quantized weights)
     return FusedDecodeModel(
         r.stream, embed=w.embed.table, layers=layers, norm=host(w.norm.weight),
         head=host(w.lm_head.weight), n_heads=c.num_heads, n_kv_heads=c.num_kv_heads,
