@@ -128,12 +128,15 @@ class QuantLinear:
         scratch: a flat float tensor of at least ``N * K`` elements in the activations'
             dtype, shared by the model's layers (they run one after another on one stream),
             or ``None``.
+        dense_on_cpu: take the scratch + gemm path on the cpu backend too (tests; slower
+            there than ``qmatmul``, whose dequantized weights are cached).
     """
 
     parts: list[QuantPart]
     in_features: int
     bias: Tensor | None = None
     scratch: Tensor | None = None
+    dense_on_cpu: bool = False
 
     @property
     def out_features(self) -> int:
@@ -150,7 +153,7 @@ class QuantLinear:
         k = self.in_features
         rows = int(x.shape[0]) if isinstance(x, Tensor) else 0
         sc = self.scratch
-        if sc is not None and rows > DENSE_PREFILL_ROWS and not out.device.is_cpu:
+        if sc is not None and rows > DENSE_PREFILL_ROWS and (self.dense_on_cpu or not out.device.is_cpu):
             n = self.out_features
             w = sc[:n * k].reshape((n, k))
 

@@ -77,3 +77,30 @@ def test_smollm2_native_tokens_equal_expanded() -> None:
     assert native.weight_bytes < 110_000_000 < expanded.weight_bytes
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         assert native.generate(prompt, 12) == expanded.generate(prompt, 12)
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_quant_linear_paths_agree(rows: int) -> None:
+    """A two-format QuantLinear with a bias: the qmatmul path and the dequantize-into-scratch
+    + gemm path (prefill on CUDA; forced here) both equal the float64 reference."""
+    from deviceops.kernels import quant
+    from deviceops.nn.layers import QuantLinear, QuantPart
+
+    from .quant_blocks import random_packed
+
+    rng = np.random.default_rng(rows)
+    k = 96
+    wa, wb = random_packed(rng, "Q4_1", 6, k), random_packed(rng, "Q8_0", 5, k)
+    bias = rng.standard_normal(11).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    up = api.from_host
+    parts = [QuantPart(up(wa).sync(), "Q4_1", up(bias[:6]).sync(), 0),
+             QuantPart(up(wb).sync(), "Q8_0", up(bias[6:]).sync(), 6)]
+    ref = np.concatenate([quant.qmatmul_reference(x, wa, "Q4_1", bias=bias[:6]),
+                          quant.qmatmul_reference(x, wb, "Q8_0", bias=bias[6:])], axis=1)
+    scratch = api.zeros((11 * k + 7,), "float32").sync()
+    for dense in (False, True):
+        ql = QuantLinear(parts, k, up(bias).sync(), scratch, dense_on_cpu=dense)
+        out = api.full((rows, 11), np.nan, "float32").sync()
+        got = ql(up(x).sync(), out).sync().to_host().sync()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
