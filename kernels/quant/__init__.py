@@ -8,6 +8,7 @@
 | CUDA launcher    | :mod:`._cuda`        | ``quant_gemv.cu`` loading and launches                        |
 | reference        | :mod:`._reference`   | float64: ``gguf.quants.dequantize``, then float64 math        |
 | cpu path         | :mod:`._cpu`, :mod:`._dequant_np` | NumPy dequantization per block (cached), float32 BLAS |
+| test data        | :mod:`._random`      | fresh random blocks of every format (tests, benchmarks)       |
 | sources          | ``quant_gemv.cu``    | per-unit dequantization, GEMV (M <= 32 a launch), dequantize rows |
 
 Semantics (every backend)::
@@ -29,8 +30,10 @@ is correct but streams the weight once per 32 rows.
 from __future__ import annotations
 
 from ._formats import FORMATS, QuantFormat, get_format, pack, packed_words, row_bytes, unpack
+from ._random import random_blocks, random_packed
 from ._reference import dequantize_reference, qmatmul_reference
 from .op import dequantize, qmatmul
 
 __all__ = ["FORMATS", "QuantFormat", "dequantize", "dequantize_reference", "get_format", "pack",
-           "packed_words", "qmatmul", "qmatmul_reference", "row_bytes", "unpack"]
+           "packed_words", "qmatmul", "qmatmul_reference", "random_blocks", "random_packed", "row_bytes",
+           "unpack"]
