@@ -393,6 +393,8 @@ class Llama(Architecture):
                 lm_head = Linear(embed.table)
         if not cfg.tie_word_embeddings:
             lm_head = linear("lm_head")
+            if isinstance(lm_head, QuantLinear):  # (no prefill scratch for the LM head: see QuantLinear)
+                quantized.remove(lm_head)
         norm = RMSNorm(up(weights["model.norm.weight"]), eps)
         layers: list[Any] = []
         for i in range(cfg.num_layers):
