@@ -78,6 +78,10 @@ def test_dequantize_gpu(fmt: str, dtype: str) -> None:
     out = api.full((n, k), np.nan, dtype).sync()
     got = kernels.dequantize(wt, out=out, fmt=fmt, k=k).sync().to_host().sync()
     np.testing.assert_allclose(got.astype(np.float64), ref, rtol=_TOL.get(dtype, 1e-6) / 2, atol=0)
+    off = 8 // np.dtype(np.float32 if dtype == "float32" else np.float16).itemsize  # 8 bytes in
+    obig = api.full((n * k + off,), np.nan, dtype).sync()
+    kernels.dequantize(wt, out=obig[off:].reshape((n, k)), fmt=fmt, k=k).sync()  # scalar stores
+    np.testing.assert_array_equal(obig.to_host().sync()[off:].reshape(n, k), got)
     ids = np.array([5, 0, 76, -3, 500], np.int64)
     rows = kernels.dequantize(wt, api.from_host(ids).sync(), fmt=fmt, k=k, dtype=dtype).sync()
     np.testing.assert_allclose(rows.to_host().sync().astype(np.float64), ref[np.clip(ids, 0, n - 1)],

@@ -90,10 +90,11 @@ def dequantize_cuda(dev: int, wa: Any, ia: Any, oa: Any, f: QuantFormat, k: int)
     n_out = int(oa.size // k)
     kind = 0 if ia is None else (1 if ia.dtype == np.int32 else 2)
     ct = _CTYPE[np.dtype(oa.dtype)]
-    ln = _launcher(dev, f, ct, f"quant_dequant<{_QF[f.name]}, {ct}>", "pqpipqqi")
+    ln = _launcher(dev, f, ct, f"quant_dequant<{_QF[f.name]}, {ct}>", "pqpipqqii")
     grid = (max(1, min(n_out, 1 << 20)), 1, 1)
+    o_vec = int(oa.data.ptr % 16 == 0)  # (rows are 64-byte multiples: K % 32 == 0)
     args = (wa.data.ptr, int(wa.strides[0]), 0 if ia is None else ia.data.ptr, kind, oa.data.ptr, n_out,
-            int(wa.shape[0]), k)
+            int(wa.shape[0]), k, o_vec)
 
     def cuda(native: Any) -> None:
         if n_out > 0:

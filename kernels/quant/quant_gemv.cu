@@ -119,10 +119,46 @@ __global__ void __launch_bounds__(QG_WARPS * 32)
   }
 }
 
+// 32 floats to o (rounded to T); vec: 16-byte stores (o 16-byte aligned)
+__device__ __forceinline__ u32 bits16(f16 v) { return v.x; }
+__device__ __forceinline__ u32 bits16(bf16 v) { return v.x; }
+template <typename T>
+__device__ __forceinline__ void store32_16(T* o, const float (&w)[32], int vec) {
+  if (vec) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      u32 p[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        T a, b;
+        st(a, w[8 * c + 2 * i]);
+        st(b, w[8 * c + 2 * i + 1]);
+        p[i] = bits16(a) | (bits16(b) << 16);
+      }
+      *reinterpret_cast<uint4*>(o + 8 * c) = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) st(o[j], w[j]);
+  }
+}
+__device__ __forceinline__ void store32(f16* o, const float (&w)[32], int vec) { store32_16(o, w, vec); }
+__device__ __forceinline__ void store32(bf16* o, const float (&w)[32], int vec) { store32_16(o, w, vec); }
+__device__ __forceinline__ void store32(float* o, const float (&w)[32], int vec) {
+  if (vec) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      *reinterpret_cast<float4*>(o + 4 * c) = make_float4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) o[j] = w[j];
+  }
+}
+
 template <int F, typename T>
 __global__ void __launch_bounds__(128)
     quant_dequant(const u8* __restrict__ W, long long w_stride, const void* __restrict__ ids, int id_kind,
-                  T* __restrict__ out, long long n_out, long long n_rows, int K) {
+                  T* __restrict__ out, long long n_out, long long n_rows, int K, int o_vec) {
   const int units = K >> 5;
   for (long long i = blockIdx.x; i < n_out; i += gridDim.x) {
     long long r = i;
@@ -134,8 +170,7 @@ __global__ void __launch_bounds__(128)
     for (int u = threadIdx.x; u < units; u += blockDim.x) {
       float w[32];
       unit<F>(row, u, w);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) st(o[32 * u + j], w[j]);
+      store32(o + 32 * u, w, o_vec);
     }
   }
 }
