@@ -57,14 +57,20 @@ def check_model(model: str, *, folders: bool, what: str) -> None:
 
 def load_named(model: str, **kw: Any) -> CausalLM:
     """Load ``model`` as the commands take it: a name of :data:`NAMED_MODELS`, a ``.gguf``
-    file or a Hugging Face folder; ``kw`` as :func:`load_gguf` takes them."""
+    file or a Hugging Face folder; ``kw`` as :func:`load_gguf` takes them (``weights="native"``
+    is refused for a folder)."""
     named = NAMED_MODELS.get(model)
     if named == "smollm2":
         return smollm2(**kw)
     if named == "qwen2_5_coder_0_5b":
         return qwen2_5_coder_0_5b(**kw)
     p = Path(model)
-    return load_safetensors(p, **kw) if p.is_dir() else load_gguf(p, **kw)
+    if p.is_dir():
+        if kw.pop("weights", "expanded") != "expanded":
+            raise ValueError(f"{model!r} is a Hugging Face folder: weights='native' needs a quantized "
+                             ".gguf file")
+        return load_safetensors(p, **kw)
+    return load_gguf(p, **kw)
 
 SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,

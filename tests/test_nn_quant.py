@@ -104,3 +104,18 @@ def test_quant_linear_paths_agree(rows: int) -> None:
         out = api.full((rows, 11), np.nan, "float32").sync()
         got = ql(up(x).sync(), out).sync().to_host().sync()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_cli_weights_native(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    generate = importlib.import_module("deviceops.nn.generate")
+
+    path = tmp_path / "t.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(2), "Q8_0")
+    outs = []
+    for mode in ("native", "expanded"):
+        generate.main(["the then", "--model", str(path), "--device", "cpu", "--raw", "--weights", mode,
+                       "--max-new-tokens", "6"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
