@@ -119,3 +119,26 @@ def test_generate_cli_weights_native(tmp_path: Path, capsys: pytest.CaptureFixtu
                        "--max-new-tokens", "6"])
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].strip()
+
+
+def test_serve_engine_weights_native(tmp_path: Path) -> None:
+    """``serve --weights native``'s loader: the engine's model keeps its matrices quantized and
+    generates what the expanded one does; the core spec carries the choice."""
+    import asyncio
+
+    from deviceops.nn.serving import cli
+    from deviceops.nn.serving.core import CoreSpec
+
+    path = tmp_path / "t.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(4), "Q4_1")
+    got = []
+    for mode in ("native", "expanded"):
+        engine = cli.load_engine(str(path), device="cpu", max_batch=2, max_seq=64, weights=mode)
+        try:
+            assert engine.model.weights.quantized == (mode == "native")
+            got.append(asyncio.run(engine.generate([5, 6, 7], max_new_tokens=6)))
+        finally:
+            engine.close()
+    assert got[0] == got[1]
+    spec = CoreSpec(str(path), weights="native")
+    assert CoreSpec.from_json(spec.to_json()).weights == "native"
