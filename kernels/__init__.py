@@ -11,6 +11,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv``        |
 | ``sampling``    | ``sample``, ``penalize``, ``mask_logits``, ``logprobs``            |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
+| ``quant``       | ``qmatmul``, ``dequantize`` (weights in GGUF block formats)         |
 | ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
 
 Every family has the same parts, under the same names (where the part exists):

@@ -33,7 +33,7 @@ from deviceops import _env
 
 from . import models, weight_cache
 from .models import LlamaConfig
-from .quantized import NATIVE_FORMATS, QuantArray, check_weights_mode
+from .models.quantized import NATIVE_FORMATS, QuantArray, check_weights_mode
 
 __all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
            "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors", "smollm2_path"]
@@ -49,7 +49,7 @@ class Checkpoint:
     Attributes:
         config: the hyper-parameters.
         weights: float arrays by Hugging Face name (``weights="native"``: quantized matrices as
-            :class:`~deviceops.nn.quantized.QuantArray`); ``lm_head.weight`` absent when tied.
+            :class:`~deviceops.nn.models.quantized.QuantArray`); ``lm_head.weight`` absent when tied.
         tokenizer_meta: GGUF ``tokenizer.*`` metadata (GGUF files), else empty.
         tokenizer_file: path of ``tokenizer.json`` (safetensors folders), else ``None``.
         chat_template: the jinja2 chat template, if the checkpoint has one.
@@ -120,8 +120,8 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
             tensor dequantized to float32, then cast).
         weights: ``"expanded"`` (the default: every tensor dequantized to ``dtype``) or
             ``"native"``: matrices of a format the quant kernels run
-            (:data:`~deviceops.nn.quantized.NATIVE_FORMATS`) are kept as their GGUF blocks
-            (:class:`~deviceops.nn.quantized.QuantArray`, read from the memory-mapped file:
+            (:data:`~deviceops.nn.models.quantized.NATIVE_FORMATS`) are kept as their GGUF blocks
+            (:class:`~deviceops.nn.models.quantized.QuantArray`, read from the memory-mapped file:
             no conversion, no weight cache); the rest as with ``"expanded"``.
 
     Raises:

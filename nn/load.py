@@ -23,7 +23,7 @@ from .checkpoint import (
 )
 from .model import CausalLM, model_dtype, resolve_device
 from .models import LlamaConfig
-from .quantized import check_weights_mode
+from .models.quantized import check_weights_mode
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
 __all__ = ["NAMED_MODELS", "check_model", "load_gguf", "load_named", "load_safetensors",

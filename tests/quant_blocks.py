@@ -1,4 +1,4 @@
-"""The quant tests' formats and fresh random blocks (:mod:`deviceops.kernels.quant._random`)."""
+"""The quant tests' formats and fresh random blocks (:mod:`deviceops.kernels.quant._reference`)."""
 
 from __future__ import annotations
 

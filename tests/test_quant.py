@@ -11,7 +11,7 @@ import pytest
 import deviceops
 from deviceops import DTypeError, ShapeError, api, kernels
 from deviceops.kernels import quant
-from deviceops.kernels.quant._dequant_np import dequantize_blocks
+from deviceops.kernels.quant._cpu import dequantize_blocks
 from deviceops.kernels.runtime._cpu import use_reference
 
 from .quant_blocks import ALL_FORMATS, random_blocks, random_packed

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from deviceops.kernels import quant
-from deviceops.kernels.quant._dequant_np import dequantize_blocks
+from deviceops.kernels.quant._cpu import dequantize_blocks
 
 from .quant_blocks import ALL_FORMATS, random_blocks
 

@@ -3,13 +3,12 @@
 | part             | module               | what                                                          |
 |------------------|----------------------|---------------------------------------------------------------|
 | op               | :mod:`.op`           | ``qmatmul``, ``dequantize``: signatures, checks, KernelSpecs   |
-| formats          | :mod:`._formats`     | Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; the packed device layout (``pack``) |
+| plan             | :mod:`._plan`        | formats Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; the packed device layout (``pack``); row tiles |
 | checks           | :mod:`._check`       | formats, packed shapes, dtypes, outputs                       |
 | CUDA launcher    | :mod:`._cuda`        | ``quant_gemv.cu`` loading and launches                        |
-| reference        | :mod:`._reference`   | float64: ``gguf.quants.dequantize``, then float64 math        |
-| cpu path         | :mod:`._cpu`, :mod:`._dequant_np` | NumPy dequantization per block (cached), float32 BLAS |
-| test data        | :mod:`._random`      | fresh random blocks of every format (tests, benchmarks)       |
-| sources          | ``quant_gemv.cu``    | per-unit dequantization, GEMV (M <= 32 a launch), dequantize rows |
+| reference        | :mod:`._reference`   | float64: ``gguf.quants.dequantize``, then float64 math; random blocks (tests, benchmarks) |
+| cpu path         | :mod:`._cpu`         | NumPy dequantization per block (cached), float32 BLAS          |
+| sources          | ``quant_formats.cuh``, ``quant_gemv.cu`` | per-unit dequantization; GEMV (M <= 32 a launch), dequantize rows |
 
 Semantics (every backend)::
 
@@ -29,9 +28,8 @@ is correct but streams the weight once per 32 rows.
 
 from __future__ import annotations
 
-from ._formats import FORMATS, QuantFormat, get_format, pack, packed_words, row_bytes, unpack
-from ._random import random_blocks, random_packed
-from ._reference import dequantize_reference, qmatmul_reference
+from ._plan import FORMATS, QuantFormat, get_format, pack, packed_words, row_bytes, unpack
+from ._reference import dequantize_reference, qmatmul_reference, random_blocks, random_packed
 from .op import dequantize, qmatmul
 
 __all__ = ["FORMATS", "QuantFormat", "dequantize", "dequantize_reference", "get_format", "pack",

@@ -19,7 +19,7 @@ from deviceops.extend import (
     int64,
 )
 
-from ._formats import QuantFormat, packed_words, row_bytes
+from ._plan import QuantFormat, packed_words, row_bytes
 
 __all__ = ["check_dequantize", "check_qmatmul", "check_weight"]
 
@@ -27,7 +27,7 @@ _FLOATS = (float32, float16, bfloat16)
 
 
 def check_weight(op: str, w: Tensor, f: QuantFormat, k: int) -> int:
-    """Check a packed weight of ``K = k`` columns (:mod:`._formats`); return its ``N``."""
+    """Check a packed weight of ``K = k`` columns (:mod:`._plan`); return its ``N``."""
     if w.dtype != int32:
         raise DTypeError(f"{op}: the quantized weight has dtype {w.dtype}; it must be the int32 packed "
                          f"layout of deviceops.kernels.quant.pack (GGUF {f.name} blocks)", op=op)

@@ -7,7 +7,7 @@ cached arguments; recorded and replayed with the op's plan) on the stream handed
 here allocates or synchronizes (graph-capture safe).
 
 ``qmatmul``: one warp per weight row, ``QG_WARPS = 4`` rows a block (grid ``(ceil(N / 4),
-ceil(M / MR))``), ``MR`` the smallest of :data:`ROW_TILES` holding ``M`` (at most 32: more
+ceil(M / MR))``), ``MR`` the smallest of :data:`._plan.ROW_TILES` holding ``M`` (at most 32: more
 rows run as ``ceil(M / 32)`` row tiles, each streaming the weight).
 """
 
@@ -23,25 +23,18 @@ from deviceops.extend import bfloat16, float16, float32
 
 from ..runtime._driver import Launcher
 from ..runtime._module import expanded_source, load_module
-from ._formats import QuantFormat
+from ._plan import ROW_TILES, QuantFormat, row_tile
 
-__all__ = ["ROW_TILES", "dequantize_cuda", "qmatmul_cuda", "row_tile"]
+__all__ = ["dequantize_cuda", "qmatmul_cuda"]
 
 _SOURCE = "quant/quant_gemv.cu"
 _WARPS = 4
-#: the activation row counts the GEMV kernel is compiled for
-ROW_TILES = (1, 2, 4, 8, 16, 32)
 _CTYPE = {float32: "float", float16: "f16", bfloat16: "bf16"}
 _QF = {"Q4_0": "QF_Q4_0", "Q4_1": "QF_Q4_1", "Q5_0": "QF_Q5_0", "Q8_0": "QF_Q8_0", "Q4_K": "QF_Q4_K",
        "Q6_K": "QF_Q6_K"}
 
 _lock = threading.Lock()
 _launchers: dict[tuple[int, str, str, str], Launcher] = {}
-
-
-def row_tile(m: int) -> int:
-    """The compiled row count used for ``m`` activation rows."""
-    return next((t for t in ROW_TILES if t >= m), ROW_TILES[-1])
 
 
 def _names(f: QuantFormat, ct: str) -> tuple[str, ...]:

@@ -6,7 +6,7 @@
 | ``dequantize(w, ids=None, out=None, *, fmt, k, dtype)``         | ``dequant(w)`` ``(N, K)``, or its rows ``ids``   |
 
 ``w`` is a quantized ``(N, K)`` weight in its GGUF block format, packed as
-:mod:`._formats` describes (int32 ``(N, W)``: each row's block bytes padded to 16 bytes).
+:mod:`._plan` describes (int32 ``(N, W)``: each row's block bytes padded to 16 bytes).
 The ``cpu`` backend dequantizes with NumPy (float32 copies cached, :mod:`._cpu`) and multiplies
 with BLAS; the reference mode runs the float64 references of :mod:`._reference`; CUDA runs
 ``quant_gemv.cu`` (:mod:`._cuda`).
@@ -27,10 +27,9 @@ from ..runtime._cpu import reference_mode
 from ..runtime._op import KernelOp
 from ..runtime._spec import KernelSpec
 from ._check import check_dequantize, check_qmatmul
-from ._cpu import dequant_cache, dequantize_cpu, qmatmul_cpu
+from ._cpu import dequant_cache, dequantize_blocks, dequantize_cpu, qmatmul_cpu
 from ._cuda import dequantize_cuda, qmatmul_cuda
-from ._dequant_np import dequantize_blocks
-from ._formats import get_format, unpack
+from ._plan import get_format, unpack
 from ._reference import dequantize_reference, qmatmul_reference
 
 __all__ = ["dequantize", "qmatmul"]

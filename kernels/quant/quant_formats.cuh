@@ -1,5 +1,5 @@
-// GGUF block formats dequantized in registers (kernels/quant/_formats.py gives the layouts;
-// kernels/quant/_dequant_np.py is the same arithmetic in NumPy). Included by quant_gemv.cu;
+// GGUF block formats dequantized in registers (kernels/quant/_plan.py gives the layouts;
+// dequantize_blocks in kernels/quant/_cpu.py is the same arithmetic in NumPy). Included by quant_gemv.cu;
 // tests/test_quant_host.py compiles this header for the host (QUANT_HOST defined, with shims
 // for __ldg and uint4) and checks every format against NumPy, so it uses no other CUDA.
 //

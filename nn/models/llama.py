@@ -43,8 +43,8 @@ from ..layers import (
     RotaryAttention,
     SwiGLU,
 )
-from ..quantized import QuantArray
 from .base import Architecture, LayerIO, Thunk, Upload, Weights
+from .quantized import QuantArray
 
 __all__ = ["Llama", "LlamaConfig", "LlamaLayer", "unpermute_qk"]
 
@@ -221,7 +221,7 @@ class LlamaConfig:
 
 def unpermute_qk(w: Any, n_head: int) -> Any:
     """Undo llama.cpp's q/k row permutation: back to Hugging Face's rotate-half order (a
-    float array, or a :class:`~deviceops.nn.quantized.QuantArray`: its rows of blocks moved)."""
+    float array, or a :class:`~deviceops.nn.models.quantized.QuantArray`: its rows of blocks moved)."""
     rows, cols = w.shape
     if rows % (2 * n_head):
         raise ValueError(f"load_gguf: q/k weight of {rows} rows cannot hold {n_head} heads of "
@@ -328,7 +328,7 @@ class Llama(Architecture):
         trans_b=True)``), each with its bias when :meth:`weight_shapes` lists one; the LM
         head shares the embedding table with ``tie_word_embeddings``.
 
-        Quantized matrices (:class:`~deviceops.nn.quantized.QuantArray`, ``weights="native"``)
+        Quantized matrices (:class:`~deviceops.nn.models.quantized.QuantArray`, ``weights="native"``)
         become :class:`~deviceops.nn.layers.QuantLinear` s (a fused group whose parts differ
         in format keeps one part per format run: Qwen2.5's Q5_0 q/k and Q8_0 v) and a
         :class:`~deviceops.nn.layers.QuantEmbedding` (the tied LM head reads the same packed

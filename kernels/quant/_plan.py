@@ -1,4 +1,5 @@
-"""The GGUF block formats the quant family runs, and the device layout of a quantized weight.
+"""The quant family's host planning: the GGUF block formats it runs, the device layout of a
+quantized weight (:func:`pack`), and the GEMV's row tiles (:func:`row_tile`).
 
 | format | block (elements) | block bytes | bits/weight | block layout (ggml, little-endian)                       |
 |--------|------------------|-------------|-------------|----------------------------------------------------------|
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FORMATS", "QuantFormat", "get_format", "pack", "packed_words", "row_bytes", "unpack"]
+__all__ = ["FORMATS", "ROW_TILES", "QuantFormat", "get_format", "pack", "packed_words", "row_bytes", "row_tile",
+           "unpack"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class QuantFormat:
         name: the ggml name (``"Q4_K"``).
         block: elements per block (32, or 256 for the K-quants).
         nbytes: bytes per block.
-        code: the format's number in the CUDA source (``QF_*`` in ``quant_gemv.cu``).
+        code: the format's number in the CUDA source (``QF_*`` in ``quant_formats.cuh``).
     """
 
     name: str
@@ -116,3 +118,12 @@ def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
     f = get_format(fmt, "quant.unpack")
     p = np.ascontiguousarray(packed)
     return p.view(np.uint8)[:, :row_bytes(f, k)]
+
+
+#: the activation row counts the CUDA GEMV is compiled for (one launch takes up to 32 rows)
+ROW_TILES = (1, 2, 4, 8, 16, 32)
+
+
+def row_tile(m: int) -> int:
+    """The compiled row count used for ``m`` activation rows (more than 32: tiles of 32)."""
+    return next((t for t in ROW_TILES if t >= m), ROW_TILES[-1])

@@ -5,7 +5,7 @@ Q6_K: :data:`deviceops.kernels.quant.FORMATS`) is read as a :class:`QuantArray` 
 bytes, no expansion) instead of a float array; the architecture's ``bind`` uploads it in the
 kernels' packed layout (:func:`deviceops.kernels.quant.pack`: int32 rows padded to 16 bytes)
 and builds :class:`~deviceops.nn.layers.QuantLinear` / :class:`~deviceops.nn.layers.QuantEmbedding`
-modules on it. Other tensors (norms, biases, F16/F32 matrices, formats without a kernel) are
+modules on it. (It lives with the architectures, which bind it; the loader above them makes it.) Other tensors (norms, biases, F16/F32 matrices, formats without a kernel) are
 dequantized as with the default ``weights="expanded"``.
 """
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deviceops.kernels.quant import FORMATS, get_format, pack
+from deviceops.kernels import quant
 
 __all__ = ["NATIVE_FORMATS", "QuantArray", "WEIGHT_MODES", "check_weights_mode"]
 
 #: GGUF tensor types kept as they are with ``weights="native"``
-NATIVE_FORMATS = tuple(FORMATS)
+NATIVE_FORMATS = tuple(quant.FORMATS)
 #: what ``weights=`` may say: ``"expanded"`` (every tensor dequantized to the model's dtype,
 #: the default) or ``"native"`` (quantized matrices kept in their block format)
 WEIGHT_MODES = ("expanded", "native")
@@ -49,7 +49,7 @@ class QuantArray:
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
-        f = get_format(self.fmt, "QuantArray")
+        f = quant.get_format(self.fmt, "QuantArray")
         n, k = self.shape
         if self.blocks.dtype != np.uint8 or self.blocks.shape != (n, k // f.block * f.nbytes) or k % f.block:
             raise ValueError(f"QuantArray: {self.fmt} blocks {self.blocks.dtype} {self.blocks.shape} do not "
@@ -67,7 +67,7 @@ class QuantArray:
 
     def packed(self) -> np.ndarray:
         """The int32 device layout (:func:`deviceops.kernels.quant.pack`)."""
-        return pack(self.blocks, self.fmt)
+        return quant.pack(self.blocks, self.fmt)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``(N, K)`` (``gguf.quants.dequantize``)."""
