@@ -11,6 +11,7 @@ Families, one folder each (the public launchers are re-exported here):
 | ``transformer`` | ``rope``, ``rope_kv_write``, ``merge_heads``, ``split_qkv``, ``qk_rms_norm`` |
 | ``sampling``    | ``sample``, ``penalize``, ``mask_logits``, ``logprobs``            |
 | ``lookup``      | ``embedding``, ``argmax``                                          |
+| ``quant``       | ``qmatmul``, ``dequantize`` (weights in GGUF block formats)         |
 | ``fused``       | ``FusedDecodeModel`` (a Llama-family decode step in one kernel)    |
 
 Every family has the same parts, under the same names (where the part exists):
@@ -46,6 +47,7 @@ from .fused.op import FusedDecodeModel, FusedLayer
 from .gemm.op import gemm, matmul
 from .lookup.op import argmax, embedding
 from .norms.op import add_rms_norm, layer_norm, rms_norm
+from .quant.op import dequantize, qmatmul
 from .runtime._op import KernelOp
 from .runtime._workspace import reserve_workspace
 from .sampling.op import logprobs, mask_logits, penalize, sample
@@ -58,6 +60,7 @@ __all__ = [
     "add",
     "add_rms_norm",
     "argmax",
+    "dequantize",
     "embedding",
     "flash_attention",
     "geglu",
@@ -69,6 +72,7 @@ __all__ = [
     "matmul",
     "merge_heads",
     "mul",
+    "qmatmul",
     "penalize",
     "qk_rms_norm",
     "reserve_workspace",

@@ -33,6 +33,7 @@ from deviceops import _env
 
 from . import models, weight_cache
 from .models import LlamaConfig
+from .models.quantized import NATIVE_FORMATS, QuantArray, check_weights_mode
 
 __all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
            "gemma3_270m_path", "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors",
@@ -48,7 +49,8 @@ class Checkpoint:
 
     Attributes:
         config: the hyper-parameters.
-        weights: float32 arrays by Hugging Face name; ``lm_head.weight`` absent when tied.
+        weights: float arrays by Hugging Face name (``weights="native"``: quantized matrices as
+            :class:`~deviceops.nn.models.quantized.QuantArray`); ``lm_head.weight`` absent when tied.
         tokenizer_meta: GGUF ``tokenizer.*`` metadata and ``general.architecture`` (GGUF
             files), else empty.
         tokenizer_file: path of ``tokenizer.json`` (safetensors folders), else ``None``.
@@ -57,7 +59,7 @@ class Checkpoint:
     """
 
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: dict[str, Any]
     tokenizer_meta: dict[str, Any] = field(default_factory=dict)
     tokenizer_file: Path | None = None
     chat_template: str | None = None
@@ -70,7 +72,7 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return models.get(cfg.architecture).weight_shapes(cfg)
 
 
-def check_weights(cfg: LlamaConfig, weights: Mapping[str, np.ndarray], source: str, op: str) -> None:
+def check_weights(cfg: LlamaConfig, weights: Mapping[str, Any], source: str, op: str) -> None:
     """Raise ``ValueError`` naming every missing weight or mismatched shape."""
     want = expected_shapes(cfg)
     missing = [k for k in want if k not in weights]
@@ -105,7 +107,7 @@ def _progress(total: int | None, desc: str, enabled: bool) -> Any:
 
 
 def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
-              dtype: str = "float32") -> Checkpoint:
+              dtype: str = "float32", weights: str = "expanded") -> Checkpoint:
     """Read and dequantize a GGUF file into a :class:`Checkpoint` (weights in ``dtype``).
 
     The converted weights are cached on disk (:mod:`.weight_cache`,
@@ -118,6 +120,11 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
             "caching NAME"; or "loading NAME from cache"); ``None``: for files over 20 MB.
         dtype: the weights' dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (each
             tensor dequantized to float32, then cast).
+        weights: ``"expanded"`` (the default: every tensor dequantized to ``dtype``) or
+            ``"native"``: matrices of a format the quant kernels run
+            (:data:`~deviceops.nn.models.quantized.NATIVE_FORMATS`) are kept as their GGUF blocks
+            (:class:`~deviceops.nn.models.quantized.QuantArray`, read from the memory-mapped file:
+            no conversion, no weight cache); the rest as with ``"expanded"``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -129,28 +136,32 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
         raise FileNotFoundError(f"load_gguf: no such file: {str(p)!r}")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"load_gguf: dtype {dtype!r} is not one of float32, float16, bfloat16")
+    check_weights_mode(weights, "load_gguf")
     show = progress if progress is not None else p.stat().st_size > 20_000_000
+    if weights == "native":
+        meta, tensor_names, arch, ws = _convert_gguf(p, dtype, show, native=True)
+        return _checkpoint(p, arch, meta, tensor_names, ws)
     root = weight_cache.cache_root()
     if root is not None:
         entry = weight_cache.load_entry(root, p, dtype, _conversion_version)
         if entry is not None:
             arch = models.get(entry.architecture, what="load_gguf")
-            weights = {}
+            cached: dict[str, Any] = {}
             with _progress(len(entry.weights), f"loading {p.name} from cache", show) as bar:
                 for name, a in entry.weights.items():
-                    weights[name] = a
+                    cached[name] = a
                     bar.update(1)
-            return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), weights)
-    meta, tensor_names, arch, weights = _convert_gguf(p, dtype, show)
-    ck = _checkpoint(p, arch, meta, tensor_names, weights)
+            return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), cached)
+    meta, tensor_names, arch, conv = _convert_gguf(p, dtype, show)
+    ck = _checkpoint(p, arch, meta, tensor_names, conv)
     if root is not None:
         try:
-            with _progress(len(weights), f"caching {p.name}", show) as bar:
+            with _progress(len(conv), f"caching {p.name}", show) as bar:
                 weight_cache.store_entry(root, p, dtype, meta=meta,
                                          tensor_names=sorted(tensor_names),
                                          architecture=arch.name,
                                          conversion_version=arch.conversion_version,
-                                         weights=weights, on_tensor=lambda: bar.update(1))
+                                         weights=conv, on_tensor=lambda: bar.update(1))
         except OSError as exc:
             raise OSError(f"load_gguf: cannot write the converted weights of {p.name} to the "
                           f"weight cache {str(root)!r} ({exc}); free space there, point "
@@ -167,7 +178,7 @@ def _conversion_version(architecture: str) -> int | None:
 
 
 def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str],
-                weights: dict[str, np.ndarray]) -> Checkpoint:
+                weights: dict[str, Any]) -> Checkpoint:
     tok_meta: dict[str, Any] = {k: v for k, v in meta.items()
                                 if k.startswith("tokenizer.") or k == "general.architecture"}
     tokens = tok_meta.get("tokenizer.ggml.tokens")
@@ -178,9 +189,10 @@ def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str]
                       chat_template=tok_meta.get("tokenizer.chat_template"), source=str(p))
 
 
-def _convert_gguf(p: Path, dtype: str, show: bool
-                  ) -> tuple[dict[str, Any], set[str], Any, dict[str, np.ndarray]]:
-    """Parse ``p`` and convert its tensors: (metadata, tensor names, architecture, weights)."""
+def _convert_gguf(p: Path, dtype: str, show: bool, native: bool = False
+                  ) -> tuple[dict[str, Any], set[str], Any, dict[str, Any]]:
+    """Parse ``p`` and convert its tensors: (metadata, tensor names, architecture, weights);
+    ``native``: 2-D tensors of :data:`.quantized.NATIVE_FORMATS` kept as :class:`QuantArray`."""
     import gguf
 
     try:
@@ -195,7 +207,7 @@ def _convert_gguf(p: Path, dtype: str, show: bool
     cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
                                 tensors=tensor_names)
     target = weight_cache.np_dtype(dtype)
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Any] = {}
     with _progress(len(reader.tensors), f"converting {p.name}", show) as bar:
         for t in reader.tensors:
             hf = arch.hf_name(t.name)
@@ -207,6 +219,11 @@ def _convert_gguf(p: Path, dtype: str, show: bool
                 bar.update(1)
                 continue  # a tensor the architecture does not use (Llama: rope_freqs)
             shape = tuple(int(s) for s in reversed(t.shape))
+            if native and tname in NATIVE_FORMATS and len(shape) == 2:
+                blocks = np.asarray(t.data).reshape(shape[0], -1)
+                weights[hf] = arch.from_gguf(hf, QuantArray(tname, blocks, (shape[0], shape[1])), cfg)
+                bar.update(1)
+                continue
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             weights[hf] = np.ascontiguousarray(arch.from_gguf(hf, w, cfg), dtype=target)
             bar.update(1)

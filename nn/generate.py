@@ -62,7 +62,8 @@ def device_spec(text: str) -> str | int:
 def _load(args: argparse.Namespace) -> Any:
     from .load import load_named
 
-    return load_named(args.model, dtype=args.dtype, device=args.device, max_batch=1)
+    return load_named(args.model, dtype=args.dtype, device=args.device, max_batch=1,
+                      weights=args.weights)
 
 
 def use_chat(model: Any, args: argparse.Namespace) -> bool:
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2', 'qwen2.5-coder-0.5b', 'gemma3-270m', a .gguf file or a "
                         "Hugging Face folder")
+    p.add_argument("--weights", choices=["expanded", "native"], default="expanded",
+                   help="GGUF matrices dequantized to --dtype (expanded) or kept in their "
+                        "quantized block formats (native: fewer bytes, qmatmul kernels)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true",
                       help="continue the prompt as plain text (no chat template)")

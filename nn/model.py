@@ -38,7 +38,7 @@ import deviceops
 from deviceops import DeviceOp, Tensor, api
 
 from . import _args, models
-from .layers import Embedding, Linear, RMSNorm
+from .layers import Embedding, Linear, QuantEmbedding, QuantLinear, RMSNorm
 from .models import LlamaConfig
 from .runner import BlockAllocator, KVCache, KVCacheFull, Runner, buckets
 from .runner.forward import chain
@@ -161,6 +161,8 @@ class CausalLM(TextCodec):
         def upload(a: np.ndarray) -> Tensor:
             # weights already in the model's dtype (read_gguf(dtype=...)) are copied as they
             # are; others go through float32 (one rounding to the dtype, whatever they were)
+            if a.dtype == np.int32:  # a packed quantized weight (weights="native"): its bytes
+                return api.from_host(np.ascontiguousarray(a), "int32").sync_on(stream)
             host = a if str(a.dtype) == dtype else np.ascontiguousarray(a, dtype=np.float32)
             return api.from_host(host, dtype).sync_on(stream)
 
@@ -237,12 +239,12 @@ class CausalLM(TextCodec):
         self.runner.contiguous_first_chunk = bool(value)
 
     @property
-    def embed(self) -> Embedding:
+    def embed(self) -> Embedding | QuantEmbedding:
         """The token embedding."""
         return self.weights.embed
 
     @property
-    def lm_head(self) -> Linear:
+    def lm_head(self) -> Linear | QuantLinear:
         """The LM head (the embedding's table when tied)."""
         return self.weights.lm_head
 

@@ -82,13 +82,16 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch: str = "llama",
                ffn: int | None = None, bad_tensor: str | None = None, permute: bool = True,
-               pre: str = "smollm", bos: int = 1, template: str = TEMPLATE) -> dict[str, np.ndarray]:
+               pre: str = "smollm", bos: int = 1, template: str = TEMPLATE,
+               qtypes: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Write ``w`` as a GGUF file; 2-D weights stored as ``qtype``. Returns the weights the file
     holds, dequantized (what a correct loader must give).
 
     ``permute``: q/k rows in llama.cpp's Llama order (``False``: as given, as llama.cpp stores
     Qwen2's); ``pre``: ``tokenizer.ggml.pre``; ``bos``: the BOS (and padding) id; ``template``:
-    the chat template. Biases (``...q_proj.bias``) are stored as ``blk.{i}.attn_q.bias``."""
+    the chat template. Biases (``...q_proj.bias``) are stored as ``blk.{i}.attn_q.bias``.
+    ``qtypes``: the type of some 2-D weights by GGUF name without the block prefix
+    (``{"attn_v.weight": "Q8_0", "token_embd.weight": "Q8_0"}``), others ``qtype``."""
     import gguf
 
     wr = gguf.GGUFWriter(str(path), arch)
@@ -114,7 +117,6 @@ def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch
     wr.add_add_bos_token(False)
     wr.add_chat_template(template)
     held: dict[str, np.ndarray] = {}
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, a in w.items():
         g = gguf_name(name)
         arr = a
@@ -126,7 +128,12 @@ def write_gguf(path: Path, w: dict[str, np.ndarray], qtype: str = "F32", *, arch
             wr.add_tensor(g, arr.astype(np.int32))
             held[name] = a
             continue
-        if a.ndim == 2 and qtype != "F32":
+        tq = (qtypes or {}).get(g.split(".", 2)[-1] if g.startswith("blk.") else g, qtype)
+        if a.ndim == 2 and tq != qtype:
+            qt = getattr(gguf.GGMLQuantizationType, tq)
+        else:
+            qt = getattr(gguf.GGMLQuantizationType, qtype)
+        if a.ndim == 2 and tq != "F32":
             data = gguf.quants.quantize(arr, qt)
             wr.add_tensor(g, data, raw_dtype=qt)
             deq = gguf.quants.dequantize(data, qt).reshape(arr.shape).astype(np.float32)

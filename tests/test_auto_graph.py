@@ -102,7 +102,7 @@ def test_sightings_and_graphs_are_bounded_and_kept_in_use_order(
 
 def test_a_dag_of_more_than_max_nodes_runs_eagerly(dev: deviceops.Device) -> None:
     xh, whs, _ = _data(k=1)
-    x, ws = _put(dev, xh, whs)
+    x, _ = _put(dev, xh, whs)
     w = api.from_host(np.eye(6, dtype=np.float32)).sync()
     with deviceops.using(Tenant("t", device=dev)):
         for n in (_auto._MAX_NODES, _auto._MAX_NODES + 1):
@@ -147,7 +147,7 @@ def test_a_launcher_that_may_not_be_recorded_is_never_captured(
         dev: deviceops.Device, monkeypatch: pytest.MonkeyPatch) -> None:
     from deviceops.kernels.gemm.op import _GEMM
 
-    xh, whs, want = _data()
+    xh, whs, _ = _data()
     x, ws = _put(dev, xh, whs)
     monkeypatch.setattr(_GEMM, "replay", False)
     with deviceops.using(Tenant("t", device=dev)):

@@ -28,6 +28,7 @@ SCRIPTS = {
     "overlap.py": {"policy", "n", "elapsed_ms", "over_T", "efficiency", "ideal_ms", "vs_ideal"},
     "norms.py": {"op", "shape", "dtype", "ours_us", "reference", "ref_us", "ratio"},
     "tenants.py": {"scenario", "lib", "mode", "small_jobs_s", "small_p50_ms", "small_p99_ms", "work_x"},
+    "quant_gemv.py": {"bench", "fmt", "M", "ours_us", "reference", "ref_us", "ratio"},
 }
 RECORD_KEYS = {"benchmark", "device", "env", "smoke", "config", "rows", "bars", "checks"}
 ENV_KEYS = {"date", "device", "device_name", "python", "numpy", "deviceops"}

@@ -37,7 +37,7 @@ import math
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -106,16 +106,19 @@ class WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, storage: Any, token: Any, array: np.ndarray) -> np.ndarray:
+    def get(self, storage: Any, token: Any, array: np.ndarray,
+            convert: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
         """The float32 copy of ``array`` (a view of ``storage`` last written at ``token``).
 
         ``token`` is the storage's write count (``Storage.ver``) when the reading task runs;
         ``False`` means "do not cache" (a copy is made and dropped), as does a ``storage`` of
-        ``None`` (gone).
+        ``None`` (gone). ``convert`` makes the copy (default: ``astype(float32)``; the quant
+        family's dequantization); one cache holds one kind of copy.
         """
+        conv = convert if convert is not None else (lambda a: a.astype(_F32))
         if (storage is None or token is False or self.limit <= 0
                 or array.nbytes * 2 > self.limit):
-            return array.astype(_F32)
+            return conv(array)
         key = (id(storage), array.__array_interface__["data"][0], array.shape, array.strides)
         with self._lock:
             got = self._entries.get(key)
@@ -124,7 +127,7 @@ class WeightCache:
                 self.hits += 1
                 return got[2]
             self.misses += 1
-        copy = array.astype(_F32)
+        copy = conv(array)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

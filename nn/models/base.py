@@ -35,7 +35,7 @@ import numpy as np
 
 from deviceops import DeviceOp, Tensor
 
-from ..layers import Embedding, Linear, RMSNorm
+from ..layers import Embedding, Linear, QuantEmbedding, QuantLinear, RMSNorm
 
 if TYPE_CHECKING:
     from .llama import LlamaConfig
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["Architecture", "LayerIO", "Thunk", "Upload", "Weights"]
 
 Thunk = Callable[[], DeviceOp[Any]]
-#: Uploads a float32 host array to the model's device in its dtype (synchronizing).
+#: Uploads a float32 host array to the model's device in its dtype (synchronizing); an int32
+#: array (a packed quantized weight) as it is.
 Upload = Callable[[np.ndarray], Tensor]
 
 
@@ -57,13 +58,18 @@ class Weights:
         norm: the final norm.
         layers: one architecture-defined record of modules per decoder layer.
         tensors: every device tensor uploaded for these weights, each once.
+        scratch: the float buffer quantized layers dequantize into for prefill
+            (:class:`~deviceops.nn.layers.QuantLinear`; not a weight: not in ``nbytes``).
+        quantized: some matrices are kept in GGUF block formats (``weights="native"``).
     """
 
-    embed: Embedding
-    lm_head: Linear
+    embed: Embedding | QuantEmbedding
+    lm_head: Linear | QuantLinear
     norm: RMSNorm
     layers: list[Any]
     tensors: list[Tensor] = field(default_factory=list)
+    scratch: Tensor | None = None
+    quantized: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -134,12 +140,12 @@ class Architecture:
         """The Hugging Face name of a GGUF tensor, or ``None`` for one the model does not use."""
         raise NotImplementedError
 
-    def from_gguf(self, hf_name: str, array: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+    def from_gguf(self, hf_name: str, array: Any, cfg: LlamaConfig) -> Any:
         """A dequantized GGUF tensor in the Hugging Face layout (default: as stored)."""
         return array
 
     # -- device -----------------------------------------------------------------------------
-    def bind(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray], upload: Upload) -> Weights:
+    def bind(self, cfg: LlamaConfig, weights: Mapping[str, Any], upload: Upload) -> Weights:
         """The device modules from float32 host arrays by Hugging Face name."""
         raise NotImplementedError
 

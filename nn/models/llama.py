@@ -33,8 +33,18 @@ import numpy as np
 
 from deviceops import Tensor
 
-from ..layers import Embedding, Linear, RMSNorm, RotaryAttention, SwiGLU
+from ..layers import (
+    Embedding,
+    Linear,
+    QuantEmbedding,
+    QuantLinear,
+    QuantPart,
+    RMSNorm,
+    RotaryAttention,
+    SwiGLU,
+)
 from .base import Architecture, LayerIO, Thunk, Upload, Weights
+from .quantized import QuantArray
 
 __all__ = ["Llama", "LlamaConfig", "LlamaLayer", "unpermute_qk"]
 
@@ -209,12 +219,16 @@ class LlamaConfig:
         )
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: back to Hugging Face's rotate-half order."""
+def unpermute_qk(w: Any, n_head: int) -> Any:
+    """Undo llama.cpp's q/k row permutation: back to Hugging Face's rotate-half order (a
+    float array, or a :class:`~deviceops.nn.models.quantized.QuantArray`: its rows of blocks moved)."""
     rows, cols = w.shape
     if rows % (2 * n_head):
         raise ValueError(f"load_gguf: q/k weight of {rows} rows cannot hold {n_head} heads of "
                          "an even head_dim")
+    if isinstance(w, QuantArray):
+        perm = np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
+        return w.rows(perm)
     return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2)
                                 .reshape(rows, cols))
 
@@ -300,7 +314,7 @@ class Llama(Architecture):
             return f"model.layers.{m.group(1)}.{self.gguf_blocks[m.group(2)]}.weight"
         return None  # e.g. rope_freqs: not needed (RoPE is computed)
 
-    def from_gguf(self, hf_name: str, array: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+    def from_gguf(self, hf_name: str, array: Any, cfg: LlamaConfig) -> Any:
         # llama.cpp stores q/k rows permuted for its RoPE kernel (pairs interleaved per head)
         if hf_name.endswith("self_attn.q_proj.weight"):
             return unpermute_qk(array, cfg.num_heads)
@@ -309,29 +323,78 @@ class Llama(Architecture):
         return array
 
     # -- device -----------------------------------------------------------------------------
-    def bind(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray], upload: Upload) -> Weights:
+    def bind(self, cfg: LlamaConfig, weights: Mapping[str, Any], upload: Upload) -> Weights:
         """Upload the weights: QKV and gate/up fused (``(N, K)``, used through ``gemm(...,
         trans_b=True)``), each with its bias when :meth:`weight_shapes` lists one; the LM
-        head shares the embedding table with ``tie_word_embeddings``."""
+        head shares the embedding table with ``tie_word_embeddings``.
+
+        Quantized matrices (:class:`~deviceops.nn.models.quantized.QuantArray`, ``weights="native"``)
+        become :class:`~deviceops.nn.layers.QuantLinear` s (a fused group whose parts differ
+        in format keeps one part per format run: Qwen2.5's Q5_0 q/k and Q8_0 v) and a
+        :class:`~deviceops.nn.layers.QuantEmbedding` (the tied LM head reads the same packed
+        table); a fused group mixing quantized and float parts is dequantized."""
         shapes = self.weight_shapes(cfg)
         tensors: list[Tensor] = []
+        quantized: list[QuantLinear] = []
 
         def up(a: np.ndarray) -> Tensor:
             t = upload(a)
             tensors.append(t)
             return t
 
-        def linear(*modules: str) -> Linear:
-            w = np.concatenate([weights[m + ".weight"] for m in modules], axis=0)
+        def dense(a: Any) -> np.ndarray:
+            return a.dequantize() if isinstance(a, QuantArray) else a
+
+        def linear(*modules: str) -> Linear | QuantLinear:
+            ws = [weights[m + ".weight"] for m in modules]
             biased = [m + ".bias" in shapes for m in modules]
             if any(biased) and not all(biased):
                 raise ValueError(f"{self.name}: fused {modules} have biases on some parts only")
-            b = np.concatenate([weights[m + ".bias"] for m in modules]) if all(biased) else None
+            bs = [weights[m + ".bias"] for m in modules] if all(biased) else None
+            if all(isinstance(w, QuantArray) for w in ws):
+                return quant_linear(ws, bs)
+            w = np.concatenate([dense(w) for w in ws], axis=0)
+            b = None if bs is None else np.concatenate(bs)
             return Linear(up(w), None if b is None else up(b))
 
+        def quant_linear(ws: list[Any], bs: list[np.ndarray] | None) -> QuantLinear:
+            # consecutive parts of one format are stacked into one packed weight
+            groups: list[list[int]] = []
+            for i, w in enumerate(ws):
+                if groups and ws[groups[-1][0]].fmt == w.fmt:
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+            parts, row0 = [], 0
+            for g in groups:
+                qa = QuantArray.concat([ws[i] for i in g])
+                pb = None if bs is None else up(np.concatenate([bs[i] for i in g]))
+                parts.append(QuantPart(up(qa.packed()), qa.fmt, pb, row0))
+                row0 += qa.shape[0]
+            fused_b = None
+            if bs is not None:
+                fused_b = parts[0].bias if len(parts) == 1 else up(np.concatenate(bs))
+            ql = QuantLinear(parts, ws[0].shape[1], fused_b)
+            quantized.append(ql)
+            return ql
+
         eps = cfg.rms_norm_eps
-        embed = Embedding(up(weights["model.embed_tokens.weight"]))
-        lm_head = Linear(embed.table) if cfg.tie_word_embeddings else linear("lm_head")
+        emb_w = weights["model.embed_tokens.weight"]
+        embed: Embedding | QuantEmbedding
+        lm_head: Linear | QuantLinear
+        if isinstance(emb_w, QuantArray):
+            table = up(emb_w.packed())
+            embed = QuantEmbedding(table, emb_w.fmt, emb_w.shape[1])
+            if cfg.tie_word_embeddings:
+                lm_head = QuantLinear([QuantPart(table, emb_w.fmt, None, 0)], emb_w.shape[1])
+        else:
+            embed = Embedding(up(emb_w))
+            if cfg.tie_word_embeddings:
+                lm_head = Linear(embed.table)
+        if not cfg.tie_word_embeddings:
+            lm_head = linear("lm_head")
+            if isinstance(lm_head, QuantLinear):  # (no prefill scratch for the LM head: see QuantLinear)
+                quantized.remove(lm_head)
         norm = RMSNorm(up(weights["model.norm.weight"]), eps)
         layers: list[Any] = []
         for i in range(cfg.num_layers):
@@ -344,7 +407,14 @@ class Llama(Architecture):
             layers.append(LlamaLayer(RMSNorm(up(weights[p + "input_layernorm.weight"]), eps), attn,
                                      RMSNorm(up(weights[p + "post_attention_layernorm.weight"]), eps),
                                      mlp))
-        return Weights(embed, lm_head, norm, layers, tensors)
+        scratch = None
+        if quantized:  # prefill's dequantized matrix (the LM head's excepted: see QuantLinear)
+            size = max(ql.out_features * ql.in_features for ql in quantized)
+            scratch = upload(np.zeros(size, np.float32))
+            for ql in quantized:
+                ql.scratch = scratch
+        return Weights(embed, lm_head, norm, layers, tensors, scratch=scratch,
+                       quantized=isinstance(embed, QuantEmbedding) or bool(quantized))
 
     # -- forward ----------------------------------------------------------------------------
     def layer_ops(self, layer: LlamaLayer, io: LayerIO) -> list[Thunk]:

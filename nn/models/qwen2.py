@@ -33,8 +33,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .llama import Llama, LlamaConfig
 
 __all__ = ["Qwen2"]
@@ -94,6 +92,6 @@ class Qwen2(Llama):
             return f"model.layers.{m.group(1)}.self_attn.{m.group(2)}_proj.bias"
         return super().hf_name(gguf_name)
 
-    def from_gguf(self, hf_name: str, array: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+    def from_gguf(self, hf_name: str, array: Any, cfg: LlamaConfig) -> Any:
         """As stored: llama.cpp keeps Qwen2's q/k rows in Hugging Face's order."""
         return array

@@ -20,6 +20,7 @@ import numpy as np
 from deviceops import _env
 from deviceops.kernels import FusedDecodeModel, FusedLayer
 
+from ..layers import Linear
 from ..models.llama import Llama
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ def fused_reason(r: Runner) -> str | None:
     arch = type(r.arch)
     if not issubclass(arch, Llama) or any(getattr(arch, n) is not getattr(Llama, n) for n in _SAME):
         return f"architecture {r.arch.name!r} has its own forward"
+    if r.weights.quantized:
+        return "its weights are kept quantized (weights='native'); the fused step reads fp16 weights"
     c = r.config
     return FusedDecodeModel.support(hidden=c.hidden_size, ffn=c.intermediate_size, vocab=c.vocab_size,
                                 n_heads=c.num_heads, n_kv_heads=c.num_kv_heads,
@@ -79,6 +82,7 @@ def make_fused(r: Runner) -> FusedDecodeModel | None:
             down=host(m.down.weight), norm1=host(ly.norm1.weight), norm2=host(ly.norm2.weight),
             qkv_bias=maybe(a.qkv.bias), o_bias=maybe(a.o.bias), gate_up_bias=maybe(m.gate_up.bias),
             down_bias=maybe(m.down.bias)))
+    assert isinstance(w.lm_head, Linear)  # (fused_reason refuses quantized weights)
     return FusedDecodeModel(
         r.stream, embed=w.embed.table, layers=layers, norm=host(w.norm.weight),
         head=host(w.lm_head.weight), n_heads=c.num_heads, n_kv_heads=c.num_kv_heads,

@@ -88,7 +88,7 @@ def _check_model(model: str) -> None:
 
 def _build_engine(model: str, *, device: str | int | None, dtype: str | None, max_batch: int,
                   max_seq: int, max_queue: int | None, prefill_chunk: int,
-                  fail_stop: bool, prefix_cache: bool = True) -> Engine:
+                  fail_stop: bool, prefix_cache: bool = True, weights: str = "expanded") -> Engine:
     import deviceops
     import deviceops.nn as nnx
 
@@ -96,7 +96,7 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
     dev = deviceops.device(device) if device is not None else deviceops.default_device()
     # the model's KV cache is sized for the engine (its defaults are small on cpu)
     kw: dict[str, Any] = {"dtype": dtype, "device": dev, "max_batch": max_batch,
-                          "max_seq": max_seq}
+                          "max_seq": max_seq, "weights": weights}
     named = NAMED_MODELS.get(model)
     lm = getattr(nnx, named)(**kw) if named else nnx.load_gguf(model, **kw)
     # every decode bucket's and prefill length's graph is captured now, not in a request's
@@ -107,16 +107,18 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
 
 def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtype: str | None = None,
                 max_batch: int = 32, max_seq: int = 2048, max_queue: int | None = None,
-                prefill_chunk: int = 512, prefix_cache: bool = True) -> Engine:
+                prefill_chunk: int = 512, prefix_cache: bool = True, weights: str = "expanded") -> Engine:
     """Load ``model`` (a name of :data:`NAMED_MODELS` or a ``.gguf`` path) and wrap it in an :class:`Engine`.
 
     ``dtype`` ``None``: the model's default (float16 on CUDA, float32 on the cpu backend).
+    ``weights``: ``"expanded"`` or ``"native"`` (quantized GGUF matrices kept as they are;
+    :func:`deviceops.nn.load_gguf`).
     The model's KV cache is allocated for ``max_batch`` rows of ``max_seq`` positions.
     ``prefix_cache``: the engine's prefix caching (``serve --no-prefix-cache``: off).
     """
     engine = _build_engine(model, device=device, dtype=dtype, max_batch=max_batch,
                            max_seq=max_seq, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                           fail_stop=False, prefix_cache=prefix_cache)
+                           fail_stop=False, prefix_cache=prefix_cache, weights=weights)
     gc.collect()
     gc.freeze()  # a full cyclic GC would otherwise walk the start-up heap mid-step
     return engine
@@ -124,7 +126,7 @@ def load_engine(model: str = "smollm2", *, device: str | int | None = None, dtyp
 
 def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str | None = None,
                  max_batch: int = 32, max_seq: int = 2048, max_queue: int | None = None,
-                 prefill_chunk: int = 512, prefix_cache: bool = True) -> Router:
+                 prefill_chunk: int = 512, prefix_cache: bool = True, weights: str = "expanded") -> Router:
     """Load ``model`` on each of ``devices`` (one after another) behind a :class:`Router`.
 
     Each device gets its own model copy and fail-stop :class:`Engine` (``max_batch``,
@@ -134,7 +136,7 @@ def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str |
     Args:
         model: a name of :data:`NAMED_MODELS` or a path to a ``.gguf`` file.
         devices: device names, e.g. from :func:`parse_devices` (``["cuda:0", "cuda:1"]``).
-        dtype, max_batch, max_seq, max_queue, prefill_chunk, prefix_cache: as
+        dtype, max_batch, max_seq, max_queue, prefill_chunk, prefix_cache, weights: as
             :func:`load_engine`.
 
     Raises:
@@ -150,7 +152,7 @@ def load_engines(model: str = "smollm2", *, devices: Sequence[str], dtype: str |
             engine = _build_engine(model, device=name, dtype=dtype, max_batch=max_batch,
                                    max_seq=max_seq, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, fail_stop=True,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache, weights=weights)
         except Exception as exc:  # this device is out; the others may serve
             log.exception("loading %s on %s failed", model, name)
             replicas.append(Replica(name, None, f"{type(exc).__name__}: {exc}"))
@@ -341,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "of routing (its requests get 503) and the others keep serving")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; None: float16 on CUDA, float32 on cpu")
+    p.add_argument("--weights", choices=["expanded", "native"], default="expanded",
+                   help="GGUF matrices dequantized to --dtype (expanded) or kept in their "
+                        "quantized block formats (native: fewer bytes; not with --ray)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="concurrent generations (KV slots), per engine")
     p.add_argument("--max-seq", type=int, default=2048, help="context per request")
@@ -434,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices = parse_devices(args.devices)
         except ValueError as exc:
             p.error(str(exc))  # exits with status 2 and the usage line
+    if args.ray is not None and args.weights != "expanded":
+        p.error("--weights native is not available with --ray (its replicas load expanded weights)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     device: str | int | None = None if args.device is None else (
         "cpu" if args.device == "cpu" else 0)
@@ -460,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         spec = CoreSpec(args.model, dtype=args.dtype, max_batch=args.max_batch,
                         max_seq=args.max_seq, max_queue=args.max_queue,
-                        prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache)
+                        prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                        weights=args.weights)
         where: list[str | None] = list(devices) if devices is not None else [
             None if device is None else ("cpu" if device == "cpu" else "cuda:0")]
         router = start_cores(spec, where, per_device=devices is not None,

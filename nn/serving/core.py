@@ -98,8 +98,9 @@ PARENT_CHECK_S = 0.5
 @dataclass(frozen=True)
 class CoreSpec:
     """What a core loads: the model (a name of ``serve``'s models or a ``.gguf`` path), the
-    device (``"cuda:1"``, ``"cpu:1"``; ``None``: the default device), and the engine's
-    limits and prefix caching, as ``python -m deviceops.nn.serve`` takes them."""
+    device (``"cuda:1"``, ``"cpu:1"``; ``None``: the default device), the engine's limits,
+    prefix caching and the weights' form (``"expanded"``/``"native"``), as ``python -m
+    deviceops.nn.serve`` takes them."""
 
     model: str = "smollm2"
     device: str | None = None
@@ -109,6 +110,7 @@ class CoreSpec:
     max_queue: int | None = None
     prefill_chunk: int = 512
     prefix_cache: bool = True
+    weights: str = "expanded"
 
     def to_json(self) -> str:
         """The spec as the ``--spec`` argument."""
@@ -401,7 +403,7 @@ def _build(spec: CoreSpec) -> Any:
     return _build_engine(spec.model, device=spec.device, dtype=spec.dtype,
                          max_batch=spec.max_batch, max_seq=spec.max_seq,
                          max_queue=spec.max_queue, prefill_chunk=spec.prefill_chunk,
-                         fail_stop=True, prefix_cache=spec.prefix_cache)
+                         fail_stop=True, prefix_cache=spec.prefix_cache, weights=spec.weights)
 
 
 def remove_ipc_endpoint(address: str) -> None:
