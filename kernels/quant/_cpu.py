@@ -24,9 +24,7 @@ from ._plan import QuantFormat, unpack
 
 __all__ = ["dequant_cache", "dequantize_blocks", "dequantize_cpu", "qmatmul_cpu"]
 
-_F32 = np.dtype(np.float32)
 _f32 = np.float32
-
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
