@@ -171,10 +171,14 @@ def test_architecture_with_its_own_forward_is_not_fused() -> None:
             return super().layer_ops(layer, io)
 
     cfg = nn.LlamaConfig(**CPU_CFG)
-    r = SimpleNamespace(arch=Own(), config=cfg, dtype="float16")
+    r = SimpleNamespace(arch=Own(), config=cfg, dtype="float16",
+                        weights=SimpleNamespace(quantized=False))
     assert "own forward" in str(fused_reason(r))  # type: ignore[arg-type]
     r.arch = Llama()
     assert fused_reason(r) is None  # type: ignore[arg-type]
+    r.weights.quantized = True
+    assert "kept quantized" in str(fused_reason(r))  # type: ignore[arg-type]
+    r.weights.quantized = False
     r.arch = SimpleNamespace(name="other")
     assert "own forward" in str(fused_reason(r))  # type: ignore[arg-type]
 
