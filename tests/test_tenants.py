@@ -10,6 +10,7 @@ gates and released by the test.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any
 
 import anyio
@@ -95,7 +96,7 @@ def test_gemm_on_a_yielding_stream_equals_the_persistent_grid() -> None:
 def test_priority_levels() -> None:
     assert priority_level(CPU, "high") == -5
     assert priority_level(CPU, "low") == 0
-    assert -5 < priority_level(CPU, "normal") < 0
+    assert priority_level(CPU, "normal") == -2  # half way, rounded toward the least urgent
     assert priority_level(CPU, -99) == -5 and priority_level(CPU, 3) == 0
     assert PRIORITIES == ("high", "normal", "low")
     with pytest.raises(ValueError, match="one of"):
@@ -159,13 +160,57 @@ def test_tenant_validation() -> None:
         Tenant("a", device=CPU, streams=0)
     with pytest.raises(SchedulingError, match="at least one stream"):
         Tenant("a", streams=())
-    with pytest.raises(SchedulingError, match="every stream must live on"):
+    with pytest.raises(SchedulingError, match="max_queued"):
+        Tenant("a", device=CPU, max_queued=True)  # type: ignore[arg-type]
+    with pytest.raises(SchedulingError, match="every stream must live on cpu$"):
         Tenant("a", streams=[CPU.new_stream(), deviceops.device("cpu:1").new_stream()])
+    assert Tenant("here").device is deviceops.default_device()
     with pytest.raises(ValueError, match="one of"):
         Tenant("a", device=CPU, priority="urgent")
     t = Tenant("named", device=CPU, priority="high", streams=2)
     assert t.priority == -5 and all(s.priority == -5 for s in t.streams) and len(t.streams) == 2
     assert t.device is CPU and "named" in repr(t)
+
+
+class _Ev:
+    """A stand-in completion event: done or not, or a query that fails (a device error)."""
+
+    def __init__(self, done: bool = False, fails: bool = False) -> None:
+        self.done, self.fails = done, fails
+
+    def query(self) -> bool:
+        if self.fails:
+            raise RuntimeError("the device reported a failure")
+        return self.done
+
+
+def test_backlog_waits_for_the_oldest_and_drops_completed_or_failed_events() -> None:
+    from deviceops.scheduling._tenants import _prune
+
+    t = Tenant("t", device=CPU, max_queued=2)
+    s = t.streams[0]
+    old, new = _Ev(), _Ev()
+    t.enqueued(s, old)  # type: ignore[arg-type]
+    assert t.backlog() is None
+    t.enqueued(s, new)  # type: ignore[arg-type]
+    assert t.backlog() is old and t.in_flight == 2
+    old.fails = True  # a failed op counts as complete: its future reports it
+    assert t.backlog() is None and t.in_flight == 1
+    evs: Any = deque([_Ev(True), _Ev(fails=True), _Ev(), _Ev(True), _Ev()])
+    _prune(evs)  # the done head and the failed one, then one done behind a lagging head
+    assert [e.done for e in evs] == [False, False]
+    evs = deque([_Ev(), _Ev(fails=True)])
+    _prune(evs)
+    assert len(evs) == 1 and not evs[0].fails
+
+
+def test_pool_balances_each_priority_over_the_devices() -> None:
+    c0, c1 = deviceops.device("cpu"), deviceops.device("cpu:1")
+    pool = TenantPool([c0, c1])
+    low = pool.tenant("bg", priority="low")
+    assert low.device is c0  # (all empty: the first listed)
+    assert pool.tenant("h1", priority="high").device is c1  # fewest tenants in all
+    assert pool.tenant("h2", priority="high").device is c0  # fewest of its priority first
 
 
 def test_tenant_runs_ops_on_its_own_streams(dev: deviceops.Device) -> None:
