@@ -173,9 +173,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
     dtype = model_dtype(dtype, dev)
     check_weights_mode(weights, "load_gguf")
     ck = read_gguf(path, progress=progress, dtype=dtype, weights=weights)
-    return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=dev,
-                  max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
-                  kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+    tokenizer = tokenizer_from_gguf(ck.tokenizer_meta, progress=progress)
+    return _model(ck, tokenizer, dtype=dtype, device=dev, max_batch=max_batch, max_seq=max_seq,
+                  prefill_chunk=prefill_chunk, kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 
 
 def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,

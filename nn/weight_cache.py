@@ -18,6 +18,9 @@ the result here; the next read of the same file for the same dtype maps the stor
   (a truncated or missing file, a bad index) is reported with one log line, removed and
   rebuilt. Writing an entry removes older entries of the same file and dtype (the file
   changed since).
+* ``tokenizers/`` in the same folder holds built Gemma SentencePiece tokenizers as
+  ``tokenizers`` JSON (:func:`deviceops.nn.tokenizer.sentencepiece_cache_file`), one file per
+  vocabulary and builder version, written atomically too.
 """
 
 from __future__ import annotations
