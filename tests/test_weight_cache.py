@@ -181,3 +181,30 @@ def test_unwritable_cache_says_what_to_do(tmp_path: Path, monkeypatch: pytest.Mo
     nn_tiny.write_gguf(path, nn_tiny.hf_weights(12), "F32")
     with pytest.raises(OSError, match="DEVICEOPS_WEIGHT_CACHE"):
         read_gguf(path, progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_maps_are_used_in_place_on_the_cpu_backend(
+        dtype: str, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a cache hit's read-only maps become the cpu tensors' memory (no copy) and the model
+    # computes what the converted (copied) weights compute: nothing writes into its weights
+    from deviceops import nn
+    from deviceops.nn import model as nn_model
+
+    monkeypatch.setattr(nn_model, "_ADOPT_BYTES", 0)  # every map, not only large ones
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(13, tied=False), "Q8_0")
+    kw: dict[str, object] = {"device": "cpu", "dtype": dtype, "progress": False, "max_seq": 64}
+    first = nn.load_gguf(path, **kw)  # converted, then stored
+    hit = nn.load_gguf(path, **kw)
+    # the embedding and the unfused matrices in place (fused QKV, gate/up and norms are new)
+    assert not hit.weights.embed.table.array.flags.writeable
+    assert sum(not t.array.flags.writeable for t in hit.weights.tensors) > 3
+    assert all(t.array.flags.writeable for t in first.weights.tensors)
+    ids = [1, 5, 9, 3, 7, 2]
+    assert hit.generate(ids, 6) == first.generate(ids, 6)
+    s = hit.device_stream
+    got = np.asarray(api.to_host(hit.logits(ids).sync_on(s)).sync_on(s), np.float32)
+    want = np.asarray(api.to_host(first.logits(ids).sync_on(first.device_stream))
+                      .sync_on(first.device_stream), np.float32)
+    np.testing.assert_array_equal(got, want)
