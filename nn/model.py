@@ -88,6 +88,11 @@ def model_dtype(dtype: Any, device: deviceops.Device) -> str:
     return name
 
 
+#: read-only memory-mapped weights of at least this many bytes are used in place on the cpu
+#: backend (``api.from_host(copy=False)``) rather than copied
+_ADOPT_BYTES = 64 << 20
+
+
 class CausalLM(TextCodec):
     """A causal language model on deviceops kernels (module docstring).
 
@@ -158,15 +163,25 @@ class CausalLM(TextCodec):
             self._init_chat_template(chat_template)
         stream = dev.new_stream()
 
+        def put(op: DeviceOp[Tensor]) -> Tensor:
+            # the cpu backend: enqueued without waiting for each (one synchronize after bind)
+            return op.async_on(stream) if dev.is_cpu else op.sync_on(stream)
+
         def upload(a: np.ndarray) -> Tensor:
             # weights already in the model's dtype (read_gguf(dtype=...)) are copied as they
             # are; others go through float32 (one rounding to the dtype, whatever they were)
             if a.dtype == np.int32:  # a packed quantized weight (weights="native"): its bytes
-                return api.from_host(np.ascontiguousarray(a), "int32").sync_on(stream)
+                return put(api.from_host(np.ascontiguousarray(a), "int32"))
             host = a if str(a.dtype) == dtype else np.ascontiguousarray(a, dtype=np.float32)
-            return api.from_host(host, dtype).sync_on(stream)
+            # a large read-only map of the weight cache (a file written once, never changed)
+            # is the cpu tensor's memory as it is: no copy (Gemma 3's 671 MB embedding);
+            # only large ones, as each map holds a file descriptor
+            keep = (isinstance(host, np.memmap) and not host.flags.writeable
+                    and host.nbytes >= _ADOPT_BYTES)
+            return put(api.from_host(host, dtype, copy=not keep))
 
         self.weights = arch.bind(config, weights, upload)
+        stream.synchronize()
         self.runner = Runner(arch, config, self.weights, device=dev, dtype=dtype, stream=stream,
                              max_batch=max_batch, max_seq=max_seq, prefill_chunk=prefill_chunk,
                              kv_block_size=kv_block_size, kv_blocks=kv_blocks)

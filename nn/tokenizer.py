@@ -7,7 +7,10 @@ text (``<|im_start|>``) and kept by ``decode``. No hand-written BPE: the ``token
 library does the merging. Pre-tokenizers: ``smollm`` (digits one by one, then GPT-2's
 byte-level split, as SmolLM2's own ``tokenizer.json``), ``gpt2`` / ``default``,
 ``llama-bpe`` (Llama 3's split) and ``qwen2`` (Llama 3's split with digits one at a time,
-after NFC normalisation, as Qwen2's ``tokenizer.json``).
+after NFC normalisation, as Qwen2's ``tokenizer.json``). A Gemma SentencePiece vocabulary
+(:func:`sentencepiece_from_gguf`) is built once and then kept on disk beside the converted
+weights (``DEVICEOPS_WEIGHT_CACHE``'s folder, ``tokenizers/``): its merges take seconds to
+derive, loading the saved tokenizer does not.
 
 :class:`ChatTemplate` renders a Hugging Face chat template with jinja2 the way
 ``transformers`` does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
@@ -21,13 +24,23 @@ replica.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERIC_TOOLS_PROMPT", "ChatTemplate", "TextCodec", "sentencepiece_from_gguf",
-           "sentencepiece_merges", "tokenizer_from_file", "tokenizer_from_gguf"]
+from . import weight_cache
+
+__all__ = ["GENERIC_TOOLS_PROMPT", "SENTENCEPIECE_BUILDER_VERSION", "ChatTemplate", "TextCodec",
+           "sentencepiece_cache_file", "sentencepiece_from_gguf", "sentencepiece_merges",
+           "tokenizer_from_file", "tokenizer_from_gguf"]
+
+log = logging.getLogger("deviceops.nn")
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -36,13 +49,16 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
-def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
+def tokenizer_from_gguf(meta: Mapping[str, Any], *, progress: bool | None = None) -> Any:
     """A ``tokenizers.Tokenizer`` from GGUF ``tokenizer.*`` metadata.
 
     Args:
         meta: the metadata (``tokenizer.ggml.model``, ``.tokens``, ``.merges``,
             ``.token_type``, ``.pre``; for a SentencePiece vocabulary ``general.architecture``
             too, see :func:`sentencepiece_from_gguf`).
+        progress: for a SentencePiece vocabulary, show the build (or the load of the cached
+            build) as a named tqdm bar on stderr; ``None``: for vocabularies of 32k tokens
+            or more.
 
     Raises:
         ValueError: a tokenizer model other than byte-level BPE (``gpt2``) or a Gemma
@@ -60,7 +76,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
 
     kind = str(meta.get("tokenizer.ggml.model", ""))
     if kind == "llama":
-        return sentencepiece_from_gguf(meta)
+        return sentencepiece_from_gguf(meta, progress=progress)
     if kind != "gpt2":
         raise ValueError(f"tokenizer: GGUF tokenizer model {kind!r} is not supported: deviceops.nn "
                          "builds byte-level BPE ('gpt2') and Gemma SentencePiece ('llama') "
@@ -103,29 +119,144 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     return tok
 
 
-def sentencepiece_merges(tokens: Sequence[str]) -> list[tuple[str, str]]:
+def sentencepiece_merges(tokens: Sequence[str], *,
+                         progress: Callable[[int], object] | None = None) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary whose merge order is its token
     order (Gemma's: earlier tokens merge first; the file's scores do not follow that order).
 
     Every split of a token into two tokens of the vocabulary is a merge, ranked by the
     merged token's position, then by the longer left piece (the order transformers'
     ``generate_merges`` gives, so the ids equal its Gemma GGUF tokenizer's). Built in that
-    order, so no sort is needed.
+    order, so no sort is needed. ``progress(n)`` is called after each chunk of ``n`` tokens
+    (a progress bar).
     """
     vocab = set(tokens)
     merges: list[tuple[str, str]] = []
     add = merges.append
-    for merged in dict.fromkeys(tokens):
-        for cut in range(len(merged) - 1, 0, -1):
-            left = merged[:cut]
-            if left in vocab:
-                right = merged[cut:]
-                if right in vocab:
-                    add((left, right))
+    unique = list(dict.fromkeys(tokens))
+    step = 16384
+    for start in range(0, len(unique), step):
+        chunk = unique[start:start + step]
+        for merged in chunk:
+            for cut in range(len(merged) - 1, 0, -1):
+                left = merged[:cut]
+                if left in vocab:
+                    right = merged[cut:]
+                    if right in vocab:
+                        add((left, right))
+        if progress is not None:
+            progress(len(chunk))
     return merges
 
 
-def sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Any:
+#: the version of :func:`sentencepiece_from_gguf`'s builder: bump it with any change to what
+#: it builds (merges, normalizer, added tokens ...), so tokenizers cached by an older builder
+#: are rebuilt
+SENTENCEPIECE_BUILDER_VERSION = 1
+#: vocabularies of at least this many tokens show their build as a progress bar by default
+_BIG_VOCAB = 32768
+
+
+def _sentencepiece_tokens(meta: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    """(architecture, raw tokens) of a Gemma SentencePiece vocabulary, checked."""
+    arch = str(meta.get("general.architecture", ""))
+    if not arch.startswith("gemma"):
+        raise ValueError(f"tokenizer: a SentencePiece ('llama') GGUF vocabulary is supported for "
+                         f"Gemma files only, not general.architecture {arch!r}; load the model "
+                         "with load_safetensors and its tokenizer.json")
+    raw = meta.get("tokenizer.ggml.tokens")
+    if not raw:
+        raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens")
+    return arch, list(raw)
+
+
+def sentencepiece_cache_file(meta: Mapping[str, Any]) -> Path | None:
+    """Where :func:`sentencepiece_from_gguf` keeps the tokenizer it builds from ``meta``:
+    ``<weight cache>/tokenizers/<architecture>-<vocabulary hash>-b<builder version>-t<tokenizers
+    version>.json`` (``None``: ``DEVICEOPS_WEIGHT_CACHE`` is off). The vocabulary hash
+    covers everything the builder reads (tokens, token types, unknown-token id), so a file
+    of the same name holds the same tokenizer; another builder or ``tokenizers`` version
+    names another file.
+
+    Raises:
+        ValueError: as :func:`sentencepiece_from_gguf` (not a Gemma vocabulary).
+    """
+    root = weight_cache.cache_root()
+    arch, raw = _sentencepiece_tokens(meta)
+    if root is None:
+        return None
+    import tokenizers
+
+    h = hashlib.sha256()
+    h.update(f"{arch}|{meta.get('tokenizer.ggml.unknown_token_id', 3)}|{len(raw)}|".encode())
+    h.update("\x00".join(map(str, raw)).encode("utf-8", "surrogatepass"))
+    h.update(b"|types|")
+    h.update(",".join(str(int(t)) for t in (meta.get("tokenizer.ggml.token_type") or [])).encode())
+    name = re.sub(r"[^A-Za-z0-9._]", "_", arch)[:40]
+    lib = re.sub(r"[^A-Za-z0-9.]", "_", tokenizers.__version__)
+    return (root / "tokenizers"
+            / f"{name}-{h.hexdigest()[:24]}-b{SENTENCEPIECE_BUILDER_VERSION}-t{lib}.json")
+
+
+def _bar(total: int | None, desc: str, show: bool) -> Any:
+    """A tqdm bar on stderr named ``desc`` (``total`` ``None``: one blocking step, shown as
+    its name only), cleared when done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="token", disable=not show, leave=False,
+                bar_format=None if total is not None else "{desc} ...")
+
+
+def _load_cached(path: Path, raw: Sequence[Any], unk_id: int, show: bool) -> Any:
+    """The tokenizer saved at ``path``, or ``None`` (no file; a damaged one is logged and
+    removed)."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        return None
+    try:
+        with _bar(None, "loading the tokenizer (cached)", show):
+            tok = Tokenizer.from_file(str(path))
+        n = tok.get_vocab_size(with_added_tokens=False)
+        if n != len(raw) or tok.id_to_token(unk_id) != str(raw[unk_id]):
+            raise ValueError(f"it holds {n} tokens and unknown token "
+                             f"{tok.id_to_token(unk_id)!r}, the file's vocabulary {len(raw)} and "
+                             f"{str(raw[unk_id])!r}")
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot read
+        log.warning("deviceops: the cached tokenizer %s is damaged (%s); building it again",
+                    path, exc)
+        path.unlink(missing_ok=True)
+        return None
+    return tok
+
+
+def _store_cached(path: Path, tok: Any) -> None:
+    """Save ``tok`` at ``path`` atomically (a temporary file beside it, then renamed, so
+    concurrent writers and readers see a whole file or none) and remove the files of other
+    builder or library versions of the same vocabulary. A folder that cannot be written
+    is logged: the tokenizer is built on every load then."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(tok.to_str())
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        log.warning("deviceops: cannot save the built tokenizer to %s (%s); it is built again "
+                    "on the next load", path, exc)
+        return
+    stem = path.name.rsplit("-b", 1)[0]  # <arch>-<vocabulary hash> (no glob characters)
+    for other in path.parent.glob(f"{stem}-b*.json"):
+        if other != path:
+            other.unlink(missing_ok=True)
+
+
+def sentencepiece_from_gguf(meta: Mapping[str, Any], *, progress: bool | None = None) -> Any:
     """A ``tokenizers.Tokenizer`` for a Gemma SentencePiece vocabulary in GGUF metadata
     (``tokenizer.ggml.model`` ``llama``; Gemma 2 and 3 files).
 
@@ -135,28 +266,51 @@ def sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Any:
     spaces stored as spaces respelled with ``▁``; control tokens are special added tokens
     and user-defined ones (``\n``, ``\n\n`` ...) plain added tokens, both matched whole.
 
+    Deriving the merges of a large vocabulary takes seconds (Gemma 3's 262,144 tokens: 3-6 s
+    on two cores), so the built tokenizer is saved as ``tokenizers`` JSON
+    (:func:`sentencepiece_cache_file`, under ``DEVICEOPS_WEIGHT_CACHE``'s folder) and the
+    next call with the same vocabulary loads it instead (about 2 s for Gemma 3). A file
+    that does not load, or holds another vocabulary size, is logged, removed and rebuilt.
+
+    Args:
+        meta: the GGUF metadata.
+        progress: show the build ("building the tokenizer (first load)") or the load of the
+            saved one as a tqdm bar on stderr; ``None``: for vocabularies of 32k tokens or more.
+
     Raises:
         ValueError: the file is not a Gemma one (another SentencePiece vocabulary's merge
             order is unknown here), or the metadata lacks the tokens.
     """
+    _arch, raw = _sentencepiece_tokens(meta)
+    show = progress if progress is not None else len(raw) >= _BIG_VOCAB
+    path = sentencepiece_cache_file(meta)
+    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    if path is not None and 0 <= unk_id < len(raw):
+        tok = _load_cached(path, raw, unk_id, show)
+        if tok is not None:
+            return tok
+    tok = _build_sentencepiece(meta, show)
+    if path is not None:
+        _store_cached(path, tok)
+    return tok
+
+
+def _build_sentencepiece(meta: Mapping[str, Any], show: bool) -> Any:
+    """Build :func:`sentencepiece_from_gguf`'s tokenizer (no cache)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    arch = str(meta.get("general.architecture", ""))
-    if not arch.startswith("gemma"):
-        raise ValueError(f"tokenizer: a SentencePiece ('llama') GGUF vocabulary is supported for "
-                         f"Gemma files only, not general.architecture {arch!r}; load the model "
-                         "with load_safetensors and its tokenizer.json")
-    raw = meta.get("tokenizer.ggml.tokens")
-    if not raw:
-        raise ValueError("tokenizer: the GGUF metadata lacks tokenizer.ggml.tokens")
+    _arch, raw = _sentencepiece_tokens(meta)
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in map(str, raw)]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("tokenizer: the GGUF vocabulary repeats a token; it is not a Gemma "
                          "SentencePiece vocabulary deviceops.nn can rebuild")
     unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens), fuse_unk=True,
-                               unk_token=tokens[unk_id], byte_fallback=True))
+    with _bar(len(tokens), "building the tokenizer (first load)", show) as bar:
+        merges = sentencepiece_merges(tokens, progress=bar.update)
+        bar.set_postfix_str("the BPE model")
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
+                                   unk_token=tokens[unk_id], byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous",
                                              invert=False)

@@ -18,6 +18,9 @@ the result here; the next read of the same file for the same dtype maps the stor
   (a truncated or missing file, a bad index) is reported with one log line, removed and
   rebuilt. Writing an entry removes older entries of the same file and dtype (the file
   changed since).
+* ``tokenizers/`` in the same folder holds built Gemma SentencePiece tokenizers as
+  ``tokenizers`` JSON (:func:`deviceops.nn.tokenizer.sentencepiece_cache_file`), one file per
+  vocabulary and builder version, written atomically too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +88,8 @@ class CacheEntry:
     tensor_names: list[str]
     architecture: str
     weights: dict[str, np.ndarray]
+    #: what the writer stored beside (``store_entry(extra=...)``; ``{}`` if nothing)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def np_dtype(name: str) -> Any:
@@ -117,7 +122,7 @@ def _read(d: Path, dtype: str, versions: Callable[[str], int | None]) -> CacheEn
         if versions(arch) != index["conversion_version"]:
             return None
         weights: dict[str, np.ndarray] = {}
-        want = np_dtype(dtype)
+        want: Any = np_dtype(dtype) if index["tensors"] else None
         for name, (fname, shape) in index["tensors"].items():
             try:
                 a = np.load(d / fname, mmap_mode="r", allow_pickle=False)
@@ -129,7 +134,8 @@ def _read(d: Path, dtype: str, versions: Callable[[str], int | None]) -> CacheEn
                 raise _Damaged(f"{fname} holds {a.dtype} {tuple(a.shape)}, the index says "
                                f"{dtype} {tuple(shape)}")
             weights[name] = a
-        return CacheEntry(dict(index["meta"]), list(index["tensor_names"]), arch, weights)
+        return CacheEntry(dict(index["meta"]), list(index["tensor_names"]), arch, weights,
+                          dict(index.get("extra") or {}))
     except (KeyError, TypeError, ValueError) as exc:
         raise _Damaged(f"index.json malformed ({exc!r})") from None
 
@@ -160,11 +166,13 @@ def load_entry(root: Path, path: Path, dtype: str,
 def store_entry(root: Path, path: Path, dtype: str, *, meta: Mapping[str, Any],
                 tensor_names: list[str], architecture: str, conversion_version: int,
                 weights: Mapping[str, np.ndarray],
-                on_tensor: Callable[[], object] | None = None) -> Path:
+                on_tensor: Callable[[], object] | None = None,
+                extra: Mapping[str, Any] | None = None) -> Path:
     """Write ``path``'s converted weights for ``dtype`` under ``root`` atomically (a
     temporary folder renamed into place) and remove older entries of the same source file
     and dtype. Returns the entry's folder. ``on_tensor`` is called after each tensor is
-    written (a progress bar).
+    written (a progress bar). ``extra``: a JSON object stored in the index
+    (:attr:`CacheEntry.extra`).
 
     Raises:
         OSError: the folder cannot be written (full disk, no permission).
@@ -185,7 +193,8 @@ def store_entry(root: Path, path: Path, dtype: str, *, meta: Mapping[str, Any],
                 on_tensor()
         index = {"format": FORMAT, "dtype": dtype, "source": str(path.resolve()),
                  "architecture": architecture, "conversion_version": conversion_version,
-                 "tensor_names": tensor_names, "tensors": files, "meta": dict(meta)}
+                 "tensor_names": tensor_names, "tensors": files, "meta": dict(meta),
+                 "extra": dict(extra or {})}
         (tmp / "index.json").write_text(json.dumps(index))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:

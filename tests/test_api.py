@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -183,3 +184,17 @@ def test_from_host_on_the_cpu_backend_is_a_private_snapshot() -> None:
     assert float(api.to_host(t).sync_on(s)[0, 0]) == 0.0
     with pytest.raises(deviceops.CaptureError):
         api.from_host(a, "float32").graph_on(s)
+
+
+def test_from_host_without_copy_uses_a_read_only_map_in_place(tmp_path: Any) -> None:
+    # copy=False on the cpu backend: a C-contiguous array of the tensor's dtype is the
+    # tensor's memory (a memory map stays a map); another dtype or layout is copied as usual
+    s = deviceops.device("cpu").new_stream()
+    np.save(tmp_path / "w.npy", np.arange(12, dtype=np.float32).reshape(3, 4))
+    m = np.load(tmp_path / "w.npy", mmap_mode="r")
+    t = api.from_host(m, "float32", copy=False).sync_on(s)
+    assert np.shares_memory(t.array, m) and type(t.array) is np.ndarray
+    np.testing.assert_array_equal(to_np(api.dup(t).sync_on(s)), np.arange(12).reshape(3, 4))
+    assert not np.shares_memory(api.from_host(m, "float16", copy=False).sync_on(s).array, m)
+    assert not np.shares_memory(api.from_host(m.T, "float32", copy=False).sync_on(s).array, m)
+    assert not np.shares_memory(api.from_host(m, "float32").sync_on(s).array, m)

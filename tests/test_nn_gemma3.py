@@ -135,7 +135,10 @@ def sp_vocab(size: int) -> tuple[list[str], list[int]]:
     return toks, types
 
 
-def write_gemma_gguf(path: Path, cfg: Gemma3Config, w: dict[str, np.ndarray]) -> None:
+def write_gemma_gguf(path: Path, cfg: Gemma3Config, w: dict[str, np.ndarray],
+                     qtypes: dict[str, str] | None = None) -> None:
+    """``qtypes``: the GGUF type of some matrices by GGUF name without the block prefix
+    (``{"attn_v.weight": "Q8_0", "token_embd.weight": "Q8_0"}``); the rest F32."""
     import gguf
 
     wr = gguf.GGUFWriter(str(path), "gemma3")
@@ -170,6 +173,11 @@ def write_gemma_gguf(path: Path, cfg: Gemma3Config, w: dict[str, np.ndarray]) ->
         else:
             parts = name.split(".")
             g = f"blk.{parts[2]}.{_GGUF_BLOCK['.'.join(parts[3:-1])]}.weight"
+        qt = (qtypes or {}).get(g.split(".", 2)[-1] if g.startswith("blk.") else g)
+        if qt is not None and a.ndim == 2:
+            t = getattr(gguf.GGMLQuantizationType, qt)
+            wr.add_tensor(g, gguf.quants.quantize(a, t), raw_dtype=t)
+            continue
         wr.add_tensor(g, a + np.float32(1.0) if name.endswith("norm.weight") else a)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -468,3 +476,53 @@ def test_missing_gemma3_packages_name_the_pip_install(monkeypatch: pytest.Monkey
         checkpoint.gemma3_270m_path()
     assert NAMED_MODELS["gemma3-270m"] == "gemma3_270m"
     check_model("gemma3-270m", folders=False, what="serve")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_every_named_model_takes_what_generate_passes(name: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # `generate --model NAME` calls load_named(..., weights=...): each named loader takes it
+    # (gemma3_270m did not: a TypeError instead of a model)
+    from deviceops.nn import load as nn_load
+
+    seen: dict[str, Any] = {}
+
+    def fake_load_gguf(path: Any, **kw: Any) -> str:
+        seen.update(kw, path=path)
+        return "model"
+
+    monkeypatch.setattr(nn_load, "load_gguf", fake_load_gguf)
+    for fn in ("smollm2_path", "qwen2_5_coder_path", "gemma3_270m_path"):
+        monkeypatch.setattr(nn_load, fn, lambda: Path("/nowhere/m.gguf"))
+    got = nn_load.load_named(name, dtype=None, device="cpu", max_batch=1, weights="native")
+    assert got == "model" and seen["weights"] == "native" and seen["max_batch"] == 1
+
+
+# -- weights="native" ----------------------------------------------------------------------------
+QCFG = dataclasses.replace(CFG, hidden_size=64, intermediate_size=96, num_layers=3,
+                           query_pre_attn_scalar=32.0)
+QTYPES = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q8_0",
+          "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_0",
+          "ffn_down.weight": "Q8_0", "token_embd.weight": "Q8_0"}
+
+
+def test_gemma3_native_weights_equal_expanded(tmp_path: Path) -> None:
+    from deviceops.nn.layers import QuantEmbedding, QuantLinear
+
+    path = tmp_path / "q-gemma3.gguf"
+    write_gemma_gguf(path, QCFG, gemma_weights(QCFG, 9), QTYPES)
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_batch": 2, "max_seq": 64,
+                          "prefill_chunk": 8, "progress": False}
+    native = nn.load_gguf(path, weights="native", **kw)
+    expanded = nn.load_gguf(path, **kw)
+    ws = native.weights
+    assert ws.quantized and isinstance(ws.embed, QuantEmbedding)
+    assert isinstance(ws.lm_head, QuantLinear) and ws.lm_head.parts[0].weight is ws.embed.table
+    qkv = ws.layers[0].attn.qkv
+    assert isinstance(qkv, QuantLinear) and [p.fmt for p in qkv.parts] == ["Q5_0", "Q8_0"]
+    assert isinstance(ws.layers[0].mlp.gate_up, QuantLinear)
+    assert native.weight_bytes < expanded.weight_bytes / 2
+    ids = IDS[:14]  # past the window (6), over two prompt chunks
+    ln, le = logits_of(native, ids), logits_of(expanded, ids)
+    np.testing.assert_allclose(ln, le, rtol=1e-4, atol=1e-4 * np.abs(le).max())
+    assert native.generate(ids, 10) == expanded.generate(ids, 10)

@@ -181,3 +181,75 @@ def test_unwritable_cache_says_what_to_do(tmp_path: Path, monkeypatch: pytest.Mo
     nn_tiny.write_gguf(path, nn_tiny.hf_weights(12), "F32")
     with pytest.raises(OSError, match="DEVICEOPS_WEIGHT_CACHE"):
         read_gguf(path, progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_maps_are_used_in_place_on_the_cpu_backend(
+        dtype: str, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a cache hit's read-only maps become the cpu tensors' memory (no copy) and the model
+    # computes what the converted (copied) weights compute: nothing writes into its weights
+    from deviceops import nn
+    from deviceops.nn import model as nn_model
+
+    monkeypatch.setattr(nn_model, "_ADOPT_BYTES", 0)  # every map, not only large ones
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(13, tied=False), "Q8_0")
+    kw: dict[str, object] = {"device": "cpu", "dtype": dtype, "progress": False, "max_seq": 64}
+    first = nn.load_gguf(path, **kw)  # converted, then stored
+    hit = nn.load_gguf(path, **kw)
+    # the embedding and the unfused matrices in place (fused QKV, gate/up and norms are new)
+    assert not hit.weights.embed.table.array.flags.writeable
+    assert sum(not t.array.flags.writeable for t in hit.weights.tensors) > 3
+    assert all(t.array.flags.writeable for t in first.weights.tensors)
+    ids = [1, 5, 9, 3, 7, 2]
+    assert hit.generate(ids, 6) == first.generate(ids, 6)
+    s = hit.device_stream
+    got = np.asarray(api.to_host(hit.logits(ids).sync_on(s)).sync_on(s), np.float32)
+    want = np.asarray(api.to_host(first.logits(ids).sync_on(first.device_stream))
+                      .sync_on(first.device_stream), np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_native_reads_keep_the_tensor_table(cache: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # weights="native": the entry holds the metadata and the tensor table only (dtype
+    # "native", no arrays); a second read maps the file's tensors without parsing it
+    from deviceops.nn.checkpoint import read_gguf
+    from deviceops.nn.models.quantized import QuantArray
+
+    path = tmp_path / "m.gguf"
+    nn_tiny.write_gguf(path, nn_tiny.hf_weights(14, tied=False), "Q4_0",
+                       qtypes={"attn_v.weight": "Q8_0", "token_embd.weight": "F16"})
+    first = read_gguf(path, progress=False, weights="native")
+    (entry,) = _entries(cache)
+    assert not list(entry.glob("*.npy"))
+    with monkeypatch.context() as mp:
+        _no_parse(mp)
+        hit = read_gguf(path, progress=False, weights="native")
+    assert hit.config == first.config and hit.tokenizer_meta == first.tokenizer_meta
+    assert sorted(hit.weights) == sorted(first.weights)
+    kinds = set()
+    for name, a in first.weights.items():
+        b = hit.weights[name]
+        assert type(a) is type(b), name
+        if isinstance(a, QuantArray):
+            kinds.add(a.fmt)
+            assert (a.fmt, a.shape) == (b.fmt, b.shape), name
+            np.testing.assert_array_equal(a.blocks, b.blocks, err_msg=name)
+        else:
+            kinds.add(str(a.dtype))
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    assert {"Q4_0", "Q8_0", "float32"} <= kinds
+    # a table that points past the file is logged and the file read again
+    import json
+
+    index = json.loads((entry / "index.json").read_text())
+    index["extra"]["tensors"][0][3] = 1 << 40
+    (entry / "index.json").write_text(json.dumps(index))
+    again = read_gguf(path, progress=False, weights="native")
+    assert sorted(again.weights) == sorted(first.weights)
+    # the expanded entry of the same file is another entry, and both stay
+    read_gguf(path, progress=False)
+    assert len(_entries(cache)) == 2
+    read_gguf(path, progress=False, weights="native")
+    assert len(_entries(cache)) == 2

@@ -49,9 +49,19 @@ import numpy as np
 import deviceops.kernels as kernels
 from deviceops import Tensor
 
-from ..layers import Embedding, GeGLU, Linear, RMSNorm, RotaryAttention
+from ..layers import (
+    Embedding,
+    GeGLU,
+    Linear,
+    QuantEmbedding,
+    QuantLinear,
+    QuantPart,
+    RMSNorm,
+    RotaryAttention,
+)
 from .base import LayerIO, Thunk, Upload, Weights
 from .llama import Llama, LlamaConfig
+from .quantized import QuantArray
 
 __all__ = ["Gemma3", "Gemma3Config", "Gemma3Layer"]
 
@@ -289,20 +299,44 @@ class Gemma3(Llama):
         return array
 
     # -- device -----------------------------------------------------------------------------
-    def bind(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray], upload: Upload) -> Weights:
+    def bind(self, cfg: LlamaConfig, weights: Mapping[str, Any], upload: Upload) -> Weights:
         """Upload the weights: every norm as ``1 + w``; QKV and gate/up fused; the LM head
-        is the embedding table (Gemma 3 ties them)."""
+        is the embedding table (Gemma 3 ties them).
+
+        Quantized matrices (:class:`~deviceops.nn.models.quantized.QuantArray`,
+        ``weights="native"``) become :class:`~deviceops.nn.layers.QuantLinear` s (a fused
+        group keeps one part per run of one format: Gemma 3 270M's Q5_0 q/k and Q8_0 v) and
+        a :class:`~deviceops.nn.layers.QuantEmbedding` whose packed table the tied LM head
+        reads too; a fused group mixing quantized and float parts is dequantized."""
         if not isinstance(cfg, Gemma3Config):
             raise TypeError(f"gemma3: the config is a {type(cfg).__name__}, not a Gemma3Config")
         tensors: list[Tensor] = []
+        quantized: list[QuantLinear] = []
 
         def up(a: np.ndarray) -> Tensor:
             t = upload(a)
             tensors.append(t)
             return t
 
-        def linear(*modules: str) -> Linear:
-            return Linear(up(np.concatenate([weights[m + ".weight"] for m in modules], axis=0)))
+        def linear(*modules: str) -> Linear | QuantLinear:
+            ws = [weights[m + ".weight"] for m in modules]
+            if all(isinstance(w, QuantArray) for w in ws):
+                groups: list[list[QuantArray]] = []
+                for w in ws:  # consecutive parts of one format: one packed weight
+                    if groups and groups[-1][0].fmt == w.fmt:
+                        groups[-1].append(w)
+                    else:
+                        groups.append([w])
+                parts, row0 = [], 0
+                for g in groups:
+                    qa = QuantArray.concat(g)
+                    parts.append(QuantPart(up(qa.packed()), qa.fmt, None, row0))
+                    row0 += qa.shape[0]
+                ql = QuantLinear(parts, ws[0].shape[1], None)
+                quantized.append(ql)
+                return ql
+            dense = [w.dequantize() if isinstance(w, QuantArray) else w for w in ws]
+            return Linear(up(np.concatenate(dense, axis=0)))
 
         eps = cfg.rms_norm_eps
 
@@ -310,8 +344,22 @@ class Gemma3(Llama):
             w = np.asarray(weights[name], np.float32)
             return RMSNorm(up(w + np.float32(1.0)), eps)
 
-        embed = Embedding(up(weights["model.embed_tokens.weight"]))
-        lm_head = Linear(embed.table) if cfg.tie_word_embeddings else linear("lm_head")
+        emb_w = weights["model.embed_tokens.weight"]
+        embed: Embedding | QuantEmbedding
+        lm_head: Linear | QuantLinear
+        if isinstance(emb_w, QuantArray):
+            table = up(emb_w.packed())
+            embed = QuantEmbedding(table, emb_w.fmt, emb_w.shape[1])
+            if cfg.tie_word_embeddings:
+                lm_head = QuantLinear([QuantPart(table, emb_w.fmt, None, 0)], emb_w.shape[1])
+        else:
+            embed = Embedding(up(emb_w))
+            if cfg.tie_word_embeddings:
+                lm_head = Linear(embed.table)
+        if not cfg.tie_word_embeddings:
+            lm_head = linear("lm_head")
+            if isinstance(lm_head, QuantLinear):  # (no prefill scratch for the LM head)
+                quantized.remove(lm_head)
         layers: list[Any] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -326,12 +374,20 @@ class Gemma3(Llama):
                 norm(p + "input_layernorm.weight"), attn, norm(p + "post_attention_layernorm.weight"),
                 norm(p + "pre_feedforward_layernorm.weight"), mlp,
                 norm(p + "post_feedforward_layernorm.weight")))
-        return Weights(embed, lm_head, norm("model.norm.weight"), layers, tensors)
+        final = norm("model.norm.weight")
+        scratch = None
+        if quantized:  # prefill's dequantized matrix (the LM head's excepted: see QuantLinear)
+            scratch = upload(np.zeros(max(q.out_features * q.in_features for q in quantized),
+                                      np.float32))
+            for ql in quantized:
+                ql.scratch = scratch
+        return Weights(embed, lm_head, final, layers, tensors, scratch=scratch,
+                       quantized=isinstance(embed, QuantEmbedding) or bool(quantized))
 
     # -- forward ----------------------------------------------------------------------------
     def embed_ops(self, w: Weights, ids: Any, out: Tensor) -> list[Thunk]:
         """The embedding rows times ``sqrt(hidden_size)`` (``out += (s - 1) out``)."""
-        s = math.sqrt(int(w.embed.table.shape[1]))  # the table's width is hidden_size
+        s = math.sqrt(int(out.shape[-1]))  # hidden_size (a quantized table is packed: not its width)
         return [lambda: w.embed(ids, out), lambda: kernels.saxpy(out, s - 1.0, out)]
 
     def layer_ops(self, layer: Any, io: LayerIO) -> list[Thunk]:
