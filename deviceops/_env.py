@@ -66,7 +66,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DEVICEOPS_WEIGHT_CACHE", "1",
          "Where `nn` keeps the weights it converted from a GGUF file (a second load maps them "
          "instead of converting again): `1`: `$XDG_CACHE_HOME/deviceops/weights`, else "
-         "`~/.cache/deviceops/weights`; a path: that folder; empty or `0`: no cache."),
+         "`~/.cache/deviceops/weights`; a path: that folder; empty or `0`: no cache. Large "
+         "tokenizers built from a GGUF (Gemma 3's) are kept in its `tokenizers/` subfolder."),
     Knob("DEVICEOPS_REQUIRE_GPU", "",
          "Tests: `1` (or a device count) makes GPU tests fail instead of skip when no GPU "
          "answers, so a GPU run cannot pass by skipping."),
