@@ -177,9 +177,67 @@ def test_replayed_ops_count_as_executed(dev: deviceops.Device) -> None:
             op = api.to_host(kernels.gemm(mid, ws[1]))
             op.sync()
         assert _auto.stats()["replayed"] == 2
-        assert "stream" in op.to_dot() and "stream" in mid.to_dot()  # where they ran
-        with pytest.raises(deviceops.SchedulingError):
+        assert op.to_dot().count("stream ") == 3  # every op says where it ran
+        with pytest.raises(deviceops.SchedulingError, match="already executed"):
             op.sync()  # a DeviceOp runs once, replayed or not
+        with pytest.raises(deviceops.SchedulingError, match="already executed"):
+            mid._exec(deviceops.extend.ExecutionContext(t.streams[0], None))
+
+
+def test_each_leaf_is_part_of_the_key_and_kept_alive(dev: deviceops.Device) -> None:
+    """A later op's own weight is in the key (another weight: another graph), and a captured
+    leaf stays alive with its graph, so a new tensor never takes its identity."""
+    import gc
+    import weakref
+
+    xh, whs, _ = _data(k=3)
+    x, ws = _put(dev, xh, whs)
+    want = {i: (xh.astype(np.float64) @ whs[0]) @ whs[i] for i in (1, 2)}
+    with deviceops.using(Tenant("t", device=dev)):
+        for i in (1, 2):
+            for _ in range(_auto.SIGHTINGS + 1):
+                got = api.to_host(kernels.gemm(kernels.gemm(x, ws[0]), ws[i])).sync()
+                np.testing.assert_allclose(got, want[i], rtol=1e-3, atol=1e-3)
+        assert _auto.stats()["captured"] == 2
+        old = id(ws[2])
+        alive = weakref.ref(ws[2])
+        del ws[2]
+        gc.collect()
+        assert alive() is not None  # held by its graph's entry
+        for _ in range(50):  # a new tensor in the old one's place would replay a stale graph
+            fresh = api.from_host(3 * whs[2]).sync()
+            assert id(fresh) != old
+            got = api.to_host(kernels.gemm(kernels.gemm(x, ws[0]), fresh)).sync()
+            np.testing.assert_allclose(got, 3 * want[2], rtol=1e-3, atol=1e-3)
+
+
+def test_clear_forgets_graphs_and_sightings(dev: deviceops.Device) -> None:
+    xh, whs, _ = _data()
+    x, ws = _put(dev, xh, whs)
+    with deviceops.using(Tenant("t", device=dev)):
+        for _ in range(_auto.SIGHTINGS):
+            api.to_host(_chain(x, ws)).sync()
+        api.to_host(_chain(x2 := _put(dev, xh, [])[0], ws)).sync()  # one sighting of another key
+        assert _auto.stats()["graphs"] == 1 and _auto._seen
+        _auto.clear()
+        assert _auto.stats() == {"captured": 0, "replayed": 0, "failed": 0, "graphs": 0}
+        assert not _auto._seen and not _auto._graphs
+        api.to_host(_chain(x, ws)).sync()  # eager again: a first sighting
+        assert _auto.stats()["replayed"] == 0
+        del x2
+
+
+def test_sightings_are_forgotten_least_recently_seen_first(
+        dev: deviceops.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    xh, whs, _ = _data()
+    _, ws = _put(dev, xh, whs)
+    xs = [_put(dev, xh + i, [])[0] for i in range(3)]
+    monkeypatch.setattr(_auto, "_MAX_KEYS", 2)
+    with deviceops.using(Tenant("t", device=dev)):
+        for i in (0, 1, 0, 2):  # key 0 seen again before key 2 comes: key 1 is forgotten
+            api.to_host(_chain(xs[i], ws)).sync()
+        api.to_host(_chain(xs[0], ws)).sync()  # key 0's third sighting: captured
+        assert _auto.stats()["captured"] == 1
 
 
 def test_what_is_not_eligible_runs_eagerly(dev: deviceops.Device) -> None:

@@ -162,7 +162,7 @@ def test_tenant_validation() -> None:
         Tenant("a", streams=())
     with pytest.raises(SchedulingError, match="max_queued"):
         Tenant("a", device=CPU, max_queued=True)  # type: ignore[arg-type]
-    with pytest.raises(SchedulingError, match="every stream must live on cpu$"):
+    with pytest.raises(SchedulingError, match=r"every stream must live on cpu$"):
         Tenant("a", streams=[CPU.new_stream(), deviceops.device("cpu:1").new_stream()])
     assert Tenant("here").device is deviceops.default_device()
     with pytest.raises(ValueError, match="one of"):
