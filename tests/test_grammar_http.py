@@ -223,6 +223,7 @@ async def test_a_grammar_crosses_the_engine_core(tiny_gguf: str, tmp_path: Path,
     kw: dict[str, Any] = {"max_batch": 2, "max_seq": 96, "max_queue": None, "prefill_chunk": 32}
     g = json_schema_grammar(SCHEMA)
     ref = serve._build_engine(tiny_gguf, device="cpu", dtype=None, fail_stop=True, **kw)
+    assert getattr(ref.model, "_plain_tok", None) is not None  # made at load, not in a request
     want = await ref.generate([1, 5, 9], 60, grammar=g)
     engine = serve._build_engine(tiny_gguf, device="cpu", dtype=None, fail_stop=True, **kw)
     addr = f"ipc://{tmp_path}/core.sock"
@@ -231,6 +232,7 @@ async def test_a_grammar_crosses_the_engine_core(tiny_gguf: str, tmp_path: Path,
     try:
         info = await asyncio.to_thread(handshake, addr, timeout_s=20)
         client = CoreClient(addr, info, name="cpu")
+        assert getattr(client.model, "_plain_tok", None) is not None  # the front's copy too
         client.attach()
         try:
             assert "grammar" in client.sampling_features

@@ -99,6 +99,7 @@ def _build_engine(model: str, *, device: str | int | None, dtype: str | None, ma
                           "max_seq": max_seq, "weights": weights}
     named = NAMED_MODELS.get(model)
     lm = getattr(nnx, named)(**kw) if named else nnx.load_gguf(model, **kw)
+    lm.encode_untrusted("")  # its plain-text tokenizer made now, not in the first request
     # every decode bucket's and prefill length's graph is captured now, not in a request's
     # step (Engine does it at construction)
     return Engine(lm, max_batch=max_batch, max_seq=max_seq, max_queue=max_queue,

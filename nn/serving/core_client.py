@@ -196,6 +196,9 @@ class CoreModel(TextCodec):
         self.tokenizer = Tokenizer.from_str(info["tokenizer"])
         self.device = info.get("device", "core")
         self._init_chat_template(info.get("chat_template"))
+        # the copy that reads special-token text as text, made now rather than in the first
+        # request (a second deserialisation: seconds for Gemma 3's 262k-token vocabulary)
+        self.encode_untrusted("")
 
 
 class CoreClient:
