@@ -24,7 +24,9 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -425,3 +427,43 @@ def launch_geometry(n: int) -> tuple[tuple[int], tuple[int]]:
     One block of 256 threads per 1024-element tile (``kernels/elementwise/``).
     """
     return (max(1, -(-n // 1024)),), (256,)
+
+
+class SpinTimer:
+    """Per-launch device time of a batch of launches queued behind a GPU spin (so the host's
+    enqueue is hidden), on a torch view of a deviceops stream (CUDA only)."""
+
+    def __init__(self, stream: deviceops.Stream) -> None:
+        import cupy
+        import torch
+
+        self.torch = torch
+        self.ts = torch.cuda.ExternalStream(stream.native.ptr)
+        self.clock_hz = cupy.cuda.Device().attributes["ClockRate"] * 1e3
+
+    def per_launch_us(self, fn: Any, n: int, reps: int) -> tuple[float, float]:
+        """(median per-launch µs, fraction of samples whose host enqueue was hidden)."""
+        torch = self.torch
+        with torch.cuda.stream(self.ts):
+            for i in range(3):
+                fn(i)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                fn(i)
+            host_us = (time.perf_counter() - t0) * 1e6
+            torch.cuda.synchronize()
+            spin_us = 2.0 * host_us + 50.0
+            ts, hidden = [], 0
+            for _ in range(reps):
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
+                a.record(self.ts)
+                for i in range(n):
+                    fn(i)
+                hidden += not a.query()
+                b.record(self.ts)
+                b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3 / n)
+        return statistics.median(ts), hidden / reps

@@ -21,13 +21,13 @@ Also (informational, no torch reference): the other transformer kernels at decod
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 from _common import (
     Bar,
+    SpinTimer,
     add_common_args,
     check,
     main_guard,
@@ -66,45 +66,6 @@ def _check_close(got: Any, ref: np.ndarray, dtype: str, what: str) -> None:
     check(bool(np.isfinite(g).all()) and err <= TOL[dtype], f"{what}: max rel err {err:.2e}")
 
 
-class _Timer:
-    """Per-launch device time of a batch of launches queued behind a spin."""
-
-    def __init__(self, stream: deviceops.Stream) -> None:
-        import cupy
-        import torch
-
-        self.torch = torch
-        self.ts = torch.cuda.ExternalStream(stream.native.ptr)
-        self.clock_hz = cupy.cuda.Device().attributes["ClockRate"] * 1e3
-
-    def per_launch_us(self, fn: Any, n: int, reps: int) -> tuple[float, float]:
-        """(median per-launch µs, fraction of samples whose host enqueue was hidden)."""
-        torch = self.torch
-        with torch.cuda.stream(self.ts):
-            for i in range(3):
-                fn(i)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n):
-                fn(i)
-            host_us = (time.perf_counter() - t0) * 1e6
-            torch.cuda.synchronize()
-            spin_us = 2.0 * host_us + 50.0
-            ts, hidden = [], 0
-            for _ in range(reps):
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
-                a.record(self.ts)
-                for i in range(n):
-                    fn(i)
-                hidden += not a.query()
-                b.record(self.ts)
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / n)
-        return statistics.median(ts), hidden / reps
-
-
 def _sets(rows: int, cols: int, dtype: str, n_tensors: int) -> int:
     per = rows * cols * np.dtype(_np_dtype(dtype)).itemsize * n_tensors
     return max(1, min(32, -(-2 * L2_BYTES // per)))
@@ -113,7 +74,7 @@ def _sets(rows: int, cols: int, dtype: str, n_tensors: int) -> int:
 def _norm_rows(b: Any, stream: deviceops.Stream, shapes: list[tuple[int, int]], dtypes: list[str],
                n: int, reps: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
-    timer = _Timer(stream) if b.is_cuda else None
+    timer = SpinTimer(stream) if b.is_cuda else None
     rows = []
     for dtype in dtypes:
         for shape in shapes:
@@ -165,7 +126,7 @@ def _norm_rows(b: Any, stream: deviceops.Stream, shapes: list[tuple[int, int]], 
     return rows
 
 
-def _torch_side(timer: _Timer, op: str, ours: Any, xs: list[Any], rs: list[Any], w: Any,
+def _torch_side(timer: SpinTimer, op: str, ours: Any, xs: list[Any], rs: list[Any], w: Any,
                 outs: list[Any], ros: list[Any], k: int, n: int, reps: int, dtype: str, shape: tuple[int, int],
                 stream: deviceops.Stream) -> dict[str, Any]:
     import torch
@@ -208,7 +169,7 @@ def _other_rows(b: Any, stream: deviceops.Stream, n: int, reps: int) -> list[dic
     """Decode-shaped timings of the other transformer kernels (no reference)."""
     if not b.is_cuda:
         return []
-    timer = _Timer(stream)
+    timer = SpinTimer(stream)
     rng = np.random.default_rng(1)
     rows = []
 

@@ -26,13 +26,13 @@ and >= 2.5x faster than cuBLAS fp16; prefill Q4_K >= 0.8x cuBLAS fp16.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 from _common import (
     Bar,
+    SpinTimer,
     add_common_args,
     check_close,
     main_guard,
@@ -51,43 +51,6 @@ BAR_FORMATS = ("Q4_K", "Q4_1")
 INFO_FORMATS = ("Q8_0", "Q5_0", "Q6_K", "Q4_0")
 
 
-class _Timer:
-    """Per-launch device time of ``n`` launches queued behind a spin (median of ``reps``)."""
-
-    def __init__(self, stream: deviceops.Stream) -> None:
-        import cupy
-        import torch
-
-        self.torch = torch
-        self.ts = torch.cuda.ExternalStream(stream.native.ptr)
-        self.clock_hz = cupy.cuda.Device().attributes["ClockRate"] * 1e3
-
-    def per_launch_us(self, fn: Any, n: int, reps: int) -> float:
-        torch = self.torch
-        with torch.cuda.stream(self.ts):
-            for i in range(3):
-                fn(i)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n):
-                fn(i)
-            host_us = (time.perf_counter() - t0) * 1e6
-            torch.cuda.synchronize()
-            spin_us = 2.0 * host_us + 50.0
-            ts = []
-            for _ in range(reps):
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(spin_us * 1e-6 * self.clock_hz))
-                a.record(self.ts)
-                for i in range(n):
-                    fn(i)
-                b.record(self.ts)
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / n)
-        return statistics.median(ts)
-
-
 def _host_us(fn: Any, n: int, stream: deviceops.Stream) -> float:
     t0 = time.perf_counter()
     for i in range(n):
@@ -96,15 +59,15 @@ def _host_us(fn: Any, n: int, stream: deviceops.Stream) -> float:
     return (time.perf_counter() - t0) * 1e6 / n
 
 
-def _copy_gbps(timer: _Timer) -> float:
+def _copy_gbps(timer: SpinTimer) -> float:
     torch = timer.torch
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = timer.per_launch_us(lambda i: dst.copy_(src), 5, 10)
+    us = timer.per_launch_us(lambda i: dst.copy_(src), 5, 10)[0]
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
-def _gemv_rows(b: Any, stream: deviceops.Stream, timer: _Timer | None, n_dim: int, k_dim: int,
+def _gemv_rows(b: Any, stream: deviceops.Stream, timer: SpinTimer | None, n_dim: int, k_dim: int,
                ms: list[int], fmts: tuple[str, ...], n: int, reps: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     rows = []
@@ -133,7 +96,7 @@ def _gemv_rows(b: Any, stream: deviceops.Stream, timer: _Timer | None, n_dim: in
             if timer is None:
                 row.update(ours_us=_host_us(ours, n, stream), reference=None, ref_us=None, ratio=None)
             else:
-                row.update(ours_us=timer.per_launch_us(ours, n, reps))
+                row.update(ours_us=timer.per_launch_us(ours, n, reps)[0])
                 row.update(_cublas(timer, m, n_dim, k_dim, n, reps, rng))
             moved = w_bytes + 2 * m * (k_dim + n_dim)
             row["ours_GBps"] = moved / (row["ours_us"] * 1e-6) / 1e9
@@ -147,7 +110,7 @@ def _gemv_rows(b: Any, stream: deviceops.Stream, timer: _Timer | None, n_dim: in
 _cublas_cache: dict[tuple[int, int, int], float] = {}
 
 
-def _cublas(timer: _Timer, m: int, n_dim: int, k_dim: int, n: int, reps: int,
+def _cublas(timer: SpinTimer, m: int, n_dim: int, k_dim: int, n: int, reps: int,
             rng: np.random.Generator) -> dict[str, Any]:
     torch = timer.torch
     key = (m, n_dim, k_dim)
@@ -157,7 +120,7 @@ def _cublas(timer: _Timer, m: int, n_dim: int, k_dim: int, n: int, reps: int,
             w = [torch.randn(n_dim, k_dim, dtype=torch.float16, device="cuda") / k_dim ** 0.5
                  for _ in range(sets)]
             x = torch.randn(m, k_dim, dtype=torch.float16, device="cuda")
-        _cublas_cache[key] = timer.per_launch_us(lambda i: x @ w[i % sets].T, n, reps)
+        _cublas_cache[key] = timer.per_launch_us(lambda i: x @ w[i % sets].T, n, reps)[0]
     ref = _cublas_cache[key]
     return {"reference": "torch fp16 x @ w.T (cuBLAS)", "ref_us": ref}
 
@@ -167,7 +130,7 @@ def _finish_ratio(rows: list[dict[str, Any]]) -> None:
         r["ratio"] = None if not r.get("ref_us") else r["ref_us"] / r["ours_us"]
 
 
-def _prefill_row(b: Any, stream: deviceops.Stream, timer: _Timer | None, m: int, n_dim: int, k_dim: int,
+def _prefill_row(b: Any, stream: deviceops.Stream, timer: SpinTimer | None, m: int, n_dim: int, k_dim: int,
                  n: int, reps: int) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     fmt = "Q4_K"
@@ -192,11 +155,11 @@ def _prefill_row(b: Any, stream: deviceops.Stream, timer: _Timer | None, m: int,
         row.update(ours_us=_host_us(ours, n, stream), reference=None, ref_us=None)
     else:
         torch = timer.torch
-        row["ours_us"] = timer.per_launch_us(ours, n, reps)
+        row["ours_us"] = timer.per_launch_us(ours, n, reps)[0]
         with torch.cuda.stream(timer.ts):
             tw = torch.randn(n_dim, k_dim, dtype=torch.float16, device="cuda")
             tx = torch.randn(m, k_dim, dtype=torch.float16, device="cuda")
-        row.update(reference="torch fp16 x @ w.T (cuBLAS)", ref_us=timer.per_launch_us(lambda i: tx @ tw.T, n, reps))
+        row.update(reference="torch fp16 x @ w.T (cuBLAS)", ref_us=timer.per_launch_us(lambda i: tx @ tw.T, n, reps)[0])
     row["ours_TFLOPs"] = 2 * m * n_dim * k_dim / (row["ours_us"] * 1e-6) / 1e12
     print(f"  prefill {fmt} {m}x{n_dim}x{k_dim} ours {row['ours_us']:9.2f} us"
           + (f"  cuBLAS fp16 {row['ref_us']:9.2f} us" if row["ref_us"] else ""), flush=True)
@@ -212,7 +175,7 @@ def main() -> int:
     args = p.parse_args()
     b = setup(args)
     stream = b.device.new_stream()
-    timer = _Timer(stream) if b.is_cuda else None
+    timer = SpinTimer(stream) if b.is_cuda else None
     if b.smoke:
         n_dim, k_dim, ms, fmts, n, reps, pm = 64, 256, [1, 3], BAR_FORMATS, 2, 1, 40
     else:

@@ -252,7 +252,11 @@ def make_mutants(module: str) -> list[Mutant]:
         op = get_operator(name)()
         n = sum(1 for node in nodes for _ in op.mutation_positions(node))
         for occ in range(n):
-            add(name, occ, mutate_code(code, op, occ))
+            try:
+                mutated = mutate_code(code, op, occ)
+            except AttributeError:  # cosmic-ray's exception replacer on `except (A, b.C)`
+                continue
+            add(name, occ, mutated)
     for occ, (_line, new) in enumerate(_deletions(code)):
         add(DELETE, occ, new)
     return out

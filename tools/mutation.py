@@ -96,6 +96,8 @@ MODULES: dict[str, list[str]] = {
     "nn/serving/tool_calls.py": ["tests/test_serve_tool_calls.py"],
     "nn/serving/grammar.py": ["tests/test_grammar_engine.py", "tests/test_grammar_http.py"],
     "graphs/_auto.py": ["tests/test_auto_graph.py"],
+    "nn/generate.py": ["tests/test_first_use.py", "tests/test_cli_errors.py"],
+    "deviceops/_backend.py": ["tests/test_first_use.py", "tests/test_backend.py"],
     "scheduling/_tenants.py": ["tests/test_tenants.py", "tests/test_auto_graph.py"],
     "kernels/runtime/_spec.py": ["tests/test_plan_cache.py", "tests/test_kernel_ops.py"],
     "nn/serving/guard.py": ["tests/test_serve_guard.py", "tests/test_serve_guard_near_miss.py",
