@@ -163,6 +163,7 @@ def test_generate_cli_chat_by_default_raw_and_verbose(tmp_path: Path,
     want = m.tokenizer.decode([i for i in ids if i not in stops], skip_special_tokens=True)
     assert out == want + "\n"  # the answer only: no prompt echo, no control token
     assert f"{len(ids)} tokens in " in err and "tokens/s" in err, err
+    assert "; first token after 0." in err and "then " in err, err  # (a small model: < 1 s)
     assert main(["the cat", *common, "--raw"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat")
@@ -209,6 +210,26 @@ def test_timing_line_reports_tokens_per_second() -> None:
 
     line = timing_line(21, 2.0, 0.5, M())
     assert "21 tokens in 2.00 s: 10.5 tokens/s" in line and "then 13.3 tokens/s" in line
+    assert "then" not in timing_line(1, 2.0, 0.5, M())  # one token: no decode rate
+    assert "then 1.0 tokens/s" in timing_line(2, 2.0, 1.0, M())
+    assert "then" not in timing_line(2, 1.0, 1.0, M())  # all of it before the first token
+    assert "0 tokens in 0.00 s: 0.0 tokens/s" in timing_line(0, 0.0, 0.0, M())
+
+
+def test_generate_cli_refuses_a_missing_device_or_file(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from deviceops.nn.generate import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["hi", "--device", "cuda:99"])
+    assert exc.value.code == 2 and "--device cuda:99" in capsys.readouterr().err
+    assert main(["hi", "--model", str(tmp_path / "missing.gguf")]) == 2  # refused before loading
+    assert "missing.gguf" in capsys.readouterr().err
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert main(["hi", "--device", "cpu", "--model", str(bad)]) == 1  # the load fails: one line
+    err = capsys.readouterr().err
+    assert "bad.gguf" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- the server's log
